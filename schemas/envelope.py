@@ -1,0 +1,41 @@
+"""The envelope every message travels in, whatever its subject."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime
+from typing import Generic, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field
+
+SCHEMA_VERSION = 1
+
+# Sender ids of the shipped services. A replacement service may use its own id.
+GATEWAY = "gateway"
+GENERATOR = "generator"
+COMPACTION_DECIDER = "compaction-decider"
+TOOLS = "tools"
+
+P = TypeVar("P", bound=BaseModel)
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex
+
+
+def utc_now() -> datetime:
+    return datetime.now(UTC)
+
+
+class Envelope(BaseModel, Generic[P]):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    message_id: str = Field(default_factory=new_id, min_length=1, max_length=128)
+    message_type: str = Field(min_length=1, max_length=64)
+    subject: str = Field(min_length=1, max_length=256)
+    sender_id: str = Field(pattern=r"^[a-z][a-z0-9-]{0,63}$")
+    correlation_id: str = Field(default_factory=new_id, min_length=1, max_length=128)
+    session_id: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    timestamp: datetime = Field(default_factory=utc_now)
+    schema_version: int = SCHEMA_VERSION
+    payload: P

@@ -1,0 +1,86 @@
+"""What a session's history is made of.
+
+One JetStream message on `history.<session>` holds one `HistoryEntry`: either a
+single chat message appended after a turn, or a snapshot written by a
+compaction splice (a rollup that replaces everything before it). Folding the
+entries in order gives the `Conversation` the generator sends to the model.
+
+The system prompt is deliberately absent: it is pinned in the session's
+metadata and prepended on every call, so no compaction can drop or alter it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ToolCall(Strict):
+    name: str = Field(min_length=1, max_length=128)
+    arguments: dict[str, Any] = Field(default_factory=dict)
+
+
+Role = Literal["user", "assistant", "tool"]
+
+
+class ChatMessage(Strict):
+    role: Role
+    content: str = ""
+    tool_calls: tuple[ToolCall, ...] = ()
+    # Set on role "tool": which tool produced this result.
+    tool_name: str | None = None
+    # The query (envelope message id) this message belongs to. A redelivered
+    # query finds its own messages by it, so a retried turn is never doubled.
+    query_id: str | None = None
+
+
+class Snapshot(Strict):
+    """The whole history after a compaction: a summary plus the kept messages."""
+
+    summary: str
+    messages: tuple[ChatMessage, ...] = ()
+    compactions: int = Field(ge=1)
+
+
+class HistoryEntry(Strict):
+    kind: Literal["message", "snapshot"]
+    message: ChatMessage | None = None
+    snapshot: Snapshot | None = None
+
+    @classmethod
+    def of_message(cls, message: ChatMessage) -> HistoryEntry:
+        return cls(kind="message", message=message)
+
+    @classmethod
+    def of_snapshot(cls, snapshot: Snapshot) -> HistoryEntry:
+        return cls(kind="snapshot", snapshot=snapshot)
+
+
+class Conversation(Strict):
+    """A session's history as the model sees it (minus the pinned system prompt)."""
+
+    summary: str | None = None
+    messages: tuple[ChatMessage, ...] = ()
+    compactions: int = 0
+
+    def apply(self, entry: HistoryEntry) -> Conversation:
+        if entry.kind == "snapshot" and entry.snapshot is not None:
+            snap = entry.snapshot
+            return Conversation(
+                summary=snap.summary, messages=snap.messages, compactions=snap.compactions
+            )
+        if entry.message is None:
+            raise ValueError("history entry of kind 'message' carries no message")
+        return self.model_copy(update={"messages": (*self.messages, entry.message)})
+
+
+def fold(entries: list[HistoryEntry]) -> Conversation:
+    conversation = Conversation()
+    for entry in entries:
+        conversation = conversation.apply(entry)
+    return conversation

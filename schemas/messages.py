@@ -1,0 +1,143 @@
+"""Payloads, one model per kind of message.
+
+Each payload names its `MESSAGE_TYPE`; `schemas.registry` maps subjects to
+payloads. Every model forbids unknown fields so that a typo in another
+implementation fails loudly at the boundary instead of being dropped.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+SessionId = str
+SESSION_ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
+MAX_CONTENT_CHARS = 1_000_000
+
+Level = Literal["gentle", "tighter", "emergency"]
+
+
+class Payload(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    MESSAGE_TYPE: ClassVar[str]
+
+
+class Query(Payload):
+    """A user's message for a session, submitted by the gateway."""
+
+    MESSAGE_TYPE = "chat.query"
+    session_id: SessionId = Field(pattern=SESSION_ID_PATTERN)
+    content: str = Field(min_length=1, max_length=MAX_CONTENT_CHARS)
+    # Ask the generator to publish tokens as they come (costs one message each).
+    stream: bool = False
+
+
+class Reply(Payload):
+    """The outcome of one query: the answer, or an error naming its cause."""
+
+    MESSAGE_TYPE = "chat.reply"
+    session_id: SessionId
+    query_id: str
+    reply: str | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    error: str | None = None
+    error_code: str | None = None
+
+
+class Token(Payload):
+    """A piece of an answer being streamed."""
+
+    MESSAGE_TYPE = "chat.token"
+    session_id: SessionId
+    query_id: str
+    index: int = Field(ge=0)
+    text: str
+
+
+class GenerationReport(Payload):
+    """One finished generation, with the provider's own counts (`response.generation`)."""
+
+    MESSAGE_TYPE = "response.generation"
+    session_id: SessionId = Field(pattern=SESSION_ID_PATTERN)
+    model: str
+    # The provider's count; None when it gave none (Ollama omits it on cache hits).
+    prompt_tokens: int | None = Field(default=None, ge=0)
+    completion_tokens: int | None = Field(default=None, ge=0)
+    sent_chars: int = Field(ge=0)
+    num_ctx: int = Field(gt=0)
+    duration_ms: float = Field(default=0.0, ge=0)
+    # What the next call would send without a new user message, in characters,
+    # and how many of those lie before the live zone (what compaction could free).
+    next_prompt_chars: int | None = Field(default=None, ge=0)
+    compactable_chars: int | None = Field(default=None, ge=0)
+    auto_compact: bool = True
+
+
+class CompactionRequest(Payload):
+    MESSAGE_TYPE = "compaction.request"
+    session_id: SessionId = Field(pattern=SESSION_ID_PATTERN)
+    auto: bool
+    reason: str = Field(default="", max_length=2000)
+    level: Level = "gentle"
+    instructions: str | None = Field(default=None, max_length=4000)
+
+
+CompactionStatus = Literal["completed", "skipped", "failed"]
+
+
+class CompactionResult(Payload):
+    """The one terminal event of a compaction attempt."""
+
+    MESSAGE_TYPE = "compaction.result"
+    session_id: SessionId
+    tokens_before: int | None = None
+    tokens_after: int | None = None
+    summary: str | None = None
+    error: str | None = None
+    status: CompactionStatus = "completed"
+    auto: bool = False
+    level: Level = "gentle"
+
+
+class CompactionEvent(Payload):
+    MESSAGE_TYPE = "compaction.event"
+    session_id: SessionId
+    event: Literal["started"]
+    level: Level
+    auto: bool
+    reason: str = ""
+    tokens_before: int | None = None
+
+
+class StateChange(Payload):
+    MESSAGE_TYPE = "generator.state"
+    session_id: SessionId
+    from_state: str
+    to_state: str
+    action: str
+    generator_id: str
+
+
+class ToolInvocation(Payload):
+    MESSAGE_TYPE = "tool.call"
+    name: str
+    arguments: dict[str, Any] = Field(default_factory=dict)
+
+
+class ToolOutcome(Payload):
+    MESSAGE_TYPE = "tool.result"
+    name: str
+    content: str | None = None
+    error: str | None = None
+
+
+class ErrorReport(Payload):
+    """A structured error: the answer to a bad request, or a note on a bad event."""
+
+    MESSAGE_TYPE = "error"
+    code: str
+    message: str
+    subject: str | None = None
+    details: list[dict[str, Any]] = Field(default_factory=list)

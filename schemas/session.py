@@ -1,0 +1,26 @@
+"""A session's durable settings and calibration (the `sessions` KV bucket)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from schemas.envelope import utc_now
+
+MAX_SYSTEM_PROMPT_CHARS = 200_000
+
+
+class SessionRecord(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    session_id: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    # Pinned outside the history: sent byte-identical on every call.
+    system: str = Field(default="", max_length=MAX_SYSTEM_PROMPT_CHARS)
+    # None: the generator's configured model.
+    model: str | None = Field(default=None, max_length=200)
+    auto_compact: bool = True
+    created_at: datetime = Field(default_factory=utc_now)
+    # The provider's own tokens-per-character from its last usable report.
+    tokens_per_char: float | None = Field(default=None, gt=0)
+    compactions: int = Field(default=0, ge=0)

@@ -1,0 +1,94 @@
+"""Every NATS subject, stream and bucket name the services use, in one place.
+
+The three contract subjects keep their exact names. Per-session subjects put
+the session id in the last token, and only after `session_id()` has accepted
+it: a `.`, `*`, `>` or blank in an id would let one session read or write
+another's traffic.
+"""
+
+from __future__ import annotations
+
+import re
+
+# The contract: other implementations of any service depend on these names.
+RESPONSE_GENERATION = "response.generation"
+COMPACTION_REQUEST = "compaction.request"
+COMPACTION_RESULT = "compaction.result"
+
+# Compaction lifecycle events (started / skipped) beside the terminal result.
+COMPACTION_EVENT = "compaction.event"
+
+# Query submission: captured by the QUERIES work-queue stream.
+QUERY_PREFIX = "chat.query"
+# Replies and streamed tokens to the caller, plain core NATS.
+REPLY_PREFIX = "chat.reply"
+TOKEN_PREFIX = "chat.token"
+# Generator state transitions, one subject per session, last one kept in a stream.
+STATE_PREFIX = "generator.state"
+# Tools answer NATS requests on `tool.call.<name>`.
+TOOL_PREFIX = "tool.call"
+# Malformed input on event subjects is reported here (requests get a reply).
+ERROR_SUBJECT = "system.error"
+
+# JetStream streams.
+QUERIES_STREAM = "QUERIES"
+COMPACTIONS_STREAM = "COMPACTIONS"
+GENERATIONS_STREAM = "GENERATIONS"
+HISTORY_STREAM = "HISTORY"
+STATE_STREAM = "GENERATOR_STATE"
+HISTORY_PREFIX = "history"
+
+# JetStream key-value buckets.
+SESSIONS_BUCKET = "sessions"
+LOCKS_BUCKET = "session_locks"
+
+_SESSION_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_TOOL_NAME = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
+
+
+class InvalidSubjectToken(ValueError):
+    pass
+
+
+def session_id(value: str) -> str:
+    """Return `value` if it is safe as one subject token and KV key, else raise."""
+    if not _SESSION_ID.fullmatch(value):
+        raise InvalidSubjectToken(
+            "session id must be 1-64 characters of letters, digits, '-' or '_'"
+        )
+    return value
+
+
+def is_valid_session_id(value: str) -> bool:
+    return _SESSION_ID.fullmatch(value) is not None
+
+
+def query(sid: str) -> str:
+    return f"{QUERY_PREFIX}.{session_id(sid)}"
+
+
+def reply(sid: str) -> str:
+    return f"{REPLY_PREFIX}.{session_id(sid)}"
+
+
+def token(sid: str) -> str:
+    return f"{TOKEN_PREFIX}.{session_id(sid)}"
+
+
+def state(sid: str) -> str:
+    return f"{STATE_PREFIX}.{session_id(sid)}"
+
+
+def history(sid: str) -> str:
+    return f"{HISTORY_PREFIX}.{session_id(sid)}"
+
+
+def tool(name: str) -> str:
+    if not _TOOL_NAME.fullmatch(name):
+        raise InvalidSubjectToken("tool name must be lower-case letters, digits or '_'")
+    return f"{TOOL_PREFIX}.{name}"
+
+
+def session_of(subject: str) -> str:
+    """The session id in the last token of a per-session subject."""
+    return session_id(subject.rsplit(".", 1)[-1])

@@ -1,0 +1,137 @@
+"""The decider process: a thin shell around `services.core.decision`.
+
+It replays `response.generation` through a durable consumer (so nothing is
+missed across its restarts), keeps each session's calibration and hysteresis
+memory, and publishes `compaction.request` when the pure decision says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Any
+
+import structlog
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+
+from schemas import subjects
+from schemas.envelope import Envelope
+from schemas.messages import CompactionRequest, CompactionResult, GenerationReport
+from services.compaction_decider.settings import DeciderSettings
+from services.core.decision import Observation, Policy, SessionMemory, decide, on_result
+from services.core.tokens import Calibration, budget, calibrate, default_headroom, estimate_tokens
+from services.shared.bus import BadMessage, Bus, decode
+from services.shared.runner import Endpoint
+
+CONSUMER = "compaction-decider"
+log = structlog.get_logger()
+
+
+class Decider:
+    def __init__(self, bus: Bus, settings: DeciderSettings) -> None:
+        self._bus = bus
+        self.settings = settings
+        self._calibration: dict[str, Calibration] = {}
+        self._memory: dict[str, SessionMemory] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._results: Subscription | None = None
+        self._fired = 0
+
+    def policy(self) -> Policy:
+        s = self.settings
+        return Policy(threshold=s.compaction_threshold, cooldown_s=s.compaction_cooldown_s,
+                      min_relief=s.compaction_min_relief)
+
+    async def start(self) -> None:
+        self._results = await self._bus.nc.subscribe(subjects.COMPACTION_RESULT,
+                                                     cb=self._on_result)
+        sub = await self._bus.js.pull_subscribe(
+            subjects.RESPONSE_GENERATION, durable=CONSUMER, stream=subjects.GENERATIONS_STREAM,
+            config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT,
+                                  deliver_policy=DeliverPolicy.NEW, ack_wait=30),
+        )
+        self._task = asyncio.create_task(self._consume(sub))
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self._results:
+            await self._results.unsubscribe()
+
+    def endpoints(self) -> list[Endpoint]:
+        return []
+
+    def status(self) -> dict[str, Any]:
+        return {"threshold": self.settings.compaction_threshold, "fired": self._fired,
+                "pending": sorted(s for s, m in self._memory.items() if m.pending)}
+
+    async def _consume(self, sub: Any) -> None:
+        while True:
+            try:
+                msgs = await sub.fetch(batch=64, timeout=1.0)
+            except (NatsTimeout, TimeoutError):
+                continue
+            except Exception as err:  # NATS away: keep going, nats-py reconnects
+                log.warning("generation_fetch_failed", error=str(err))
+                await asyncio.sleep(0.5)
+                continue
+            for msg in msgs:
+                await self._on_generation(msg)
+                await msg.ack()
+
+    async def _on_generation(self, msg: Msg) -> None:
+        try:
+            env = decode(msg.data, GenerationReport, msg.subject)
+        except BadMessage as err:
+            await self._bus.report_bad_event(err)
+            return
+        with structlog.contextvars.bound_contextvars(
+            session_id=env.payload.session_id, correlation_id=env.correlation_id
+        ):
+            await self._consider(env)
+
+    async def _consider(self, env: Envelope[GenerationReport]) -> None:
+        report, sid = env.payload, env.payload.session_id
+        cal = calibrate(self._calibration.get(sid, Calibration()), report.prompt_tokens,
+                        report.sent_chars, report.num_ctx)
+        self._calibration[sid] = cal
+        if not report.auto_compact:
+            return
+        headroom = self.settings.output_headroom
+        obs = Observation(
+            next_prompt_tokens=estimate_tokens(report.next_prompt_chars or report.sent_chars, cal),
+            budget=budget(report.num_ctx, headroom if headroom is not None
+                          else default_headroom(report.num_ctx)),
+            compactable_tokens=estimate_tokens(report.compactable_chars or 0, cal),
+            now=time.monotonic(),
+        )
+        decision, memory = decide(obs, self._memory.get(sid, SessionMemory()), self.policy())
+        self._memory[sid] = memory
+        if not decision.fire or decision.level is None:
+            log.debug("no_compaction", reason=decision.reason)
+            return
+        log.info("compaction_requested", level=decision.level.value, reason=decision.reason)
+        await self._bus.js_publish(
+            subjects.COMPACTION_REQUEST,
+            CompactionRequest(session_id=sid, auto=True, reason=decision.reason,
+                              level=decision.level.value),
+            correlation_id=env.correlation_id, session_id=sid,
+        )
+        self._fired += 1
+
+    async def _on_result(self, msg: Msg) -> None:
+        try:
+            env = decode(msg.data, CompactionResult, msg.subject)
+        except BadMessage as err:
+            await self._bus.report_bad_event(err)
+            return
+        sid = env.payload.session_id
+        if sid in self._memory:
+            self._memory[sid] = on_result(self._memory[sid], env.payload.tokens_after,
+                                          time.monotonic())

@@ -1,0 +1,16 @@
+"""Decider settings (environment variables or the YAML file; see README)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from services.shared.settings import ServiceSettings
+
+
+class DeciderSettings(ServiceSettings):
+    # Fraction of the prompt budget at which compaction fires; 0 disables it.
+    compaction_threshold: float = Field(default=0.8, ge=0, le=1)
+    compaction_cooldown_s: float = Field(default=30.0, ge=0)
+    # A compaction must be able to free at least this fraction of the budget.
+    compaction_min_relief: float = Field(default=0.1, ge=0, le=1)
+    output_headroom: int | None = Field(default=None, ge=0)

@@ -1,0 +1,1 @@
+"""The gateway: HTTP API and web page in front of the NATS services."""

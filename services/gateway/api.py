@@ -1,0 +1,253 @@
+"""HTTP routes. Each handler validates its input, turns it into a NATS
+message, and turns what comes back into JSON (or server-sent events)."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+from nats.js.errors import NotFoundError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.requests import Request
+from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+
+from schemas import subjects
+from schemas.envelope import new_id
+from schemas.messages import MAX_CONTENT_CHARS, CompactionRequest, Query, Reply, StateChange
+from schemas.session import MAX_SYSTEM_PROMPT_CHARS, SessionRecord
+from services.core.prompt import render_messages, sent_chars
+from services.core.tokens import Calibration, budget, default_headroom, estimate_tokens
+from services.gateway.live import LiveFeed
+from services.gateway.replies import ReplyRouter, events_until_reply
+from services.gateway.settings import GatewaySettings
+from services.shared.bus import Bus
+from services.shared.history_store import HistoryStore
+from services.shared.sessions import SessionNotFound, SessionStore
+
+STATIC = Path(__file__).parent / "static"
+
+# Generator error codes -> HTTP status.
+ERROR_STATUS = {
+    "unknown_session": 404,
+    "context_overflow": 413,
+    "session_busy": 409,
+    "compacting": 409,
+    "unreachable": 502,
+    "provider_error": 502,
+    "empty_reply": 502,
+    "timeout": 504,
+    "tool_loop_limit": 502,
+}
+
+
+class CreateSession(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    system: str = Field(default="", max_length=MAX_SYSTEM_PROMPT_CHARS)
+    model: str | None = Field(default=None, min_length=1, max_length=200)
+    auto_compact: bool = True
+
+
+class PostMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    content: str = Field(min_length=1, max_length=MAX_CONTENT_CHARS)
+
+
+class CompactBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    instructions: str | None = Field(default=None, max_length=4000)
+
+
+def error(status: int, code: str, message: str, **extra: Any) -> JSONResponse:
+    return JSONResponse({"error": {"code": code, "message": message, **extra}},
+                        status_code=status)
+
+
+class HttpError(Exception):
+    def __init__(self, response: JSONResponse) -> None:
+        self.response = response
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+async def parse_body(request: Request, model: type[M], optional: bool = False) -> M:
+    raw = await request.body()
+    if not raw.strip() and optional:
+        return model()
+    try:
+        data = json.loads(raw)
+    except ValueError as err:
+        raise HttpError(error(400, "invalid_json", f"body is not valid JSON: {err}")) from err
+    try:
+        return model.model_validate(data)
+    except ValidationError as err:
+        first = err.errors(include_url=False, include_input=False)[0]
+        field = ".".join(str(p) for p in first["loc"]) or "(body)"
+        raise HttpError(error(422, "invalid_field", f"{field}: {first['msg']}",
+                              field=field)) from err
+
+
+def session_id_of(request: Request) -> str:
+    sid = str(request.path_params["session_id"])
+    if not subjects.is_valid_session_id(sid):
+        raise HttpError(error(400, "invalid_session_id",
+                              "session id must be 1-64 letters, digits, '-' or '_'"))
+    return sid
+
+
+class Api:
+    def __init__(self, bus: Bus, settings: GatewaySettings, sessions: SessionStore,
+                 replies: ReplyRouter, live: LiveFeed) -> None:
+        self._bus = bus
+        self._settings = settings
+        self._sessions = sessions
+        self._history = HistoryStore(bus.js)
+        self._replies = replies
+        self._live = live
+
+    def routes(self) -> list[Route | Mount]:
+        return [
+            Route("/", self.index),
+            Route("/healthz", self.healthz),
+            Route("/api/sessions", self.create_session, methods=["POST"]),
+            Route("/api/sessions/{session_id}", self.get_session, methods=["GET"]),
+            Route("/api/sessions/{session_id}/messages", self.post_message, methods=["POST"]),
+            Route("/api/sessions/{session_id}/compact", self.compact, methods=["POST"]),
+            Route("/api/events", self.events, methods=["GET"]),
+            Mount("/static", StaticFiles(directory=STATIC), name="static"),
+        ]
+
+    async def index(self, request: Request) -> Response:
+        return FileResponse(STATIC / "index.html")
+
+    async def healthz(self, request: Request) -> Response:
+        if self._bus.connected:
+            return JSONResponse({"status": "ok", "nats": "connected"})
+        return JSONResponse({"status": "unavailable", "nats": "disconnected"}, status_code=503)
+
+    async def create_session(self, request: Request) -> Response:
+        body = await parse_body(request, CreateSession, optional=True)
+        record = SessionRecord(session_id=uuid.uuid4().hex, system=body.system,
+                               model=body.model, auto_compact=body.auto_compact)
+        await self._sessions.create(record)
+        return JSONResponse({"session_id": record.session_id}, status_code=201)
+
+    async def get_session(self, request: Request) -> Response:
+        record = await self._record(session_id_of(request))
+        sid = record.session_id
+        view = await self._history.read(sid)
+        prompt = render_messages(record.system, view.conversation)
+        tokens = estimate_tokens(sent_chars(prompt), Calibration(record.tokens_per_char))
+        return JSONResponse({
+            "session_id": sid,
+            "system": record.system,
+            "model": record.model or self._settings.model,
+            "auto_compact": record.auto_compact,
+            "summary": view.conversation.summary,
+            "compactions": view.conversation.compactions,
+            "messages": [m.model_dump(exclude_defaults=True) for m in view.conversation.messages],
+            "token_count": tokens,
+            "num_ctx": self._settings.num_ctx,
+            "budget": self._budget(),
+            "state": await self._state(sid),
+        })
+
+    async def post_message(self, request: Request) -> Response:
+        sid = session_id_of(request)
+        body = await parse_body(request, PostMessage)
+        await self._record(sid)
+        if "text/event-stream" in request.headers.get("accept", ""):
+            return StreamingResponse(self._stream_answer(sid, body.content),
+                                     media_type="text/event-stream")
+        with self._replies.expect(new_id()) as (correlation_id, queue):
+            await self._submit(sid, body.content, correlation_id, stream=False)
+            try:
+                async for event in events_until_reply(queue, self._settings.reply_timeout_s):
+                    if isinstance(event, Reply):
+                        return self._reply_response(event)
+            except TimeoutError:
+                pass
+        return error(504, "timeout", "no answer from a generator in time; the query stays "
+                     "queued and will be answered when a generator is available")
+
+    async def _stream_answer(self, sid: str, content: str) -> AsyncIterator[str]:
+        with self._replies.expect(new_id()) as (correlation_id, queue):
+            await self._submit(sid, content, correlation_id, stream=True)
+            try:
+                async for event in events_until_reply(queue, self._settings.reply_timeout_s):
+                    if isinstance(event, Reply):
+                        yield sse("error" if event.error else "done", self._reply_body(event))
+                    else:
+                        yield sse("token", {"text": event.text, "index": event.index})
+            except TimeoutError:
+                yield sse("error", {"error": {"code": "timeout", "message": "no answer in time"}})
+
+    async def _submit(self, sid: str, content: str, correlation_id: str, stream: bool) -> None:
+        await self._bus.js_publish(
+            subjects.query(sid), Query(session_id=sid, content=content, stream=stream),
+            correlation_id=correlation_id, session_id=sid,
+        )
+
+    async def compact(self, request: Request) -> Response:
+        sid = session_id_of(request)
+        body = await parse_body(request, CompactBody, optional=True)
+        await self._record(sid)
+        await self._bus.js_publish(
+            subjects.COMPACTION_REQUEST,
+            CompactionRequest(session_id=sid, auto=False, reason="requested by the user",
+                              instructions=body.instructions),
+            session_id=sid,
+        )
+        return JSONResponse({"status": "compaction_requested"}, status_code=202)
+
+    async def events(self, request: Request) -> Response:
+        sid = request.query_params.get("session_id")
+        if sid is not None and not subjects.is_valid_session_id(sid):
+            return error(400, "invalid_session_id", "invalid session_id parameter")
+        return StreamingResponse(self._live.stream(sid), media_type="text/event-stream")
+
+    def _reply_response(self, reply: Reply) -> JSONResponse:
+        body = self._reply_body(reply)
+        if reply.error:
+            return JSONResponse(body, status_code=ERROR_STATUS.get(reply.error_code or "", 500))
+        return JSONResponse(body)
+
+    @staticmethod
+    def _reply_body(reply: Reply) -> dict[str, Any]:
+        if reply.error:
+            return {"error": {"code": reply.error_code, "message": reply.error},
+                    "session_id": reply.session_id}
+        return {"session_id": reply.session_id, "reply": reply.reply,
+                "prompt_tokens": reply.prompt_tokens,
+                "completion_tokens": reply.completion_tokens}
+
+    async def _record(self, sid: str) -> SessionRecord:
+        try:
+            return await self._sessions.get(sid)
+        except SessionNotFound as err:
+            raise HttpError(error(404, "unknown_session", f"session {sid} does not exist")) from err
+
+    async def _state(self, sid: str) -> str:
+        try:
+            msg = await self._bus.js.get_last_msg(subjects.STATE_STREAM, subjects.state(sid),
+                                                  direct=True)
+        except NotFoundError:
+            return "idle"
+        try:
+            return StateChange.model_validate(json.loads(msg.data or b"{}")["payload"]).to_state
+        except (ValueError, KeyError, ValidationError):
+            return "unknown"
+
+    def _budget(self) -> int:
+        s = self._settings
+        headroom = s.output_headroom if s.output_headroom is not None else default_headroom(s.num_ctx)
+        return budget(s.num_ctx, headroom)
+
+
+def sse(event: str, data: dict[str, Any]) -> str:
+    return f"event: {event}\ndata: {json.dumps(data)}\n\n"

@@ -1,0 +1,93 @@
+"""The gateway process: the Starlette app, served by uvicorn inside the same
+event loop as the NATS connection."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import structlog
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+
+from services.gateway.api import Api, HttpError, error
+from services.gateway.live import LiveFeed
+from services.gateway.replies import ReplyRouter
+from services.gateway.settings import GatewaySettings
+from services.shared.bus import Bus
+from services.shared.jetstream import sessions_bucket
+from services.shared.runner import Endpoint
+from services.shared.sessions import SessionStore
+
+log = structlog.get_logger()
+
+
+def build_app(api: Api) -> Starlette:
+    async def on_http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HttpError)
+        return exc.response
+
+    async def on_unexpected(request: Request, exc: Exception) -> Response:
+        log.exception("request_failed", path=request.url.path)
+        return error(500, "internal_error", f"{type(exc).__name__}: {exc}")
+
+    return Starlette(
+        routes=api.routes(),
+        exception_handlers={HttpError: on_http_error, Exception: on_unexpected},
+    )
+
+
+class _Server(uvicorn.Server):
+    # The service runner owns SIGTERM/SIGINT and stops us through should_exit.
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+class Gateway:
+    def __init__(self, bus: Bus, settings: GatewaySettings, api: Api,
+                 replies: ReplyRouter, live: LiveFeed) -> None:
+        self._settings = settings
+        self._replies = replies
+        self._live = live
+        config = uvicorn.Config(build_app(api), host=settings.gateway_host,
+                                port=settings.gateway_port, log_config=None,
+                                access_log=False, lifespan="off")
+        self._server = _Server(config)
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        await self._replies.start()
+        await self._live.start()
+        self._task = asyncio.create_task(self._server.serve())
+        while not self._server.started:
+            if self._task.done():
+                await self._task  # raises the bind error
+            await asyncio.sleep(0.02)
+        log.info("http_listening", url=f"http://{self._settings.gateway_host}:"
+                 f"{self._settings.gateway_port}")
+
+    async def stop(self) -> None:
+        self._server.should_exit = True
+        if self._task:
+            await self._task
+        await self._replies.stop()
+        await self._live.stop()
+
+    def endpoints(self) -> list[Endpoint]:
+        return []
+
+    def status(self) -> dict[str, Any]:
+        return {"http": f"{self._settings.gateway_host}:{self._settings.gateway_port}"}
+
+
+async def build(bus: Bus, settings: GatewaySettings) -> Gateway:
+    sessions = SessionStore(await sessions_bucket(bus.js))
+    replies = ReplyRouter(bus)
+    live = LiveFeed(bus.nc)
+    api = Api(bus, settings, sessions, replies, live)
+    return Gateway(bus, settings, api, replies, live)

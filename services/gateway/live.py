@@ -1,0 +1,70 @@
+"""The page's live view: generator states, compaction events and generation
+reports, fanned out from NATS to every open `/api/events` stream."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from schemas import subjects
+
+WATCHED = (
+    f"{subjects.STATE_PREFIX}.*",
+    subjects.RESPONSE_GENERATION,
+    subjects.COMPACTION_REQUEST,
+    subjects.COMPACTION_RESULT,
+    subjects.COMPACTION_EVENT,
+)
+KEEPALIVE_S = 15.0
+# A page that stops reading loses old events rather than growing our memory.
+QUEUE_LIMIT = 1000
+
+
+class LiveFeed:
+    def __init__(self, nc: object) -> None:
+        self._nc = nc
+        self._listeners: set[asyncio.Queue[tuple[str, dict[str, object]]]] = set()
+        self._subs: list[Subscription] = []
+
+    async def start(self) -> None:
+        for subject in WATCHED:
+            self._subs.append(await self._nc.subscribe(subject, cb=self._on_message))  # type: ignore[attr-defined]
+
+    async def stop(self) -> None:
+        for sub in self._subs:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    async def _on_message(self, msg: Msg) -> None:
+        try:
+            envelope = json.loads(msg.data)
+        except ValueError:
+            return  # malformed events are reported by the services that consume them
+        if not isinstance(envelope, dict):
+            return
+        for queue in self._listeners:
+            if queue.qsize() < QUEUE_LIMIT:
+                queue.put_nowait((msg.subject, envelope))
+
+    async def stream(self, session_id: str | None) -> AsyncIterator[str]:
+        queue: asyncio.Queue[tuple[str, dict[str, object]]] = asyncio.Queue()
+        self._listeners.add(queue)
+        try:
+            yield ": connected\n\n"
+            while True:
+                try:
+                    subject, envelope = await asyncio.wait_for(queue.get(), KEEPALIVE_S)
+                except TimeoutError:
+                    yield ": keep-alive\n\n"
+                    continue
+                if session_id and envelope.get("session_id") != session_id:
+                    continue
+                data = json.dumps({"subject": subject, **envelope})
+                yield f"event: {envelope.get('message_type', 'message')}\ndata: {data}\n\n"
+        finally:
+            self._listeners.discard(queue)

@@ -1,0 +1,79 @@
+"""Routes replies and streamed tokens from the generator to the HTTP request
+waiting for them.
+
+One wildcard subscription per gateway process; each waiting request has a
+queue keyed by its correlation id. A reply that arrives for nobody (the
+caller gave up) is dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Iterator
+
+import structlog
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from schemas import subjects
+from schemas.messages import Reply, Token
+from services.shared.bus import BadMessage, Bus, decode
+
+log = structlog.get_logger()
+Event = Reply | Token
+
+
+class ReplyRouter:
+    def __init__(self, bus: Bus) -> None:
+        self._bus = bus
+        self._waiting: dict[str, asyncio.Queue[Event]] = {}
+        self._subs: list[Subscription] = []
+
+    async def start(self) -> None:
+        self._subs = [
+            await self._bus.nc.subscribe(f"{subjects.REPLY_PREFIX}.*", cb=self._on_reply),
+            await self._bus.nc.subscribe(f"{subjects.TOKEN_PREFIX}.*", cb=self._on_token),
+        ]
+
+    async def stop(self) -> None:
+        for sub in self._subs:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    @contextlib.contextmanager
+    def expect(self, correlation_id: str) -> Iterator[tuple[str, asyncio.Queue[Event]]]:
+        """Register before publishing, so no reply can arrive unseen."""
+        queue: asyncio.Queue[Event] = asyncio.Queue()
+        self._waiting[correlation_id] = queue
+        try:
+            yield correlation_id, queue
+        finally:
+            self._waiting.pop(correlation_id, None)
+
+    async def _on_reply(self, msg: Msg) -> None:
+        await self._route(msg, Reply)
+
+    async def _on_token(self, msg: Msg) -> None:
+        await self._route(msg, Token)
+
+    async def _route(self, msg: Msg, kind: type[Reply] | type[Token]) -> None:
+        try:
+            env = decode(msg.data, kind, msg.subject)
+        except BadMessage as err:
+            await self._bus.report_bad_event(err)
+            return
+        queue = self._waiting.get(env.correlation_id)
+        if queue is not None:
+            queue.put_nowait(env.payload)
+
+
+async def events_until_reply(queue: asyncio.Queue[Event], timeout_s: float
+                             ) -> AsyncIterator[Event]:
+    """Tokens as they come, then the reply; TimeoutError if the reply is late."""
+    async with asyncio.timeout(timeout_s):
+        while True:
+            event = await queue.get()
+            yield event
+            if isinstance(event, Reply):
+                return

@@ -1,0 +1,108 @@
+"""The model behind one small protocol, and its Ollama implementation.
+
+The generator only knows `ChatProvider`; anything that can answer a list of
+chat messages (with tools) and report token counts can stand in for Ollama.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import httpx
+import ollama
+
+from schemas.history import ToolCall
+
+OnToken = Callable[[str], Awaitable[None]]
+
+
+class ProviderError(Exception):
+    """The model could not answer; `cause` is a short machine-readable tag."""
+
+    def __init__(self, cause: str, message: str) -> None:
+        super().__init__(message)
+        self.cause = cause
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    model: str
+    messages: list[dict[str, Any]]
+    num_ctx: int
+    tools: Sequence[dict[str, Any]] = ()
+
+
+@dataclass(frozen=True)
+class ChatResult:
+    content: str
+    tool_calls: tuple[ToolCall, ...] = ()
+    thinking: str = ""
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+class ChatProvider(Protocol):
+    async def chat(self, request: ChatRequest, on_token: OnToken | None = None) -> ChatResult: ...
+
+
+class OllamaProvider:
+    def __init__(self, host: str, timeout_s: float) -> None:
+        self._host = host
+        self._timeout_s = timeout_s
+        self._client = ollama.AsyncClient(host=host, timeout=timeout_s)
+
+    async def chat(self, request: ChatRequest, on_token: OnToken | None = None) -> ChatResult:
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                return await self._stream(request, on_token)
+        except TimeoutError as err:
+            raise ProviderError(
+                "timeout", f"the model did not answer within {self._timeout_s:g} s"
+            ) from err
+        except ollama.ResponseError as err:
+            raise ProviderError(
+                "provider_error", f"Ollama answered HTTP {err.status_code}: {err.error}"
+            ) from err
+        except (httpx.TransportError, ConnectionError) as err:
+            raise ProviderError(
+                "unreachable", f"Ollama at {self._host} is unreachable: {err}"
+            ) from err
+
+    async def _stream(self, request: ChatRequest, on_token: OnToken | None) -> ChatResult:
+        content: list[str] = []
+        thinking: list[str] = []
+        calls: list[ToolCall] = []
+        prompt_tokens: int | None = None
+        completion_tokens: int | None = None
+        stream = await self._client.chat(
+            model=request.model,
+            messages=request.messages,
+            tools=list(request.tools) or None,
+            stream=True,
+            options={"num_ctx": request.num_ctx},
+        )
+        async for part in stream:
+            message = part.message
+            if message.content:
+                content.append(message.content)
+                if on_token is not None:
+                    await on_token(message.content)
+            if message.thinking:
+                thinking.append(message.thinking)
+            for call in message.tool_calls or ():
+                calls.append(ToolCall(name=call.function.name,
+                                      arguments=dict(call.function.arguments or {})))
+            if part.done:
+                prompt_tokens = part.prompt_eval_count
+                completion_tokens = part.eval_count
+        return ChatResult(
+            content="".join(content),
+            tool_calls=tuple(calls),
+            thinking="".join(thinking),
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+        )

@@ -1,0 +1,215 @@
+"""The generator process: pulls queries from the QUERIES work queue, answers
+many sessions at once and each session's queries strictly in order.
+
+Ordering holds across processes without any coordinator: a work-queue stream
+deletes a query when it is acknowledged, so the oldest query still in the
+stream for a session is the next one to answer. A process holding a later
+query of that session (under the session lock) hands it back with a short
+delay, and whoever holds the earlier one answers it first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+import structlog
+from nats.aio.msg import Msg
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js.api import AckPolicy, ConsumerConfig
+from nats.js.errors import NotFoundError
+
+from schemas import subjects
+from schemas.envelope import Envelope
+from schemas.messages import Query, Reply
+from services.core.state_machine import Action, CompactionMode
+from services.generator.provider import ChatProvider, OllamaProvider
+from services.generator.session_lock import LockTimeout, SessionLocks
+from services.generator.settings import GeneratorSettings
+from services.generator.states import SessionStates
+from services.generator.toolbox import Toolbox
+from services.generator.turns import TurnError, TurnRunner
+from services.shared.bus import BadMessage, Bus, decode
+from services.shared.history_store import HistoryConflict, HistoryStore
+from services.shared.jetstream import locks_bucket, sessions_bucket
+from services.shared.runner import Endpoint
+from services.shared.sessions import SessionNotFound, SessionStore
+
+QUERY_CONSUMER = "generator"
+# How long a later query of a session waits before it is offered again.
+OUT_OF_ORDER_DELAY_S = 0.05
+log = structlog.get_logger()
+
+
+class Generator:
+    def __init__(self, bus: Bus, settings: GeneratorSettings, provider: ChatProvider,
+                 sessions: SessionStore, locks: SessionLocks) -> None:
+        self._bus = bus
+        self._settings = settings
+        self._history = HistoryStore(bus.js)
+        self._sessions = sessions
+        self._locks = locks
+        self._states = SessionStates(bus, settings.generator_id,
+                                     CompactionMode(settings.compaction_mode))
+        self._turns = TurnRunner(bus, settings, provider, self._history, sessions,
+                                 self._states, Toolbox(bus, settings.tool_timeout_s))
+        # Set whenever a handler finishes, so a saturated pull loop fetches again.
+        self._room = asyncio.Event()
+        self._local_order: dict[str, asyncio.Lock] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._loop_task: asyncio.Task[None] | None = None
+        self._answered = 0
+
+    async def start(self) -> None:
+        sub = await self._bus.js.pull_subscribe(
+            f"{subjects.QUERY_PREFIX}.*",
+            durable=QUERY_CONSUMER,
+            stream=subjects.QUERIES_STREAM,
+            config=ConsumerConfig(
+                ack_policy=AckPolicy.EXPLICIT,
+                ack_wait=self._settings.query_ack_wait_s,
+                max_ack_pending=10_000,
+            ),
+        )
+        self._loop_task = asyncio.create_task(self._pull_loop(sub))
+
+    async def stop(self) -> None:
+        if self._loop_task:
+            self._loop_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loop_task
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=10)
+
+    def endpoints(self) -> list[Endpoint]:
+        return []
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "generator_id": self._settings.generator_id,
+            "active_sessions": self._states.busy_sessions(),
+            "answered": self._answered,
+            "model": self._settings.model,
+            "num_ctx": self._settings.num_ctx,
+        }
+
+    async def _pull_loop(self, sub: Any) -> None:
+        while True:
+            free = self._settings.max_concurrent_sessions - len(self._tasks)
+            if free <= 0:
+                self._room.clear()
+                await self._room.wait()
+                continue
+            try:
+                msgs = await sub.fetch(batch=free, timeout=1.0)
+            except (NatsTimeout, TimeoutError):
+                continue
+            except Exception as err:  # NATS away: keep pulling, reconnect is automatic
+                log.warning("query_fetch_failed", error=str(err))
+                await asyncio.sleep(0.5)
+                continue
+            for msg in msgs:
+                self._spawn(msg)
+
+    def _spawn(self, msg: Msg) -> None:
+        task = asyncio.create_task(self._handle(msg))
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        self._room.set()
+
+    async def _handle(self, msg: Msg) -> None:
+        try:
+            env = decode(msg.data, Query, msg.subject)
+        except BadMessage as err:
+            await self._bus.report_bad_event(err)
+            await msg.term()
+            return
+        sid = env.payload.session_id
+        heartbeat = asyncio.create_task(self._keep_in_progress(msg))
+        try:
+            with structlog.contextvars.bound_contextvars(
+                session_id=sid, correlation_id=env.correlation_id, query_id=env.message_id
+            ):
+                order = self._local_order.setdefault(sid, asyncio.Lock())
+                async with order:
+                    await self._answer_in_order(msg, env)
+                if not order.locked():
+                    self._local_order.pop(sid, None)
+        finally:
+            heartbeat.cancel()
+
+    async def _answer_in_order(self, msg: Msg, env: Envelope[Query]) -> None:
+        sid = env.payload.session_id
+        try:
+            async with self._locks.hold(sid, "query"):
+                if await self._earlier_query_pending(sid, msg):
+                    await msg.nak(delay=OUT_OF_ORDER_DELAY_S)
+                    return
+                await self._answer(msg, env)
+        except LockTimeout:
+            log.warning("session_lock_timeout")
+            await msg.nak(delay=1.0)
+
+    async def _answer(self, msg: Msg, env: Envelope[Query]) -> None:
+        sid = env.payload.session_id
+        await self._states.apply(sid, Action.receive, env.correlation_id)
+        try:
+            record = await self._sessions.get(sid)
+            outcome = await self._turns.run(env, record)
+            reply = outcome.reply
+        except HistoryConflict:
+            # Our view is stale (we lost the lease while frozen): let the query come
+            # back; the redelivery sees what was written and never answers twice.
+            log.error("stale_history_write_rejected")
+            await self._states.recover(sid, env.correlation_id)
+            await msg.nak(delay=0.2)
+            return
+        except (SessionNotFound, TurnError) as err:
+            reply = self._error_reply(env, err)
+            await self._states.recover(sid, env.correlation_id)
+        else:
+            await self._states.apply(sid, Action.reset, env.correlation_id)
+        await self._bus.publish(subjects.reply(sid), reply,
+                                correlation_id=env.correlation_id, session_id=sid)
+        await msg.ack_sync()
+        self._answered += 1
+
+    def _error_reply(self, env: Envelope[Query], err: Exception) -> Reply:
+        sid = env.payload.session_id
+        if isinstance(err, SessionNotFound):
+            code, text = "unknown_session", f"session {sid} does not exist"
+        else:
+            assert isinstance(err, TurnError)
+            code, text = err.code, str(err)
+        log.warning("query_failed", error_code=code, error=text)
+        return Reply(session_id=sid, query_id=env.message_id, error=text, error_code=code)
+
+    async def _earlier_query_pending(self, sid: str, msg: Msg) -> bool:
+        try:
+            oldest = await self._bus.js.get_msg(
+                subjects.QUERIES_STREAM, seq=1, subject=subjects.query(sid), next=True,
+                direct=True,
+            )
+        except NotFoundError:
+            return False
+        return int(oldest.seq or 0) < msg.metadata.sequence.stream
+
+    async def _keep_in_progress(self, msg: Msg) -> None:
+        # Long answers (and waiting behind a session's earlier query) must not
+        # look like a dead generator, or the query would be handed to another.
+        while True:
+            await asyncio.sleep(self._settings.query_ack_wait_s / 3)
+            with contextlib.suppress(Exception):
+                await msg.in_progress()
+
+
+async def build(bus: Bus, settings: GeneratorSettings) -> Generator:
+    sessions = SessionStore(await sessions_bucket(bus.js))
+    locks = SessionLocks(await locks_bucket(bus.js, settings.lock_lease_s),
+                         settings.generator_id, settings.lock_lease_s, settings.lock_wait_s)
+    provider = OllamaProvider(settings.ollama_host, settings.ollama_timeout_s)
+    return Generator(bus, settings, provider, sessions, locks)

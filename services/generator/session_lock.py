@@ -1,0 +1,105 @@
+"""The durable per-session lock: one key per session in the `session_locks`
+KV bucket.
+
+Acquire is `create` (succeeds only when the key is absent); the revision it
+returns is the fencing token. The holder renews by compare-and-swap `update`
+on that revision; the bucket's TTL (history 1) restarts the key's age on
+every renewal, so a holder that dies (SIGKILL) stops renewing and the session
+frees itself within one lease. Release is a compare-and-swap delete: a holder
+whose lease lapsed cannot delete the next holder's lock.
+
+The lock only prevents duplicate work. A holder frozen past its lease
+(SIGSTOP, a long GC) may wake up believing it still holds the lock; what
+keeps it from corrupting history is the compare-and-swap on the history
+stream itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Literal
+
+import structlog
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.kv import KeyValue
+
+Purpose = Literal["query", "compaction"]
+log = structlog.get_logger()
+
+
+class LockTimeout(Exception):
+    """The session stayed locked by someone else for longer than we may wait."""
+
+
+@dataclass
+class Lease:
+    session_id: str
+    purpose: Purpose
+    revision: int
+    lost: bool = field(default=False)
+
+
+class SessionLocks:
+    def __init__(self, kv: KeyValue, holder_id: str, lease_s: float, wait_s: float) -> None:
+        self._kv = kv
+        self._holder = holder_id
+        self._lease_s = lease_s
+        self._wait_s = wait_s
+
+    @contextlib.asynccontextmanager
+    async def hold(self, sid: str, purpose: Purpose) -> AsyncIterator[Lease]:
+        lease = await self.acquire(sid, purpose)
+        renewer = asyncio.create_task(self._keep_renewed(lease))
+        try:
+            yield lease
+        finally:
+            renewer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await renewer
+            await self.release(lease)
+
+    async def acquire(self, sid: str, purpose: Purpose) -> Lease:
+        deadline = time.monotonic() + self._wait_s
+        delay = 0.005
+        while True:
+            try:
+                revision = await self._kv.create(sid, self._value(purpose))
+                log.debug("lock_acquired", session_id=sid, purpose=purpose, revision=revision)
+                return Lease(sid, purpose, revision)
+            except KeyWrongLastSequenceError:
+                pass
+            if time.monotonic() >= deadline:
+                raise LockTimeout(f"session {sid} stayed locked for {self._wait_s:g} s")
+            await asyncio.sleep(delay * random.uniform(0.5, 1.5))
+            delay = min(delay * 2, 0.1)
+
+    async def release(self, lease: Lease) -> None:
+        try:
+            await self._kv.delete(lease.session_id, last=lease.revision)
+        except (KeyWrongLastSequenceError, KeyNotFoundError):
+            # Our lease lapsed and the key expired or changed hands: not ours to delete.
+            log.warning("lock_release_skipped", session_id=lease.session_id,
+                        revision=lease.revision)
+
+    async def _keep_renewed(self, lease: Lease) -> None:
+        while True:
+            await asyncio.sleep(self._lease_s / 3)
+            try:
+                lease.revision = await self._kv.update(
+                    lease.session_id, self._value(lease.purpose), last=lease.revision
+                )
+            except KeyWrongLastSequenceError:
+                lease.lost = True
+                log.error("lock_lost", session_id=lease.session_id, purpose=lease.purpose)
+                return
+
+    def _value(self, purpose: Purpose) -> bytes:
+        return json.dumps(
+            {"holder": self._holder, "purpose": purpose, "since": time.time()}
+        ).encode()

@@ -1,0 +1,75 @@
+"""Tools the model may call, each a NATS request/reply endpoint.
+
+Any process can offer a tool: it answers `tool.list` with its definitions and
+`tool.call.<name>` with a `ToolOutcome`. Failures of every kind (no such tool,
+timeout, a tool that raised) become a clear error text handed to the model,
+which can then recover; they never fail the turn.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import structlog
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
+from pydantic import ValidationError
+
+from schemas import subjects
+from schemas.history import ChatMessage, ToolCall
+from schemas.messages import ToolInvocation, ToolOutcome
+from services.shared.bus import Bus, decode
+
+TOOL_LIST_SUBJECT = "tool.list"
+DEFINITIONS_TTL_S = 30.0
+log = structlog.get_logger()
+
+
+class Toolbox:
+    def __init__(self, bus: Bus, timeout_s: float) -> None:
+        self._bus = bus
+        self._timeout_s = timeout_s
+        self._definitions: list[dict[str, Any]] = []
+        self._fetched_at = -DEFINITIONS_TTL_S
+
+    async def definitions(self) -> list[dict[str, Any]]:
+        """Ollama tool definitions offered by whoever answers `tool.list` (cached)."""
+        if time.monotonic() - self._fetched_at < DEFINITIONS_TTL_S:
+            return self._definitions
+        try:
+            msg = await self._bus.nc.request(TOOL_LIST_SUBJECT, b"", timeout=0.5)
+            loaded = json.loads(msg.data)
+            self._definitions = loaded if isinstance(loaded, list) else []
+        except (NatsTimeout, NoRespondersError, ValueError):
+            self._definitions = []
+        self._fetched_at = time.monotonic()
+        return self._definitions
+
+    async def run(self, call: ToolCall, query_id: str, correlation_id: str) -> ChatMessage:
+        content = await self._call(call, correlation_id)
+        return ChatMessage(role="tool", content=content, tool_name=call.name, query_id=query_id)
+
+    async def _call(self, call: ToolCall, correlation_id: str) -> str:
+        known = {d.get("function", {}).get("name") for d in await self.definitions()}
+        if call.name not in known:
+            return f"error: unknown tool '{call.name}'"
+        try:
+            subject = subjects.tool(call.name)
+            env = self._bus.envelope(subject, ToolInvocation(name=call.name,
+                                                             arguments=call.arguments),
+                                     correlation_id=correlation_id)
+            msg = await self._bus.nc.request(subject, env.model_dump_json().encode(),
+                                             timeout=self._timeout_s)
+            outcome = decode(msg.data, ToolOutcome, subject).payload
+        except NatsTimeout:
+            return f"error: tool '{call.name}' timed out after {self._timeout_s:g} s"
+        except NoRespondersError:
+            return f"error: tool '{call.name}' is not available right now"
+        except (ValidationError, Exception) as err:  # a broken tool must not break the turn
+            log.warning("tool_failed", tool=call.name, error=str(err))
+            return f"error: tool '{call.name}' failed: {err}"
+        if outcome.error is not None:
+            return f"error: tool '{call.name}' failed: {outcome.error}"
+        return outcome.content or ""

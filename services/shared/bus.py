@@ -1,0 +1,200 @@
+"""The NATS side of every service: connect, wrap payloads in envelopes,
+publish them (core or JetStream) with tracing headers, and validate what
+arrives.
+
+Correlation and session ids ride in headers as well as in the envelope, so
+`nats sub --headers` shows them, with a W3C `traceparent` derived from the
+correlation id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from typing import Any, TypeVar, cast
+
+import nats
+import structlog
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import PubAck
+from pydantic import ValidationError
+
+from schemas import subjects
+from schemas.envelope import Envelope, new_id
+from schemas.messages import ErrorReport, Payload
+
+P = TypeVar("P", bound=Payload)
+log = structlog.get_logger()
+
+CORRELATION_HEADER = "Correlation-Id"
+SESSION_HEADER = "Session-Id"
+MSG_ID_HEADER = "Nats-Msg-Id"
+
+
+class BadMessage(Exception):
+    """A message that does not match its schema; carries the structured error."""
+
+    def __init__(self, report: ErrorReport) -> None:
+        super().__init__(report.message)
+        self.report = report
+
+
+def decode(data: bytes, payload_type: type[P], subject: str) -> Envelope[P]:
+    try:
+        return Envelope[payload_type].model_validate_json(data)  # type: ignore[valid-type]
+    except ValidationError as err:
+        raise BadMessage(validation_report(err, subject)) from err
+
+
+def validation_report(err: ValidationError, subject: str | None) -> ErrorReport:
+    details = [
+        {"field": ".".join(str(p) for p in e["loc"]), "error": e["msg"]}
+        for e in err.errors(include_url=False, include_input=False)
+    ]
+    fields = ", ".join(d["field"] or "(message)" for d in details)
+    return ErrorReport(
+        code="invalid_message",
+        message=f"message does not match its schema: {fields}",
+        subject=subject,
+        details=details,
+    )
+
+
+def traceparent(correlation_id: str) -> str | None:
+    """A W3C trace context whose trace id is the correlation id, when it fits."""
+    if len(correlation_id) != 32 or not all(c in "0123456789abcdef" for c in correlation_id):
+        return None
+    return f"00-{correlation_id}-{secrets.token_hex(8)}-01"
+
+
+async def connect(url: str, name: str, timeout_s: float = 2.0) -> NATS:
+    """Connect, retrying until NATS answers; afterwards nats-py reconnects forever."""
+    delay = 0.2
+    while True:
+        try:
+            return await nats.connect(
+                url,
+                name=name,
+                connect_timeout=timeout_s,
+                allow_reconnect=True,
+                max_reconnect_attempts=-1,
+                reconnect_time_wait=0.5,
+                error_cb=_on_error,
+                disconnected_cb=_on_disconnect,
+                reconnected_cb=_on_reconnect,
+            )
+        except (OSError, TimeoutError, nats.errors.NoServersError) as err:
+            log.warning("nats_connect_failed", url=url, error=str(err), retry_in_s=delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)
+
+
+async def _on_error(err: Exception) -> None:
+    log.warning("nats_error", error=str(err))
+
+
+async def _on_disconnect() -> None:
+    log.warning("nats_disconnected")
+
+
+async def _on_reconnect() -> None:
+    log.info("nats_reconnected")
+
+
+class Bus:
+    """One service's connection, with its sender id stamped on what it sends."""
+
+    def __init__(self, nc: NATS, sender_id: str) -> None:
+        self.nc = nc
+        self.js: JetStreamContext = nc.jetstream()
+        self.sender_id = sender_id
+
+    @property
+    def connected(self) -> bool:
+        return bool(self.nc.is_connected)
+
+    def envelope(
+        self,
+        subject: str,
+        payload: P,
+        *,
+        correlation_id: str | None = None,
+        session_id: str | None = None,
+        message_id: str | None = None,
+    ) -> Envelope[P]:
+        model = cast(type[Envelope[P]], Envelope[type(payload)])  # type: ignore[misc]
+        return model(
+            message_id=message_id or new_id(),
+            message_type=payload.MESSAGE_TYPE,
+            subject=subject,
+            sender_id=self.sender_id,
+            correlation_id=correlation_id or new_id(),
+            session_id=session_id,
+            payload=payload,
+        )
+
+    async def publish(
+        self,
+        subject: str,
+        payload: Payload,
+        *,
+        correlation_id: str | None = None,
+        session_id: str | None = None,
+        reply: str = "",
+    ) -> Envelope[Any]:
+        env = self.envelope(subject, payload, correlation_id=correlation_id, session_id=session_id)
+        await self.nc.publish(subject, _encode(env), reply=reply, headers=headers_for(env))
+        return env
+
+    async def js_publish(
+        self,
+        subject: str,
+        payload: Payload,
+        *,
+        correlation_id: str | None = None,
+        session_id: str | None = None,
+        message_id: str | None = None,
+        timeout_s: float = 5.0,
+    ) -> tuple[Envelope[Any], PubAck]:
+        """Publish into a stream; the envelope's message id doubles as Nats-Msg-Id,
+        so a retried publish is stored once."""
+        env = self.envelope(
+            subject,
+            payload,
+            correlation_id=correlation_id,
+            session_id=session_id,
+            message_id=message_id,
+        )
+        headers = headers_for(env) | {MSG_ID_HEADER: env.message_id}
+        ack = await self.js.publish(subject, _encode(env), timeout=timeout_s, headers=headers)
+        return env, ack
+
+    async def respond(self, msg: Msg, payload: Payload, *, correlation_id: str | None = None,
+                      session_id: str | None = None) -> None:
+        if not msg.reply:
+            return
+        env = self.envelope(msg.subject, payload, correlation_id=correlation_id,
+                            session_id=session_id)
+        await self.nc.publish(msg.reply, _encode(env), headers=headers_for(env))
+
+    async def report_bad_event(self, err: BadMessage) -> None:
+        """Log a malformed event and make it visible on the error subject."""
+        log.warning("bad_message", subject=err.report.subject, error=err.report.message,
+                    details=err.report.details)
+        await self.publish(subjects.ERROR_SUBJECT, err.report)
+
+
+def headers_for(env: Envelope[Any]) -> dict[str, str]:
+    headers = {CORRELATION_HEADER: env.correlation_id}
+    if env.session_id:
+        headers[SESSION_HEADER] = env.session_id
+    trace = traceparent(env.correlation_id)
+    if trace:
+        headers["traceparent"] = trace
+    return headers
+
+
+def _encode(env: Envelope[Any]) -> bytes:
+    return env.model_dump_json().encode()

@@ -1,0 +1,119 @@
+"""A session's history on the HISTORY stream, read and written with
+compare-and-swap.
+
+Every write names the sequence of the last message it has seen on the
+session's subject (`Nats-Expected-Last-Subject-Sequence`). A writer holding a
+stale view (a frozen lock holder whose lease lapsed, a compaction whose
+snapshot is old) is refused by the server: `HistoryConflict`. A compaction
+splice is one message with `Nats-Rollup: sub`, which atomically replaces the
+subject's earlier messages.
+
+Reads keep a per-session cache keyed by the last sequence seen, so a turn
+costs one "last message" lookup when nothing changed behind our back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from nats.js import JetStreamContext
+from nats.js.errors import APIError, NotFoundError
+
+from schemas import subjects
+from schemas.history import ChatMessage, Conversation, HistoryEntry, Snapshot
+
+EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
+ROLLUP = "Nats-Rollup"
+WRONG_LAST_SEQUENCE = (10071, 10164)
+
+
+class HistoryConflict(Exception):
+    """Someone wrote the session's history since this view was read."""
+
+
+@dataclass(frozen=True)
+class HistoryView:
+    conversation: Conversation
+    # Stream sequence of the subject's last message; 0 when it has none.
+    last_seq: int
+
+
+EMPTY = HistoryView(Conversation(), 0)
+
+
+class HistoryStore:
+    def __init__(self, js: JetStreamContext) -> None:
+        self._js = js
+        self._cache: dict[str, HistoryView] = {}
+
+    async def read(self, sid: str) -> HistoryView:
+        subject = subjects.history(sid)
+        last = await self._last_seq(subject)
+        cached = self._cache.get(sid, EMPTY)
+        if last == cached.last_seq:
+            return cached
+        start = cached if last > cached.last_seq else EMPTY
+        view = await self._read_after(subject, start)
+        self._remember(sid, view)
+        return view
+
+    async def append(
+        self, sid: str, view: HistoryView, messages: Sequence[ChatMessage], msg_id: str
+    ) -> HistoryView:
+        """Append messages after `view`; `msg_id` makes a retried append a no-op."""
+        for index, message in enumerate(messages):
+            entry = HistoryEntry.of_message(message)
+            seq = await self._write(sid, entry, view.last_seq, {
+                "Nats-Msg-Id": f"{msg_id}:{view.last_seq}:{index}",
+            })
+            view = HistoryView(view.conversation.apply(entry), seq)
+        self._remember(sid, view)
+        return view
+
+    async def splice(self, sid: str, view: HistoryView, snapshot: Snapshot) -> HistoryView:
+        entry = HistoryEntry.of_snapshot(snapshot)
+        seq = await self._write(sid, entry, view.last_seq, {ROLLUP: "sub"})
+        spliced = HistoryView(Conversation().apply(entry), seq)
+        self._remember(sid, spliced)
+        return spliced
+
+    def forget(self, sid: str) -> None:
+        self._cache.pop(sid, None)
+
+    async def _write(
+        self, sid: str, entry: HistoryEntry, expected: int, extra: dict[str, str]
+    ) -> int:
+        headers = {EXPECTED_LAST_SUBJECT_SEQ: str(expected), **extra}
+        try:
+            ack = await self._js.publish(
+                subjects.history(sid), entry.model_dump_json().encode(), headers=headers
+            )
+        except APIError as err:
+            if err.err_code in WRONG_LAST_SEQUENCE:
+                self.forget(sid)
+                raise HistoryConflict(f"history of {sid} changed since sequence {expected}") from err
+            raise
+        return int(ack.seq)
+
+    async def _last_seq(self, subject: str) -> int:
+        try:
+            msg = await self._js.get_last_msg(subjects.HISTORY_STREAM, subject, direct=True)
+        except NotFoundError:
+            return 0
+        return int(msg.seq or 0)
+
+    async def _read_after(self, subject: str, start: HistoryView) -> HistoryView:
+        conversation, seq = start.conversation, start.last_seq
+        while True:
+            try:
+                msg = await self._js.get_msg(
+                    subjects.HISTORY_STREAM, seq=seq + 1, subject=subject, next=True, direct=True
+                )
+            except NotFoundError:
+                return HistoryView(conversation, seq)
+            entry = HistoryEntry.model_validate_json(msg.data or b"")
+            conversation, seq = conversation.apply(entry), int(msg.seq or seq + 1)
+
+    def _remember(self, sid: str, view: HistoryView) -> None:
+        self._cache[sid] = view

@@ -1,0 +1,104 @@
+"""The JetStream layout: every stream and bucket the services rely on.
+
+Each service calls `ensure_layout` at start; creating what exists already is a
+no-op, so any service can start first. Nothing is ever recreated or purged
+here: an operator's changes to a stream's limits survive restarts.
+"""
+
+from __future__ import annotations
+
+from nats.js import JetStreamContext
+from nats.js.api import (
+    DiscardPolicy,
+    KeyValueConfig,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
+from nats.js.errors import NotFoundError
+from nats.js.kv import KeyValue
+
+from schemas import subjects as s
+
+DUPLICATE_WINDOW_S = 120.0
+MAX_MESSAGE_BYTES = 8 * 1024 * 1024
+
+STREAMS = (
+    StreamConfig(
+        name=s.QUERIES_STREAM,
+        description="User queries waiting for a generator (work queue)",
+        subjects=[f"{s.QUERY_PREFIX}.*"],
+        retention=RetentionPolicy.WORK_QUEUE,
+        storage=StorageType.FILE,
+        duplicate_window=DUPLICATE_WINDOW_S,
+        allow_direct=True,
+    ),
+    StreamConfig(
+        name=s.COMPACTIONS_STREAM,
+        description="Compaction requests waiting for a generator (work queue)",
+        subjects=[s.COMPACTION_REQUEST],
+        retention=RetentionPolicy.WORK_QUEUE,
+        storage=StorageType.FILE,
+        duplicate_window=DUPLICATE_WINDOW_S,
+    ),
+    StreamConfig(
+        name=s.GENERATIONS_STREAM,
+        description="Finished generations, replayed by the compaction decider",
+        subjects=[s.RESPONSE_GENERATION],
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.FILE,
+        max_age=7 * 24 * 3600.0,
+        duplicate_window=DUPLICATE_WINDOW_S,
+    ),
+    StreamConfig(
+        name=s.HISTORY_STREAM,
+        description="Chat history: one subject per session, compaction splices are rollups",
+        subjects=[f"{s.HISTORY_PREFIX}.*"],
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.FILE,
+        allow_rollup_hdrs=True,
+        allow_direct=True,
+        duplicate_window=DUPLICATE_WINDOW_S,
+        max_msg_size=MAX_MESSAGE_BYTES,
+    ),
+    StreamConfig(
+        name=s.STATE_STREAM,
+        description="Each session's latest generator state",
+        subjects=[f"{s.STATE_PREFIX}.*"],
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.FILE,
+        max_msgs_per_subject=1,
+        discard=DiscardPolicy.OLD,
+        allow_direct=True,
+    ),
+)
+
+
+async def ensure_layout(js: JetStreamContext, lock_lease_s: float = 5.0) -> None:
+    for config in STREAMS:
+        try:
+            await js.stream_info(config.name or "")
+        except NotFoundError:
+            await js.add_stream(config)
+    await sessions_bucket(js)
+    await locks_bucket(js, lock_lease_s)
+
+
+async def sessions_bucket(js: JetStreamContext) -> KeyValue:
+    return await _bucket(js, KeyValueConfig(bucket=s.SESSIONS_BUCKET, history=1,
+                                            storage=StorageType.FILE))
+
+
+async def locks_bucket(js: JetStreamContext, lease_s: float) -> KeyValue:
+    # A bucket-wide TTL with history=1: every renewal (an update) restarts the
+    # key's age, and a holder that dies stops renewing, so its lock lapses
+    # within one lease. (A per-message TTL would be lost by the first update.)
+    return await _bucket(js, KeyValueConfig(bucket=s.LOCKS_BUCKET, history=1,
+                                            ttl=lease_s, storage=StorageType.FILE))
+
+
+async def _bucket(js: JetStreamContext, config: KeyValueConfig) -> KeyValue:
+    try:
+        return await js.key_value(config.bucket)
+    except NotFoundError:
+        return await js.create_key_value(config)

@@ -1,0 +1,93 @@
+"""How every service process lives: connect, set up JetStream, register as a
+NATS micro service, run until SIGTERM or SIGINT, then drain and exit.
+
+A service is any object with `start()`, `stop()`, `status()` and
+`endpoints()`; the runner registers its request/reply endpoints and a
+`<name>.status` endpoint answering `status()` as one micro service, so
+`nats micro ls`, `nats micro stats` and `$SRV.PING` find every process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import structlog
+from nats.micro import add_service
+from nats.micro.request import Request
+
+from services.shared.bus import Bus, connect
+from services.shared.jetstream import ensure_layout
+from services.shared.logging import configure_logging
+from services.shared.settings import ServiceSettings
+
+VERSION = "0.1.0"
+log = structlog.get_logger()
+
+
+class Component(Protocol):
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    def status(self) -> dict[str, Any]: ...
+
+    def endpoints(self) -> list[Endpoint]: ...
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    name: str
+    subject: str
+    handler: Callable[[Request], Awaitable[None]]
+
+
+async def serve(
+    name: str,
+    settings: ServiceSettings,
+    build: Callable[[Bus], Awaitable[Component]],
+    description: str,
+    lock_lease_s: float = 5.0,
+) -> None:
+    configure_logging(name, settings.log_level, settings.log_format)
+    stop = _stop_on_signals()
+    nc = await connect(settings.nats_url, name, settings.nats_connect_timeout_s)
+    bus = Bus(nc, name)
+    await ensure_layout(bus.js, lock_lease_s)
+    component = await build(bus)
+    await component.start()
+    micro = await add_service(nc, name=name, version=VERSION, description=description)
+
+    async def status(request: Request) -> None:
+        await request.respond(json.dumps(component.status()).encode())
+
+    await micro.add_endpoint(name="status", subject=f"{name}.status", handler=status)
+    for endpoint in component.endpoints():
+        await micro.add_endpoint(name=endpoint.name, subject=endpoint.subject,
+                                 handler=endpoint.handler)
+    log.info("service_started", nats_url=settings.nats_url)
+    await stop.wait()
+    log.info("service_stopping")
+    await component.stop()
+    await micro.stop()
+    await nc.drain()
+    log.info("service_stopped")
+
+
+def _stop_on_signals() -> asyncio.Event:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+def main(coro: Awaitable[None]) -> None:
+    try:
+        asyncio.run(coro)  # type: ignore[arg-type]
+    except KeyboardInterrupt:
+        pass

@@ -1,0 +1,57 @@
+"""Settings common to every service, read from the environment and an
+optional YAML file.
+
+Precedence, strongest first: environment variables, then the YAML file named
+by `CONFIG_FILE` (flat keys, lower- or upper-case), then the defaults. Each
+service declares its own subclass next to its code.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import Field
+from pydantic_settings import (
+    BaseSettings,
+    InitSettingsSource,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
+
+from services.shared.logging import LogFormat
+
+
+class ServiceSettings(BaseSettings):
+    model_config = SettingsConfigDict(extra="ignore", case_sensitive=False)
+
+    nats_url: str = "nats://127.0.0.1:4222"
+    log_level: str = "info"
+    log_format: LogFormat = "auto"
+    # How long a connection attempt may take before we retry (NATS may start later).
+    nats_connect_timeout_s: float = Field(default=2.0, gt=0)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        yaml_values = InitSettingsSource(settings_cls, init_kwargs=read_yaml_config())
+        return (init_settings, env_settings, yaml_values)
+
+
+def read_yaml_config(path: str | None = None) -> dict[str, Any]:
+    """The flat mapping in the YAML file named by `CONFIG_FILE`, keys lower-cased."""
+    path = path or os.environ.get("CONFIG_FILE")
+    if not path:
+        return {}
+    loaded = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(loaded, dict):
+        raise ValueError(f"{path}: expected a mapping of setting names to values")
+    return {str(k).lower(): v for k, v in loaded.items()}

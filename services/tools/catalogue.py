@@ -1,0 +1,95 @@
+"""The tools themselves: plain functions with an Ollama-style definition.
+
+Each takes its arguments as keyword arguments and returns text; raising
+`ToolFailure` (or anything else) becomes an error result for the model.
+"""
+
+from __future__ import annotations
+
+import ast
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+
+class ToolFailure(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    description: str
+    parameters: dict[str, Any]
+    run: Callable[..., str]
+
+    def definition(self) -> dict[str, Any]:
+        return {"type": "function", "function": {
+            "name": self.name, "description": self.description, "parameters": self.parameters,
+        }}
+
+
+def current_time(timezone: str = "UTC") -> str:
+    try:
+        zone = ZoneInfo(timezone)
+    except (ZoneInfoNotFoundError, ValueError) as err:
+        raise ToolFailure(f"unknown time zone '{timezone}'") from err
+    return datetime.now(UTC).astimezone(zone).isoformat(timespec="seconds")
+
+
+Number = int | float
+_BINARY: dict[type[ast.operator], Callable[[Number, Number], Number]] = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+           ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
+           ast.Pow: operator.pow}
+_UNARY: dict[type[ast.unaryop], Callable[[Number], Number]] = {ast.UAdd: operator.pos, ast.USub: operator.neg}
+MAX_EXPRESSION_CHARS = 200
+MAX_EXPONENT = 1000
+
+
+def calculate(expression: str) -> str:
+    """Arithmetic only: numbers, + - * / // % ** and parentheses. No names, no calls."""
+    if len(expression) > MAX_EXPRESSION_CHARS:
+        raise ToolFailure(f"expression longer than {MAX_EXPRESSION_CHARS} characters")
+    try:
+        tree = ast.parse(expression, mode="eval")
+        return repr(_evaluate(tree.body))
+    except SyntaxError as err:
+        raise ToolFailure(f"not an arithmetic expression: {expression!r}") from err
+    except ZeroDivisionError as err:
+        raise ToolFailure("division by zero") from err
+
+
+def _evaluate(node: ast.AST) -> Number:
+    if isinstance(node, ast.Constant) and isinstance(node.value, int | float):
+        return node.value
+    if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
+        left, right = _evaluate(node.left), _evaluate(node.right)
+        if isinstance(node.op, ast.Pow) and abs(right) > MAX_EXPONENT:
+            raise ToolFailure(f"exponent larger than {MAX_EXPONENT}")
+        return _BINARY[type(node.op)](left, right)
+    if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
+        return _UNARY[type(node.op)](_evaluate(node.operand))
+    raise ToolFailure(f"unsupported element in expression: {type(node).__name__}")
+
+
+def word_count(text: str) -> str:
+    return f"{len(text.split())} words, {len(text.splitlines())} lines, {len(text)} characters"
+
+
+def _string_param(name: str, description: str) -> dict[str, Any]:
+    return {"type": "object", "properties": {name: {"type": "string",
+                                                    "description": description}},
+            "required": [name]}
+
+
+TOOLS = {tool.name: tool for tool in (
+    Tool("current_time", "The current date and time in a time zone (IANA name, default UTC).",
+         {"type": "object", "properties": {"timezone": {"type": "string"}}}, current_time),
+    Tool("calculate", "Evaluate an arithmetic expression exactly (+ - * / // % ** and ()).",
+         _string_param("expression", "for example (3 + 4) * 2"), calculate),
+    Tool("word_count", "Count the words, lines and characters of a text.",
+         _string_param("text", "the text to count"), word_count),
+)}

