@@ -7,15 +7,12 @@ memory, and publishes `compaction.request` when the pure decision says so.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import time
 from typing import Any
 
 import structlog
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from schemas import subjects
@@ -25,6 +22,7 @@ from services.compaction_decider.settings import DeciderSettings
 from services.core.decision import Observation, Policy, SessionMemory, decide, on_result
 from services.core.tokens import Calibration, budget, calibrate, default_headroom, estimate_tokens
 from services.shared.bus import BadMessage, Bus, decode
+from services.shared.consumer import PullLoop
 from services.shared.runner import Endpoint
 
 CONSUMER = "compaction-decider"
@@ -37,7 +35,7 @@ class Decider:
         self.settings = settings
         self._calibration: dict[str, Calibration] = {}
         self._memory: dict[str, SessionMemory] = {}
-        self._task: asyncio.Task[None] | None = None
+        self._loop: PullLoop | None = None
         self._results: Subscription | None = None
         self._fired = 0
 
@@ -54,13 +52,12 @@ class Decider:
             config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT,
                                   deliver_policy=DeliverPolicy.NEW, ack_wait=30),
         )
-        self._task = asyncio.create_task(self._consume(sub))
+        self._loop = PullLoop(sub, self._on_message, CONSUMER)
+        self._loop.start()
 
     async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        if self._loop:
+            await self._loop.stop()
         if self._results:
             await self._results.unsubscribe()
 
@@ -71,19 +68,9 @@ class Decider:
         return {"threshold": self.settings.compaction_threshold, "fired": self._fired,
                 "pending": sorted(s for s, m in self._memory.items() if m.pending)}
 
-    async def _consume(self, sub: Any) -> None:
-        while True:
-            try:
-                msgs = await sub.fetch(batch=64, timeout=1.0)
-            except (NatsTimeout, TimeoutError):
-                continue
-            except Exception as err:  # NATS away: keep going, nats-py reconnects
-                log.warning("generation_fetch_failed", error=str(err))
-                await asyncio.sleep(0.5)
-                continue
-            for msg in msgs:
-                await self._on_generation(msg)
-                await msg.ack()
+    async def _on_message(self, msg: Msg) -> None:
+        await self._on_generation(msg)
+        await msg.ack()
 
     async def _on_generation(self, msg: Msg) -> None:
         try:

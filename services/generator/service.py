@@ -12,18 +12,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Coroutine
 from typing import Any
 
 import structlog
 from nats.aio.msg import Msg
-from nats.errors import TimeoutError as NatsTimeout
 from nats.js.api import AckPolicy, ConsumerConfig
 from nats.js.errors import NotFoundError
 
 from schemas import subjects
 from schemas.envelope import Envelope
-from schemas.messages import Query, Reply
+from schemas.messages import CompactionRequest, Query, Reply
 from services.core.state_machine import Action, CompactionMode
+from services.generator.compaction import Compactor
 from services.generator.provider import ChatProvider, OllamaProvider
 from services.generator.session_lock import LockTimeout, SessionLocks
 from services.generator.settings import GeneratorSettings
@@ -31,12 +32,16 @@ from services.generator.states import SessionStates
 from services.generator.toolbox import Toolbox
 from services.generator.turns import TurnError, TurnRunner
 from services.shared.bus import BadMessage, Bus, decode
+from services.shared.consumer import PullLoop
 from services.shared.history_store import HistoryConflict, HistoryStore
 from services.shared.jetstream import locks_bucket, sessions_bucket
 from services.shared.runner import Endpoint
 from services.shared.sessions import SessionNotFound, SessionStore
 
 QUERY_CONSUMER = "generator"
+COMPACTION_CONSUMER = "generator-compactions"
+# After this many crashed attempts a query is answered with an error.
+MAX_DELIVERIES = 3
 # How long a later query of a session waits before it is offered again.
 OUT_OF_ORDER_DELAY_S = 0.05
 log = structlog.get_logger()
@@ -52,13 +57,14 @@ class Generator:
         self._locks = locks
         self._states = SessionStates(bus, settings.generator_id,
                                      CompactionMode(settings.compaction_mode))
+        self._compactor = Compactor(bus, settings, provider, self._history, sessions, locks,
+                                    self._states)
         self._turns = TurnRunner(bus, settings, provider, self._history, sessions,
-                                 self._states, Toolbox(bus, settings.tool_timeout_s))
-        # Set whenever a handler finishes, so a saturated pull loop fetches again.
-        self._room = asyncio.Event()
+                                 self._states, Toolbox(bus, settings.tool_timeout_s),
+                                 self._compactor)
         self._local_order: dict[str, asyncio.Lock] = {}
         self._tasks: set[asyncio.Task[None]] = set()
-        self._loop_task: asyncio.Task[None] | None = None
+        self._loops: list[PullLoop] = []
         self._answered = 0
 
     async def start(self) -> None:
@@ -72,13 +78,24 @@ class Generator:
                 max_ack_pending=10_000,
             ),
         )
-        self._loop_task = asyncio.create_task(self._pull_loop(sub))
+        compactions = await self._bus.js.pull_subscribe(
+            subjects.COMPACTION_REQUEST,
+            durable=COMPACTION_CONSUMER,
+            stream=subjects.COMPACTIONS_STREAM,
+            config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT,
+                                  ack_wait=self._settings.query_ack_wait_s,
+                                  max_ack_pending=10_000),
+        )
+        self._loops = [
+            PullLoop(sub, self._spawn_query, QUERY_CONSUMER, self._capacity),
+            PullLoop(compactions, self._spawn_compaction, COMPACTION_CONSUMER, self._capacity),
+        ]
+        for loop in self._loops:
+            loop.start()
 
     async def stop(self) -> None:
-        if self._loop_task:
-            self._loop_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._loop_task
+        for loop in self._loops:
+            await loop.stop()
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=10)
 
@@ -94,32 +111,41 @@ class Generator:
             "num_ctx": self._settings.num_ctx,
         }
 
-    async def _pull_loop(self, sub: Any) -> None:
-        while True:
-            free = self._settings.max_concurrent_sessions - len(self._tasks)
-            if free <= 0:
-                self._room.clear()
-                await self._room.wait()
-                continue
-            try:
-                msgs = await sub.fetch(batch=free, timeout=1.0)
-            except (NatsTimeout, TimeoutError):
-                continue
-            except Exception as err:  # NATS away: keep pulling, reconnect is automatic
-                log.warning("query_fetch_failed", error=str(err))
-                await asyncio.sleep(0.5)
-                continue
-            for msg in msgs:
-                self._spawn(msg)
+    def _capacity(self) -> int:
+        return self._settings.max_concurrent_sessions - len(self._tasks)
 
-    def _spawn(self, msg: Msg) -> None:
-        task = asyncio.create_task(self._handle(msg))
+    async def _spawn_query(self, msg: Msg) -> None:
+        self._spawn(self._handle(msg))
+
+    async def _spawn_compaction(self, msg: Msg) -> None:
+        self._spawn(self._handle_compaction(msg))
+
+    async def _handle_compaction(self, msg: Msg) -> None:
+        try:
+            env = decode(msg.data, CompactionRequest, msg.subject)
+        except BadMessage as err:
+            await self._bus.report_bad_event(err)
+            await msg.term()
+            return
+        heartbeat = asyncio.create_task(self._keep_in_progress(msg))
+        try:
+            with structlog.contextvars.bound_contextvars(
+                session_id=env.payload.session_id, correlation_id=env.correlation_id
+            ):
+                await self._compactor.handle(env)
+            await msg.ack()
+        finally:
+            heartbeat.cancel()
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(work)
         self._tasks.add(task)
         task.add_done_callback(self._done)
 
     def _done(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
-        self._room.set()
+        for loop in self._loops:
+            loop.room_freed()
 
     async def _handle(self, msg: Msg) -> None:
         try:
@@ -144,13 +170,23 @@ class Generator:
 
     async def _answer_in_order(self, msg: Msg, env: Envelope[Query]) -> None:
         sid = env.payload.session_id
+        # Blocking mode: a query meeting a compaction waits only so long, then
+        # gets an error instead of the answer.
+        blocked = self._compactor.blocking and (
+            self._compactor.running(sid) or await self._locks.purpose_of(sid) == "compaction")
+        wait = self._settings.blocking_query_wait_s if blocked else None
         try:
-            async with self._locks.hold(sid, "query"):
+            async with self._locks.hold(sid, "query", wait_s=wait):
                 if await self._earlier_query_pending(sid, msg):
                     await msg.nak(delay=OUT_OF_ORDER_DELAY_S)
                     return
                 await self._answer(msg, env)
         except LockTimeout:
+            if blocked:
+                await self._send_reply(msg, env, self._error_reply(env, TurnError(
+                    "compacting", "the session is being compacted (blocking mode); "
+                    "try again when it is done")))
+                return
             log.warning("session_lock_timeout")
             await msg.nak(delay=1.0)
 
@@ -159,8 +195,7 @@ class Generator:
         await self._states.apply(sid, Action.receive, env.correlation_id)
         try:
             record = await self._sessions.get(sid)
-            outcome = await self._turns.run(env, record)
-            reply = outcome.reply
+            reply = await self._turns.run(env, record)
         except HistoryConflict:
             # Our view is stale (we lost the lease while frozen): let the query come
             # back; the redelivery sees what was written and never answers twice.
@@ -171,12 +206,33 @@ class Generator:
         except (SessionNotFound, TurnError) as err:
             reply = self._error_reply(env, err)
             await self._states.recover(sid, env.correlation_id)
+        except Exception as err:
+            await self._unexpected(msg, env, err)
+            return
         else:
             await self._states.apply(sid, Action.reset, env.correlation_id)
+        await self._send_reply(msg, env, reply)
+
+    async def _send_reply(self, msg: Msg, env: Envelope[Query], reply: Reply) -> None:
+        sid = env.payload.session_id
         await self._bus.publish(subjects.reply(sid), reply,
                                 correlation_id=env.correlation_id, session_id=sid)
+        # Synchronous: the stream must have dropped this query before the
+        # session's next one checks for earlier pending queries.
         await msg.ack_sync()
         self._answered += 1
+
+    async def _unexpected(self, msg: Msg, env: Envelope[Query], err: Exception) -> None:
+        """A bug or a broken connection: retry a few times, then tell the caller."""
+        log.exception("query_crashed", error=str(err))
+        sid = env.payload.session_id
+        with contextlib.suppress(Exception):
+            await self._states.recover(sid, env.correlation_id)
+        if msg.metadata.num_delivered < MAX_DELIVERIES:
+            await msg.nak(delay=0.5)
+            return
+        await self._send_reply(msg, env, self._error_reply(env, TurnError(
+            "internal_error", f"the generator failed on this query: {type(err).__name__}")))
 
     def _error_reply(self, env: Envelope[Query], err: Exception) -> Reply:
         sid = env.payload.session_id

@@ -53,8 +53,9 @@ class SessionLocks:
         self._wait_s = wait_s
 
     @contextlib.asynccontextmanager
-    async def hold(self, sid: str, purpose: Purpose) -> AsyncIterator[Lease]:
-        lease = await self.acquire(sid, purpose)
+    async def hold(self, sid: str, purpose: Purpose, wait_s: float | None = None
+                   ) -> AsyncIterator[Lease]:
+        lease = await self.acquire(sid, purpose, wait_s)
         renewer = asyncio.create_task(self._keep_renewed(lease))
         try:
             yield lease
@@ -64,8 +65,9 @@ class SessionLocks:
                 await renewer
             await self.release(lease)
 
-    async def acquire(self, sid: str, purpose: Purpose) -> Lease:
-        deadline = time.monotonic() + self._wait_s
+    async def acquire(self, sid: str, purpose: Purpose, wait_s: float | None = None) -> Lease:
+        wait_s = self._wait_s if wait_s is None else wait_s
+        deadline = time.monotonic() + wait_s
         delay = 0.005
         while True:
             try:
@@ -75,9 +77,20 @@ class SessionLocks:
             except KeyWrongLastSequenceError:
                 pass
             if time.monotonic() >= deadline:
-                raise LockTimeout(f"session {sid} stayed locked for {self._wait_s:g} s")
+                raise LockTimeout(f"session {sid} stayed locked for {wait_s:g} s")
             await asyncio.sleep(delay * random.uniform(0.5, 1.5))
             delay = min(delay * 2, 0.1)
+
+    async def purpose_of(self, sid: str) -> str | None:
+        """Why the session is locked right now (None when it is free)."""
+        try:
+            entry = await self._kv.get(sid)
+        except KeyNotFoundError:
+            return None
+        if not entry.value:
+            return None
+        purpose = json.loads(entry.value).get("purpose")
+        return str(purpose) if purpose else None
 
     async def release(self, lease: Lease) -> None:
         try:

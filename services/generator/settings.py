@@ -22,6 +22,9 @@ class GeneratorSettings(ServiceSettings):
     # Tokens kept free for the answer: the prompt budget is num_ctx minus this.
     # None: an eighth of the window, at least 256.
     output_headroom: int | None = Field(default=None, ge=0)
+    # The generator compacts on its own only as a last resort before an
+    # overflow, and not at all when this is 0 (automatic compaction off).
+    compaction_threshold: float = Field(default=0.8, ge=0, le=1)
     compaction_tail_turns: int = Field(default=4, ge=1)
     compaction_mode: Literal["background", "blocking"] = "background"
     # In blocking mode, how long a query waits for a compaction before it is refused.

@@ -6,6 +6,11 @@ appends the new messages with compare-and-swap, and publishes the
 `response.generation` report. It never appends anything partial: every
 message of the turn is written at the end, tagged with the query's id, so a
 redelivered query recognises its own messages and is never answered twice.
+
+Before every model call the prompt is measured against the budget. Over it,
+the turn compacts first (emergency level) when automatic compaction is on,
+and refuses with a clear error when it is off or cannot make room: nothing
+that would overflow the window is ever sent.
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ from services.core.boundary import choose_boundary
 from services.core.decision import check_fit
 from services.core.prompt import render_messages, sent_chars
 from services.core.state_machine import Action
-from services.core.tokens import Calibration, budget, default_headroom, estimate_tokens
+from services.core.tokens import Calibration, budget, calibrate, default_headroom, estimate_tokens
+from services.generator.compaction import CompactionFailed, CompactionSkipped, Compactor
 from services.generator.provider import ChatProvider, ChatRequest, ChatResult, ProviderError
 from services.generator.settings import GeneratorSettings
 from services.generator.states import SessionStates
@@ -35,6 +41,7 @@ from services.shared.history_store import HistoryStore, HistoryView
 from services.shared.sessions import SessionStore
 
 log = structlog.get_logger()
+Messages = list[dict[str, Any]]
 
 
 class TurnError(Exception):
@@ -45,37 +52,54 @@ class TurnError(Exception):
         self.code = code
 
 
-@dataclass(frozen=True)
-class Outcome:
-    reply: Reply
+@dataclass
+class Turn:
+    """What one query has produced so far."""
+
+    env: Envelope[Query]
+    record: SessionRecord
     view: HistoryView
+    # This query's messages already in the history (a delivery that died stored them).
+    stored: list[ChatMessage]
+    # This query's messages not yet written.
+    fresh: list[ChatMessage]
+
+    @property
+    def sid(self) -> str:
+        return self.env.payload.session_id
+
+    @property
+    def query_id(self) -> str:
+        return self.env.message_id
+
+    @property
+    def messages(self) -> list[ChatMessage]:
+        return [*self.stored, *self.fresh]
+
+    def prior(self) -> Conversation:
+        """The history before this query."""
+        conversation = self.view.conversation
+        return replace_messages(conversation, [m for m in conversation.messages
+                                               if m.query_id != self.query_id])
+
+
+def replace_messages(conversation: Conversation, messages: list[ChatMessage]) -> Conversation:
+    return Conversation(summary=conversation.summary, messages=tuple(messages),
+                        compactions=conversation.compactions)
 
 
 def previous_answer(conversation: Conversation, query_id: str) -> str | None:
-    """The final answer already stored for this query, if a earlier delivery got that far."""
+    """The final answer already stored for this query, if an earlier delivery got that far."""
     for message in reversed(conversation.messages):
-        if message.query_id != query_id:
-            continue
-        if message.role == "assistant" and not message.tool_calls:
+        if message.query_id == query_id and message.role == "assistant" and not message.tool_calls:
             return message.content
     return None
 
 
-def stored_messages(conversation: Conversation, query_id: str) -> list[ChatMessage]:
-    return [m for m in conversation.messages if m.query_id == query_id]
-
-
 class TurnRunner:
-    def __init__(
-        self,
-        bus: Bus,
-        settings: GeneratorSettings,
-        provider: ChatProvider,
-        history: HistoryStore,
-        sessions: SessionStore,
-        states: SessionStates,
-        toolbox: Toolbox,
-    ) -> None:
+    def __init__(self, bus: Bus, settings: GeneratorSettings, provider: ChatProvider,
+                 history: HistoryStore, sessions: SessionStore, states: SessionStates,
+                 toolbox: Toolbox, compactor: Compactor) -> None:
         self._bus = bus
         self._settings = settings
         self._provider = provider
@@ -83,100 +107,106 @@ class TurnRunner:
         self._sessions = sessions
         self._states = states
         self._toolbox = toolbox
+        self._compactor = compactor
 
     def budget(self) -> int:
         s = self._settings
         headroom = s.output_headroom if s.output_headroom is not None else default_headroom(s.num_ctx)
         return budget(s.num_ctx, headroom)
 
-    async def run(self, env: Envelope[Query], record: SessionRecord) -> Outcome:
-        query, sid, query_id = env.payload, env.payload.session_id, env.message_id
+    async def run(self, env: Envelope[Query], record: SessionRecord) -> Reply:
+        sid, query_id = env.payload.session_id, env.message_id
         view = await self._history.read(sid)
         done = previous_answer(view.conversation, query_id)
         if done is not None:
-            log.info("query_already_answered", query_id=query_id)
-            return Outcome(Reply(session_id=sid, query_id=query_id, reply=done), view)
-        # A delivery that died after storing the user message continues from it.
-        pending = stored_messages(view.conversation, query_id)
-        prior = Conversation(
-            summary=view.conversation.summary,
-            messages=tuple(m for m in view.conversation.messages if m.query_id != query_id),
-            compactions=view.conversation.compactions,
-        )
-        fresh: list[ChatMessage] = [] if pending else [
-            ChatMessage(role="user", content=query.content, query_id=query_id)
-        ]
+            log.info("query_already_answered")
+            return Reply(session_id=sid, query_id=query_id, reply=done)
+        stored = [m for m in view.conversation.messages if m.query_id == query_id]
+        fresh = [] if stored else [ChatMessage(role="user", content=env.payload.content,
+                                               query_id=query_id)]
+        turn = Turn(env, record, view, stored, fresh)
         started = time.monotonic()
-        result, new, messages, tools = await self._generate(env, record, prior, pending, fresh)
+        await self._states.apply(sid, Action.start_generation, env.correlation_id)
+        result, prompt, tools = await self._tool_loop(turn)
         answer = ChatMessage(role="assistant", content=result.content, query_id=query_id)
         await self._states.apply(sid, Action.publish, env.correlation_id)
-        view = await self._history.append(sid, view, [*new, answer], msg_id=query_id)
-        await self._report(env, record, result, messages, tools, view, started)
-        return Outcome(
-            Reply(session_id=sid, query_id=query_id, reply=result.content,
-                  prompt_tokens=result.prompt_tokens,
-                  completion_tokens=result.completion_tokens),
-            view,
-        )
+        turn.view = await self._history.append(sid, turn.view, [*turn.fresh, answer],
+                                               msg_id=query_id)
+        await self._recalibrate(turn.record, result, sent_chars(prompt, tools))
+        await self._report(turn, result, sent_chars(prompt, tools), tools, started)
+        return Reply(session_id=sid, query_id=query_id, reply=result.content,
+                     prompt_tokens=result.prompt_tokens,
+                     completion_tokens=result.completion_tokens)
 
-    async def _generate(
-        self,
-        env: Envelope[Query],
-        record: SessionRecord,
-        prior: Conversation,
-        stored: list[ChatMessage],
-        fresh: list[ChatMessage],
-    ) -> tuple[ChatResult, list[ChatMessage], list[dict[str, Any]], list[dict[str, Any]]]:
-        """The tool loop. `stored` are this query's messages already in the history
-        (from a delivery that died), `fresh` those not yet written. Returns the
-        final result, the messages to append (all but the answer), the last
-        prompt sent and the tools offered."""
-        sid, query_id = env.payload.session_id, env.message_id
+    async def _tool_loop(self, turn: Turn) -> tuple[ChatResult, Messages, Messages]:
         tools = await self._toolbox.definitions()
-        turn, to_append = [*stored, *fresh], list(fresh)
-        await self._states.apply(sid, Action.start_generation, env.correlation_id)
         for _ in range(self._settings.max_tool_iterations + 1):
-            messages = render_messages(record.system, prior, turn)
-            self._check_fits(record, messages, tools)
-            result = await self._call_model(env, record, messages, tools)
+            prompt = await self._fitting_prompt(turn, tools)
+            result = await self._call_model(turn.env, turn.record, prompt, tools)
             if not result.tool_calls:
-                return result, to_append, messages, tools
-            call_msg = ChatMessage(role="assistant", content=result.content,
-                                   tool_calls=result.tool_calls, query_id=query_id)
-            results = await self._run_tools(env, result)
-            turn = [*turn, call_msg, *results]
-            to_append = [*to_append, call_msg, *results]
+                return result, prompt, tools
+            call = ChatMessage(role="assistant", content=result.content,
+                               tool_calls=result.tool_calls, query_id=turn.query_id)
+            turn.fresh = [*turn.fresh, call, *await self._run_tools(turn.env, result)]
         raise TurnError(
             "tool_loop_limit",
             f"the model kept calling tools after {self._settings.max_tool_iterations} rounds",
+        )
+
+    async def _fitting_prompt(self, turn: Turn, tools: Messages) -> Messages:
+        prompt = render_messages(turn.record.system, turn.prior(), turn.messages)
+        if self._fits(turn.record, prompt, tools):
+            return prompt
+        if not self._may_compact(turn.record):
+            raise self._overflow(turn.record, prompt, tools,
+                                 "automatic compaction is off for this session: compact it "
+                                 "(POST /api/sessions/{id}/compact) or shorten the message")
+        try:
+            turn.view = await self._compactor.compact_within_turn(turn.record, turn.view,
+                                                                  turn.env.correlation_id)
+        except (CompactionSkipped, CompactionFailed) as err:
+            raise self._overflow(turn.record, prompt, tools,
+                                 f"emergency compaction could not make room: {err}") from err
+        prompt = render_messages(turn.record.system, turn.prior(), turn.messages)
+        if not self._fits(turn.record, prompt, tools):
+            raise self._overflow(turn.record, prompt, tools,
+                                 "it does not fit even after compaction (a single message "
+                                 "larger than the window?)")
+        return prompt
+
+    def _may_compact(self, record: SessionRecord) -> bool:
+        return self._settings.compaction_threshold > 0 and record.auto_compact
+
+    def _estimate(self, record: SessionRecord, prompt: Messages, tools: Messages) -> int:
+        return estimate_tokens(sent_chars(prompt, tools), Calibration(record.tokens_per_char))
+
+    def _fits(self, record: SessionRecord, prompt: Messages, tools: Messages) -> bool:
+        return check_fit(self._estimate(record, prompt, tools), self.budget()).fits
+
+    def _overflow(self, record: SessionRecord, prompt: Messages, tools: Messages,
+                  advice: str) -> TurnError:
+        return TurnError(
+            "context_overflow",
+            f"the prompt would need about {self._estimate(record, prompt, tools)} tokens but "
+            f"the budget is {self.budget()} (num_ctx {self._settings.num_ctx}); {advice}",
         )
 
     async def _run_tools(self, env: Envelope[Query], result: ChatResult) -> list[ChatMessage]:
         sid = env.payload.session_id
         await self._states.apply(sid, Action.dispatch_tool, env.correlation_id)
         await self._states.apply(sid, Action.await_result, env.correlation_id)
-        results = [
-            await self._toolbox.run(call, env.message_id, env.correlation_id)
-            for call in result.tool_calls
-        ]
-        timed_out = any("timed out" in r.content for r in results)
-        action = Action.tool_timeout if timed_out else Action.tool_result
-        await self._states.apply(sid, action, env.correlation_id)
+        results = [await self._toolbox.run(call, env.message_id, env.correlation_id)
+                   for call in result.tool_calls]
+        timed_out = any(r.content.startswith("error:") and "timed out" in r.content
+                        for r in results)
+        await self._states.apply(sid, Action.tool_timeout if timed_out else Action.tool_result,
+                                 env.correlation_id)
         return results
 
-    async def _call_model(
-        self,
-        env: Envelope[Query],
-        record: SessionRecord,
-        messages: list[dict[str, Any]],
-        tools: list[dict[str, Any]],
-    ) -> ChatResult:
-        request = ChatRequest(
-            model=record.model or self._settings.model,
-            messages=messages,
-            num_ctx=self._settings.num_ctx,
-            tools=tools,
-        )
+    async def _call_model(self, env: Envelope[Query], record: SessionRecord, prompt: Messages,
+                          tools: Messages) -> ChatResult:
+        request = ChatRequest(model=record.model or self._settings.model, messages=prompt,
+                              num_ctx=self._settings.num_ctx, tools=tools)
         streamer = _TokenStreamer(self._bus, env) if env.payload.stream else None
         try:
             result = await self._provider.chat(request, streamer.send if streamer else None)
@@ -187,51 +217,35 @@ class TurnRunner:
             raise TurnError("empty_reply", f"the model returned an empty reply{where}")
         return result
 
-    def _check_fits(
-        self, record: SessionRecord, messages: list[dict[str, Any]], tools: list[dict[str, Any]]
-    ) -> None:
-        estimate = estimate_tokens(sent_chars(messages, tools),
-                                   Calibration(record.tokens_per_char))
-        fit = check_fit(estimate, self.budget())
-        if not fit.fits:
-            raise TurnError(
-                "context_overflow",
-                f"the prompt would need about {estimate} tokens but the budget is "
-                f"{self.budget()} (num_ctx {self._settings.num_ctx}); compact the session "
-                "or shorten the message",
-            )
+    async def _recalibrate(self, record: SessionRecord, result: ChatResult, sent: int) -> None:
+        previous = Calibration(record.tokens_per_char)
+        updated = calibrate(previous, result.prompt_tokens, sent, self._settings.num_ctx)
+        ratio = updated.tokens_per_char
+        if ratio is not None and (previous.tokens_per_char is None
+                                  or abs(ratio / previous.tokens_per_char - 1) > 0.005):
+            await self._sessions.put(record.model_copy(update={"tokens_per_char": ratio}))
 
-    async def _report(
-        self,
-        env: Envelope[Query],
-        record: SessionRecord,
-        result: ChatResult,
-        messages: list[dict[str, Any]],
-        tools: list[dict[str, Any]],
-        view: HistoryView,
-        started: float,
-    ) -> None:
-        sid = env.payload.session_id
-        next_prompt = render_messages(record.system, view.conversation)
-        boundary = choose_boundary(view.conversation.messages, self._settings.compaction_tail_turns)
-        compactable = render_messages("", Conversation(
-            summary=view.conversation.summary,
-            messages=view.conversation.messages[:boundary]))
+    async def _report(self, turn: Turn, result: ChatResult, sent: int, tools: Messages,
+                      started: float) -> None:
+        conversation = turn.view.conversation
+        boundary = choose_boundary(conversation.messages, self._settings.compaction_tail_turns)
+        compactable = render_messages("", replace_messages(
+            conversation, list(conversation.messages[:boundary])))
         report = GenerationReport(
-            session_id=sid,
-            model=record.model or self._settings.model,
+            session_id=turn.sid,
+            model=turn.record.model or self._settings.model,
             prompt_tokens=result.prompt_tokens,
             completion_tokens=result.completion_tokens,
-            sent_chars=sent_chars(messages, tools),
+            sent_chars=sent,
             num_ctx=self._settings.num_ctx,
             duration_ms=(time.monotonic() - started) * 1000,
-            next_prompt_chars=sent_chars(next_prompt, tools),
+            next_prompt_chars=sent_chars(render_messages(turn.record.system, conversation), tools),
             compactable_chars=sent_chars(compactable),
-            auto_compact=record.auto_compact,
+            auto_compact=turn.record.auto_compact,
         )
         await self._bus.js_publish(subjects.RESPONSE_GENERATION, report,
-                                   correlation_id=env.correlation_id, session_id=sid,
-                                   message_id=f"{env.message_id}:generation")
+                                   correlation_id=turn.env.correlation_id, session_id=turn.sid,
+                                   message_id=f"{turn.query_id}:generation")
 
 
 class _TokenStreamer:
@@ -248,3 +262,4 @@ class _TokenStreamer:
             correlation_id=self._env.correlation_id, session_id=sid,
         )
         self._index += 1
+

@@ -26,6 +26,7 @@ from services.shared.logging import configure_logging
 from services.shared.settings import ServiceSettings
 
 VERSION = "0.1.0"
+DRAIN_TIMEOUT_S = 5.0
 log = structlog.get_logger()
 
 
@@ -74,7 +75,11 @@ async def serve(
     log.info("service_stopping")
     await component.stop()
     await micro.stop()
-    await nc.drain()
+    try:
+        await asyncio.wait_for(nc.drain(), DRAIN_TIMEOUT_S)
+    except TimeoutError:
+        log.warning("drain_timed_out")
+        await nc.close()
     log.info("service_stopped")
 
 

@@ -1,0 +1,166 @@
+"""When to compact (the decider's brain) and the generator's last guard.
+
+Decisions are taken on the calibrated estimate of what the NEXT call will
+send, never on the provider's last reported count alone: after a compacted
+call that count is low although the history about to be sent may be full,
+which is how a trigger driven by it oscillates into overflow.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from enum import StrEnum
+
+# At or above this share of the budget the level is emergency, whatever the
+# threshold: the next call would leave almost no slack.
+EMERGENCY_FRACTION = 0.95
+
+# The share of the budget the generator's last guard keeps in reserve. A
+# calibrated estimate still errs by a few percent when the mix of the prompt
+# shifts (framing is charged per message, in tokens, while the estimate counts
+# characters; compaction swaps big messages for small ones): the simulation
+# measures it at under 5% near the top. Sending only up to the emergency line
+# absorbs that, so no prompt's true size exceeds the budget.
+FIT_MARGIN = 1.0 - EMERGENCY_FRACTION
+
+
+class Level(StrEnum):
+    gentle = "gentle"
+    tighter = "tighter"
+    emergency = "emergency"
+
+
+@dataclass(frozen=True)
+class Policy:
+    threshold: float = 0.8
+    cooldown_s: float = 30.0
+    min_relief: float = 0.1
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.threshold <= 1.0:
+            raise ValueError(f"threshold must be within [0, 1], got {self.threshold}")
+        if self.cooldown_s < 0:
+            raise ValueError(f"cooldown_s must be >= 0, got {self.cooldown_s}")
+        if not 0.0 <= self.min_relief <= 1.0:
+            raise ValueError(f"min_relief must be within [0, 1], got {self.min_relief}")
+
+    @property
+    def tighter_fraction(self) -> float:
+        """Halfway between the threshold and a full budget."""
+        return self.threshold + (1.0 - self.threshold) / 2
+
+
+@dataclass(frozen=True)
+class Observation:
+    next_prompt_tokens: int
+    budget: int
+    compactable_tokens: int
+    now: float
+
+
+@dataclass(frozen=True)
+class SessionMemory:
+    pending: bool = False
+    last_fired_at: float | None = None
+    tokens_after_last: int | None = None
+
+
+@dataclass(frozen=True)
+class Decision:
+    fire: bool
+    level: Level | None
+    reason: str
+
+
+@dataclass(frozen=True)
+class Fit:
+    fits: bool
+    over_by: int
+
+
+def level_for(next_prompt_tokens: int, budget: int, policy: Policy) -> Level | None:
+    """How hard to compact for this estimate, or None below the threshold (or disabled).
+
+    Callers size `Observation.compactable_tokens` for this level's live zone.
+    """
+    if policy.threshold <= 0 or budget <= 0:
+        return None
+    if next_prompt_tokens < policy.threshold * budget:
+        return None
+    if next_prompt_tokens >= EMERGENCY_FRACTION * budget:
+        return Level.emergency
+    if next_prompt_tokens >= policy.tighter_fraction * budget:
+        return Level.tighter
+    return Level.gentle
+
+
+def decide(
+    obs: Observation, memory: SessionMemory, policy: Policy
+) -> tuple[Decision, SessionMemory]:
+    """Whether to request a compaction now, and the session's updated memory."""
+    if policy.threshold <= 0:
+        return Decision(False, None, "automatic compaction is disabled (threshold 0)"), memory
+    usage = _usage(obs, policy)
+    level = level_for(obs.next_prompt_tokens, obs.budget, policy)
+    if level is None:
+        return Decision(False, None, f"{usage}: below threshold"), memory
+    veto = _veto(obs, memory, policy, level)
+    if veto is not None:
+        return Decision(False, None, f"{usage}, {level.value}, but {veto}"), memory
+    fired = replace(memory, pending=True, last_fired_at=obs.now)
+    return Decision(True, level, f"{usage}: compact ({level.value})"), fired
+
+
+def _usage(obs: Observation, policy: Policy) -> str:
+    share = obs.next_prompt_tokens / obs.budget if obs.budget > 0 else float("inf")
+    relation = ">=" if obs.next_prompt_tokens >= policy.threshold * obs.budget else "<"
+    return (
+        f"estimate {obs.next_prompt_tokens} of budget {obs.budget} tokens "
+        f"({share:.0%}) {relation} threshold {policy.threshold:.0%}"
+    )
+
+
+def _veto(obs: Observation, memory: SessionMemory, policy: Policy, level: Level) -> str | None:
+    """Why a compaction must not start although the estimate crossed, if it must not."""
+    # One compaction in flight per session, whatever the level: a second one
+    # would only conflict with the first at splice time.
+    if memory.pending:
+        return "a compaction is already pending for this session"
+    # Emergency ignores the cooldown: overflow is worse than a second summary.
+    if level is not Level.emergency and memory.last_fired_at is not None:
+        elapsed = obs.now - memory.last_fired_at
+        if elapsed < policy.cooldown_s:
+            return (
+                f"cooling down ({elapsed:.1f}s since the last one, "
+                f"cooldown {policy.cooldown_s:g}s)"
+            )
+    needed = policy.min_relief * obs.budget
+    if obs.compactable_tokens < needed:
+        return (
+            f"only {obs.compactable_tokens} tokens lie outside the live zone, less than the "
+            f"minimum relief of {needed:.0f} ({policy.min_relief:.0%} of budget): "
+            "a compaction would free too little to be worth it"
+        )
+    return None
+
+
+def on_result(memory: SessionMemory, tokens_after: int | None, now: float) -> SessionMemory:
+    """A compaction.result arrived (any outcome): nothing is pending any more.
+
+    A failed compaction (no `tokens_after`) restarts the cooldown at `now`, so a
+    broken summariser is retried once per cooldown rather than on every turn.
+    """
+    last = now if tokens_after is None else memory.last_fired_at
+    return SessionMemory(pending=False, last_fired_at=last, tokens_after_last=tokens_after)
+
+
+def check_fit(next_prompt_tokens: int, budget: int, margin: float = FIT_MARGIN) -> Fit:
+    """The generator's pre-send guard: does the next call fit its budget, keeping
+    `margin` of it in reserve for the estimate's error? `over_by` is how many
+    estimated tokens must go for it to fit."""
+    if not 0.0 <= margin < 1.0:
+        raise ValueError(f"margin must be within [0, 1), got {margin}")
+    limit = math.floor((1.0 - margin) * budget)
+    over = next_prompt_tokens - limit
+    return Fit(fits=over <= 0, over_by=max(0, over))

@@ -1,0 +1,104 @@
+"""The exact messages sent to the model, and how many characters they weigh.
+
+The pinned system prompt is always the first message, byte for byte the same
+on every call; compaction never touches it. A summary follows as a second
+system message that presents itself as notes on the earlier part of the same,
+still running conversation.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from schemas.history import ChatMessage, Conversation
+
+# Opens the summary message. It must read as a continuation: framing the notes
+# as a fresh start is what makes models greet the user again after compaction.
+SUMMARY_PREFIX = (
+    "Context notes: the earlier part of this same conversation was condensed "
+    "into the notes below to save space. The conversation continues after "
+    "them; carry on from where it stands.\n\n"
+)
+
+# Characters charged per message for its role and template framing (the chat
+# template wraps every message in a few special tokens).
+MESSAGE_OVERHEAD_CHARS = 16
+
+
+def compact_json(value: Any) -> str:
+    """Key-sorted JSON without spaces, so equal structures always weigh the same."""
+    return json.dumps(value, separators=(",", ":"), sort_keys=True)
+
+
+def message_dict(message: ChatMessage) -> dict[str, Any]:
+    """One history message as an Ollama chat message."""
+    out: dict[str, Any] = {"role": message.role, "content": message.content}
+    if message.tool_calls:
+        out["tool_calls"] = [
+            {"function": {"name": call.name, "arguments": dict(call.arguments)}}
+            for call in message.tool_calls
+        ]
+    if message.tool_name is not None:
+        out["tool_name"] = message.tool_name
+    return out
+
+
+def render_messages(
+    system: str,
+    conversation: Conversation,
+    pending: Sequence[ChatMessage] = (),
+) -> list[dict[str, Any]]:
+    """System prompt, summary, history, then the turn in progress."""
+    out: list[dict[str, Any]] = []
+    if system:
+        out.append({"role": "system", "content": system})
+    if conversation.summary is not None:
+        out.append({"role": "system", "content": SUMMARY_PREFIX + conversation.summary})
+    out.extend(message_dict(m) for m in conversation.messages)
+    out.extend(message_dict(m) for m in pending)
+    return out
+
+
+def message_chars(message: Mapping[str, Any]) -> int:
+    """Characters one rendered message contributes to a call."""
+    chars = len(message.get("content") or "") + MESSAGE_OVERHEAD_CHARS
+    tool_calls = message.get("tool_calls")
+    if tool_calls:
+        chars += len(compact_json(tool_calls))
+    return chars + len(message.get("tool_name") or "")
+
+
+def tools_chars(tools: Sequence[Mapping[str, Any]]) -> int:
+    """Characters of the tool definitions offered with a call (0 when none)."""
+    return len(compact_json(list(tools))) if tools else 0
+
+
+def sent_chars(
+    messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] = ()
+) -> int:
+    """Characters a call sends: every message with its framing, plus the tools."""
+    return sum(message_chars(m) for m in messages) + tools_chars(tools)
+
+
+def history_chars(messages: Sequence[ChatMessage]) -> int:
+    """Characters of history messages as they would be sent."""
+    return sum(message_chars(message_dict(m)) for m in messages)
+
+
+def shared_prefix_chars(
+    previous: Sequence[Mapping[str, Any]], current: Sequence[Mapping[str, Any]]
+) -> int:
+    """Characters of the leading messages `current` shares with `previous`.
+
+    Pass the session's previous prompt, without its reply: a provider reusing
+    its KV cache evaluates, and may count, only what follows this shared part.
+    `calibrate` uses it to tell a complete token count from a suffix-only one.
+    """
+    shared = 0
+    for before, now in zip(previous, current, strict=False):
+        if before != now:
+            break
+        shared += message_chars(now)
+    return shared

@@ -1,0 +1,81 @@
+"""The compaction splice: summary + every message after the boundary.
+
+A compaction snapshots the history, summarises the compact zone while turns
+go on, then splices under the session lock. Messages appended since the
+snapshot are all kept, so the live zone never shrinks; if the history no
+longer starts with the snapshot (another compaction got there first), the
+splice refuses instead of guessing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from schemas.history import ChatMessage, Conversation, Snapshot
+from services.core.boundary import choose_boundary
+
+
+class SpliceConflict(Exception):
+    """The history changed under the snapshot in a way a splice cannot absorb."""
+
+
+@dataclass(frozen=True)
+class CompactionPlan:
+    snapshot: Conversation
+    boundary: int
+
+    def __post_init__(self) -> None:
+        if not 0 < self.boundary <= len(self.snapshot.messages):
+            raise ValueError(
+                f"boundary {self.boundary} outside 1..{len(self.snapshot.messages)}"
+            )
+
+    @property
+    def to_compact(self) -> tuple[ChatMessage, ...]:
+        return self.snapshot.messages[: self.boundary]
+
+    @property
+    def live(self) -> tuple[ChatMessage, ...]:
+        return self.snapshot.messages[self.boundary :]
+
+
+def plan_compaction(snapshot: Conversation, tail_turns: int) -> CompactionPlan | None:
+    """What to compact in this snapshot, or None when nothing lies before the live zone."""
+    boundary = choose_boundary(snapshot.messages, tail_turns)
+    if boundary == 0:
+        return None
+    return CompactionPlan(snapshot, boundary)
+
+
+def splice(current: Conversation, plan: CompactionPlan, summary: str) -> Snapshot:
+    """The rollup that replaces `current`: the new summary, then messages[boundary:]."""
+    if not summary.strip():
+        raise ValueError("an empty summary is never spliced")
+    snapshot = plan.snapshot
+    prefix = current.messages[: len(snapshot.messages)]
+    if (
+        current.summary != snapshot.summary
+        or current.compactions != snapshot.compactions
+        or prefix != snapshot.messages
+    ):
+        raise SpliceConflict(
+            "history no longer starts with the compacted snapshot "
+            f"(compactions {snapshot.compactions} -> {current.compactions}, "
+            f"{len(snapshot.messages)} -> {len(current.messages)} messages)"
+        )
+    return Snapshot(
+        summary=summary,
+        messages=current.messages[plan.boundary :],
+        compactions=current.compactions + 1,
+    )
+
+
+def first_user_request(conversation: Conversation) -> str | None:
+    """The session's first user request while it is still raw; after a compaction
+    the summary carries it, so None."""
+    if conversation.summary is not None or conversation.compactions > 0:
+        return None
+    for message in conversation.messages:
+        if message.role == "user":
+            return message.content
+    return None

@@ -1,0 +1,161 @@
+"""The per-session generator state machine.
+
+A turn walks idle -> receiving -> generating (-> tool rounds) -> publishing ->
+idle. Compaction has two modes:
+
+- blocking: `compacting` is a phase of its own, entered only from idle; a query
+  arriving meanwhile is an illegal `receive` (the shell rejects it).
+- background (default): compaction is a flag beside the turn phase, so a
+  session keeps answering while its summary is written. The visible state is
+  `compacting` only while the turn phase is idle.
+
+Every transition not in the tables raises `IllegalTransition`; nothing is
+silently ignored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from types import MappingProxyType
+
+
+class Phase(StrEnum):
+    idle = "idle"
+    receiving = "receiving"
+    generating = "generating"
+    dispatching_tool = "dispatching_tool"
+    waiting_for_tool = "waiting_for_tool"
+    publishing = "publishing"
+    compacting = "compacting"
+    error = "error"
+
+
+class Action(StrEnum):
+    receive = "receive"
+    start_generation = "start_generation"
+    dispatch_tool = "dispatch_tool"
+    await_result = "await_result"
+    tool_result = "tool_result"
+    tool_timeout = "tool_timeout"
+    publish = "publish"
+    reset = "reset"
+    fail = "fail"
+    start_compaction = "start_compaction"
+    complete_compaction = "complete_compaction"
+
+
+class CompactionMode(StrEnum):
+    background = "background"
+    blocking = "blocking"
+
+
+@dataclass(frozen=True)
+class SessionState:
+    phase: Phase
+    compacting: bool = False
+
+    @property
+    def visible(self) -> Phase:
+        """What the UI shows: an idle session with a compaction in flight is compacting."""
+        if self.phase is Phase.idle and self.compacting:
+            return Phase.compacting
+        return self.phase
+
+
+INITIAL = SessionState(Phase.idle, False)
+
+
+class IllegalTransition(Exception):
+    def __init__(self, state: SessionState, action: Action, mode: CompactionMode | None = None):
+        self.state = state
+        self.action = action
+        self.mode = mode
+        flag = " (compaction in flight)" if state.compacting else ""
+        where = f" in {mode.value} mode" if mode is not None else ""
+        super().__init__(
+            f"illegal transition: action '{action.value}' from phase "
+            f"'{state.phase.value}'{flag}{where}"
+        )
+
+
+def _turn_table() -> dict[tuple[Phase, Action], Phase]:
+    table: dict[tuple[Phase, Action], Phase] = {
+        (Phase.idle, Action.receive): Phase.receiving,
+        (Phase.receiving, Action.start_generation): Phase.generating,
+        (Phase.generating, Action.dispatch_tool): Phase.dispatching_tool,
+        (Phase.dispatching_tool, Action.await_result): Phase.waiting_for_tool,
+        (Phase.waiting_for_tool, Action.tool_result): Phase.generating,
+        (Phase.waiting_for_tool, Action.tool_timeout): Phase.generating,
+        (Phase.generating, Action.publish): Phase.publishing,
+        (Phase.publishing, Action.reset): Phase.idle,
+        (Phase.error, Action.reset): Phase.idle,
+    }
+    # Anything underway can fail. An error that fails again stays an error, so
+    # a shell's cleanup path never trips over its own failure report.
+    for phase in (
+        Phase.receiving,
+        Phase.generating,
+        Phase.dispatching_tool,
+        Phase.waiting_for_tool,
+        Phase.publishing,
+        Phase.error,
+    ):
+        table[(phase, Action.fail)] = Phase.error
+    return table
+
+
+# The turn path, shared by both modes: (phase, action) -> next phase.
+TURN_TRANSITIONS: Mapping[tuple[Phase, Action], Phase] = MappingProxyType(_turn_table())
+
+# Blocking mode adds compaction as a phase of its own, entered only from idle.
+BLOCKING_COMPACTION_TRANSITIONS: Mapping[tuple[Phase, Action], Phase] = MappingProxyType(
+    {
+        (Phase.idle, Action.start_compaction): Phase.compacting,
+        (Phase.compacting, Action.complete_compaction): Phase.idle,
+        (Phase.compacting, Action.fail): Phase.error,
+    }
+)
+
+
+def transition(
+    state: SessionState,
+    action: Action,
+    mode: CompactionMode = CompactionMode.background,
+) -> SessionState:
+    """The state after `action`, or `IllegalTransition` if the action is not allowed."""
+    if mode is CompactionMode.blocking:
+        return _blocking(state, action, mode)
+    return _background(state, action, mode)
+
+
+def _blocking(state: SessionState, action: Action, mode: CompactionMode) -> SessionState:
+    # The flag belongs to background mode; a state carrying it here is corrupt.
+    if state.compacting:
+        raise IllegalTransition(state, action, mode)
+    key = (state.phase, action)
+    target = TURN_TRANSITIONS.get(key) or BLOCKING_COMPACTION_TRANSITIONS.get(key)
+    if target is None:
+        raise IllegalTransition(state, action, mode)
+    return SessionState(target, False)
+
+
+def _background(state: SessionState, action: Action, mode: CompactionMode) -> SessionState:
+    # The compacting phase exists only in blocking mode.
+    if state.phase is Phase.compacting:
+        raise IllegalTransition(state, action, mode)
+    if action is Action.start_compaction:
+        if state.compacting or state.phase is Phase.error:
+            raise IllegalTransition(state, action, mode)
+        return SessionState(state.phase, True)
+    if action is Action.complete_compaction:
+        if not state.compacting:
+            raise IllegalTransition(state, action, mode)
+        return SessionState(state.phase, False)
+    target = TURN_TRANSITIONS.get((state.phase, action))
+    if target is None:
+        raise IllegalTransition(state, action, mode)
+    # A turn's failure or reset does not stop a compaction running beside it:
+    # its own result (success or error) ends it via complete_compaction.
+    return SessionState(target, state.compacting)

@@ -1,0 +1,96 @@
+"""Token estimates calibrated on the provider's own counts.
+
+The estimate is characters times a tokens-per-character ratio taken from the
+provider's last trustworthy report; before any such report a conservative
+fallback over-estimates, so an uncalibrated session compacts early rather than
+overflows.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+# 2.5 characters per token is denser than almost any real text, so the
+# fallback over-estimates until the provider's first usable count arrives.
+FALLBACK_TOKENS_PER_CHAR = 1 / 2.5
+
+# Fewer tokens than one per 12 characters means the provider did not count the
+# whole prompt (Ollama's KV cache reuse reports only the uncached tokens).
+MIN_TOKENS_PER_CHAR = 1 / 12
+
+# No tokenizer spends more than about one token per character of chat text;
+# a count that fits within that over the new suffix may be a suffix-only count.
+MAX_TOKENS_PER_CHAR = 1.0
+
+# A count at or above this share of num_ctx was capped by silent truncation.
+TRUNCATION_FRACTION = 0.98
+
+
+@dataclass(frozen=True)
+class Calibration:
+    tokens_per_char: float | None = None
+    reports: int = 0
+
+
+def calibrate(
+    previous: Calibration,
+    reported_prompt_tokens: int | None,
+    sent_chars: int,
+    num_ctx: int,
+    *,
+    reused_chars: int = 0,
+) -> Calibration:
+    """Fold one provider report into the calibration; untrustworthy ones change nothing.
+
+    `reused_chars` is the length of the prefix this prompt shared with the
+    session's previous prompt (`prompt.shared_prefix_chars`). When given, a
+    count that could be the count of only the new suffix is ambiguous and is
+    ignored: it would otherwise under-estimate every later prompt.
+    """
+    if not _trustworthy(reported_prompt_tokens, sent_chars, num_ctx, reused_chars):
+        return previous
+    assert reported_prompt_tokens is not None
+    # The latest sample wins, no averaging: consecutive prompts share almost
+    # all their text, so the last call's ratio is the best predictor of the
+    # next; an average would lag behind whenever the content mix changes
+    # (say, code-heavy tool output arriving) and lag is what overflows.
+    return Calibration(reported_prompt_tokens / sent_chars, previous.reports + 1)
+
+
+def _trustworthy(reported: int | None, sent_chars: int, num_ctx: int, reused_chars: int) -> bool:
+    if reported is None or reported <= 0 or sent_chars <= 0:
+        return False
+    if reported >= TRUNCATION_FRACTION * num_ctx:
+        return False
+    if reported < sent_chars * MIN_TOKENS_PER_CHAR:
+        return False
+    fresh = sent_chars - reused_chars
+    # A suffix-only count is at most MAX_TOKENS_PER_CHAR per fresh character;
+    # only a count larger than that proves the whole prompt was counted.
+    return reused_chars <= 0 or fresh <= 0 or reported > fresh * MAX_TOKENS_PER_CHAR
+
+
+def estimate_tokens(chars: int, calibration: Calibration) -> int:
+    """Tokens `chars` characters are expected to cost with this provider."""
+    ratio = calibration.tokens_per_char or FALLBACK_TOKENS_PER_CHAR
+    return math.ceil(chars * ratio)
+
+
+def budget(num_ctx: int, output_headroom: int) -> int:
+    """Prompt tokens a call may use: the window minus the room kept for the reply."""
+    if num_ctx < 1 or output_headroom < 0:
+        raise ValueError(f"need num_ctx >= 1 and headroom >= 0, got {num_ctx}, {output_headroom}")
+    return max(1, num_ctx - output_headroom)
+
+
+def default_headroom(num_ctx: int) -> int:
+    """Tokens reserved for the reply: an eighth of the window, at least 256.
+
+    Ollama's num_ctx holds the prompt and the generated tokens together, so a
+    prompt filling the window leaves the model no room to answer. A fraction
+    scales from small local windows to 256k ones (a fixed reserve would be
+    wasteful on one and too small on the other); the floor keeps a useful
+    answer possible in a 2k window.
+    """
+    return max(256, num_ctx // 8)

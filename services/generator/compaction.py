@@ -1,0 +1,245 @@
+"""Compaction execution: summarise the old part of a session's history and
+splice the summary in, without freezing the session.
+
+Background mode (the default): snapshot the history, announce `compacting`,
+write the summary while the session goes on answering, then take the
+session lock only for the splice: one rollup message, compare-and-swap on
+the sequence just read, keeping every message appended since the snapshot.
+Blocking mode holds the lock for the whole compaction, like the first seed.
+
+Every attempt ends with exactly one `compaction.result`: completed, skipped
+(with the reason) or failed (with the error). History is only ever changed
+by a successful splice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import structlog
+
+from schemas import subjects
+from schemas.envelope import Envelope
+from schemas.history import Conversation
+from schemas.messages import CompactionEvent, CompactionRequest, CompactionResult, Level
+from schemas.session import SessionRecord
+from services.core.boundary import tail_turns_for
+from services.core.decision import Level as CoreLevel
+from services.core.prompt import render_messages, sent_chars
+from services.core.splice import CompactionPlan, SpliceConflict, plan_compaction, splice
+from services.core.splice import first_user_request as first_request_of
+from services.core.state_machine import Action, CompactionMode, IllegalTransition
+from services.core.summary_prompt import summary_messages
+from services.core.tokens import Calibration, estimate_tokens
+from services.generator.provider import ChatProvider, ChatRequest, ProviderError
+from services.generator.session_lock import SessionLocks
+from services.generator.settings import GeneratorSettings
+from services.generator.states import SessionStates
+from services.shared.bus import Bus
+from services.shared.history_store import HistoryConflict, HistoryStore, HistoryView
+from services.shared.sessions import SessionNotFound, SessionStore
+
+log = structlog.get_logger()
+
+
+class CompactionSkipped(Exception):
+    """Nothing was changed, for a reason worth telling (not a failure)."""
+
+
+class CompactionFailed(Exception):
+    """Nothing was changed because something went wrong."""
+
+
+@dataclass(frozen=True)
+class Job:
+    session_id: str
+    level: Level
+    auto: bool
+    reason: str
+    instructions: str | None
+    correlation_id: str
+
+
+class Compactor:
+    def __init__(self, bus: Bus, settings: GeneratorSettings, provider: ChatProvider,
+                 history: HistoryStore, sessions: SessionStore, locks: SessionLocks,
+                 states: SessionStates) -> None:
+        self._bus = bus
+        self._settings = settings
+        self._provider = provider
+        self._history = history
+        self._sessions = sessions
+        self._locks = locks
+        self._states = states
+        self._running: set[str] = set()
+
+    @property
+    def blocking(self) -> bool:
+        return self._settings.compaction_mode == CompactionMode.blocking.value
+
+    def running(self, sid: str) -> bool:
+        return sid in self._running
+
+    async def handle(self, env: Envelope[CompactionRequest]) -> CompactionResult:
+        request = env.payload
+        job = Job(request.session_id, request.level, request.auto, request.reason,
+                  request.instructions, env.correlation_id)
+        result = await self._attempt(job)
+        await self._bus.publish(subjects.COMPACTION_RESULT, result,
+                                correlation_id=job.correlation_id, session_id=job.session_id)
+        log.info("compaction_finished", status=result.status, error=result.error,
+                 tokens_before=result.tokens_before, tokens_after=result.tokens_after)
+        return result
+
+    async def compact_within_turn(self, record: SessionRecord, view: HistoryView,
+                                  correlation_id: str) -> HistoryView:
+        """Emergency compaction by a turn that already holds the session lock."""
+        job = Job(record.session_id, "emergency", True, "the next prompt would not fit",
+                  None, correlation_id)
+        plan = self._plan(view.conversation, job.level)
+        before = self.tokens(record, view.conversation)
+        await self._announce(job, before)
+        try:
+            summary = await self._summarise(record, plan, job)
+            spliced = await self._splice(record, view, plan, summary, before)
+        except (CompactionSkipped, CompactionFailed) as err:
+            status = "skipped" if isinstance(err, CompactionSkipped) else "failed"
+            await self._publish(job, CompactionResult(
+                session_id=job.session_id, status=status, error=str(err),
+                tokens_before=before, auto=True, level=job.level))
+            raise
+        await self._publish(job, self._completed(job, record, before, spliced))
+        return spliced
+
+    async def _attempt(self, job: Job) -> CompactionResult:
+        sid = job.session_id
+        if sid in self._running:
+            return self._skipped(job, "a compaction of this session is already running")
+        self._running.add(sid)
+        try:
+            record = await self._sessions.get(sid)
+            async with self._exclusive_if_blocking(sid):
+                return await self._compact(job, record)
+        except SessionNotFound:
+            return self._failed(job, f"session {sid} does not exist")
+        except CompactionSkipped as err:
+            return self._skipped(job, str(err))
+        except (CompactionFailed, HistoryConflict, SpliceConflict) as err:
+            return self._failed(job, str(err))
+        except IllegalTransition:
+            return self._skipped(job, "session is busy (blocking mode compacts only when idle)")
+        finally:
+            self._running.discard(sid)
+
+    async def _compact(self, job: Job, record: SessionRecord) -> CompactionResult:
+        view = await self._history.read(job.session_id)
+        if not view.conversation.messages:
+            raise CompactionSkipped("no history to compact")
+        plan = self._plan(view.conversation, job.level)
+        before = self.tokens(record, view.conversation)
+        await self._states.apply(job.session_id, Action.start_compaction, job.correlation_id)
+        try:
+            await self._announce(job, before)
+            summary = await self._summarise(record, plan, job)
+            async with self._splice_lock(job.session_id):
+                current = await self._history.read(job.session_id)
+                spliced = await self._splice(record, current, plan, summary, before)
+        finally:
+            await self._states.apply(job.session_id, Action.complete_compaction,
+                                     job.correlation_id)
+        return self._completed(job, record, before, spliced)
+
+    def _plan(self, conversation: Conversation, level: Level) -> CompactionPlan:
+        tail = tail_turns_for(CoreLevel(level), self._settings.compaction_tail_turns)
+        plan = plan_compaction(conversation, tail)
+        if plan is None:
+            raise CompactionSkipped(
+                f"nothing to compact: the whole history is within the last {tail} turn(s)")
+        return plan
+
+    async def _summarise(self, record: SessionRecord, plan: CompactionPlan, job: Job) -> str:
+        messages = summary_messages(plan.snapshot.summary, plan.to_compact,
+                                    first_request_of(plan.snapshot), job.instructions)
+        request = ChatRequest(
+            model=self._settings.compaction_model or record.model or self._settings.model,
+            messages=messages, num_ctx=self._settings.num_ctx,
+        )
+        try:
+            async with asyncio.timeout(self._settings.summary_timeout_s):
+                result = await self._provider.chat(request)
+        except TimeoutError as err:
+            raise CompactionFailed(
+                f"summariser failed: no summary within {self._settings.summary_timeout_s:g} s"
+            ) from err
+        except ProviderError as err:
+            raise CompactionFailed(f"summariser failed: {err}") from err
+        if not result.content.strip():
+            where = " (all its output was in 'thinking')" if result.thinking else ""
+            raise CompactionFailed(f"summariser failed: it returned an empty summary{where}")
+        return result.content.strip()
+
+    async def _splice(self, record: SessionRecord, current: HistoryView, plan: CompactionPlan,
+                      summary: str, before: int) -> HistoryView:
+        snapshot = splice(current.conversation, plan, summary)
+        after = self.tokens(record, Conversation(summary=snapshot.summary,
+                                                 messages=snapshot.messages))
+        if after >= before:
+            raise CompactionSkipped(
+                f"the summary frees too little ({before} -> {after} tokens); history unchanged")
+        return await self._history.splice(record.session_id, current, snapshot)
+
+    def tokens(self, record: SessionRecord, conversation: Conversation) -> int:
+        """Calibrated estimate of the prompt this conversation makes (not chars/4)."""
+        chars = sent_chars(render_messages(record.system, conversation))
+        return estimate_tokens(chars, Calibration(record.tokens_per_char))
+
+    @contextlib.asynccontextmanager
+    async def _exclusive_if_blocking(self, sid: str) -> AsyncIterator[None]:
+        if not self.blocking:
+            yield
+            return
+        async with self._locks.hold(sid, "compaction"):
+            yield
+
+    @contextlib.asynccontextmanager
+    async def _splice_lock(self, sid: str) -> AsyncIterator[None]:
+        # Blocking mode holds the lock already; background takes it only now,
+        # which waits for a turn in flight to finish.
+        if self.blocking:
+            yield
+            return
+        async with self._locks.hold(sid, "compaction"):
+            yield
+
+    async def _announce(self, job: Job, before: int) -> None:
+        await self._bus.publish(
+            subjects.COMPACTION_EVENT,
+            CompactionEvent(session_id=job.session_id, event="started", level=job.level,
+                            auto=job.auto, reason=job.reason, tokens_before=before),
+            correlation_id=job.correlation_id, session_id=job.session_id,
+        )
+
+    async def _publish(self, job: Job, result: CompactionResult) -> None:
+        await self._bus.publish(subjects.COMPACTION_RESULT, result,
+                                correlation_id=job.correlation_id, session_id=job.session_id)
+
+    def _completed(self, job: Job, record: SessionRecord, before: int,
+                   spliced: HistoryView) -> CompactionResult:
+        return CompactionResult(
+            session_id=job.session_id, status="completed", tokens_before=before,
+            tokens_after=self.tokens(record, spliced.conversation),
+            summary=spliced.conversation.summary, auto=job.auto, level=job.level,
+        )
+
+    @staticmethod
+    def _skipped(job: Job, reason: str) -> CompactionResult:
+        return CompactionResult(session_id=job.session_id, status="skipped", error=reason,
+                                auto=job.auto, level=job.level)
+
+    @staticmethod
+    def _failed(job: Job, error: str) -> CompactionResult:
+        return CompactionResult(session_id=job.session_id, status="failed", error=error,
+                                auto=job.auto, level=job.level)

@@ -1,0 +1,81 @@
+"""The whole product as real processes against a real NATS and the Ollama
+stand-in: what the end-to-end tests drive over HTTP."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import httpx
+
+from tests.nats_server import free_port
+from tests.processes import ServiceProcess
+
+SERVICE_MODULES = {
+    "generator": "services.generator",
+    "decider": "services.compaction_decider",
+    "gateway": "services.gateway",
+    "tools": "services.tools",
+}
+
+
+class System:
+    def __init__(self, nats_url: str, ollama_url: str, env: dict[str, str] | None = None,
+                 services: tuple[str, ...] = ("generator", "decider", "gateway")) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.env = {
+            "NATS_URL": nats_url,
+            "OLLAMA_HOST": ollama_url,
+            "MODEL": "stub-model",
+            "NUM_CTX": "8192",
+            "GATEWAY_PORT": str(self.port),
+            "QUERY_ACK_WAIT_S": "3",
+            "LOCK_LEASE_S": "2",
+            **(env or {}),
+        }
+        self.processes = {name: ServiceProcess(SERVICE_MODULES[name], self.env)
+                          for name in services}
+
+    def __getitem__(self, name: str) -> ServiceProcess:
+        return self.processes[name]
+
+    def start(self) -> System:
+        for process in self.processes.values():
+            process.start()
+        return self
+
+    def stop(self) -> dict[str, int | None]:
+        return {name: p.stop() for name, p in reversed(self.processes.items())}
+
+    def add(self, name: str, module: str, env: dict[str, str] | None = None) -> ServiceProcess:
+        process = ServiceProcess(module, {**self.env, **(env or {})})
+        self.processes[name] = process
+        return process
+
+    def client(self, timeout_s: float = 30.0) -> httpx.Client:
+        return httpx.Client(base_url=self.base_url, timeout=timeout_s)
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {n}\n{p.log()[-3000:]}" for n, p in self.processes.items())
+
+
+@contextmanager
+def running_system(nats_url: str, ollama_url: str, env: dict[str, str] | None = None,
+                   services: tuple[str, ...] = ("generator", "decider", "gateway"),
+                   ) -> Iterator[System]:
+    system = System(nats_url, ollama_url, env, services)
+    try:
+        yield system.start()
+    finally:
+        system.stop()
+
+
+def new_session(client: httpx.Client, **body: object) -> str:
+    response = client.post("/api/sessions", json=body)
+    assert response.status_code == 201, response.text
+    return str(response.json()["session_id"])
+
+
+def ask(client: httpx.Client, sid: str, content: str) -> httpx.Response:
+    return client.post(f"/api/sessions/{sid}/messages", json={"content": content})

@@ -1,0 +1,188 @@
+"""One query over the whole real path: HTTP -> gateway -> NATS -> generator ->
+Ollama API (the stand-in) -> JetStream history -> response.generation -> HTTP.
+
+Every service is a real subprocess; NATS is a real nats-server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+
+import httpx
+import nats
+import pytest
+
+from schemas import subjects
+from schemas.envelope import Envelope
+from schemas.messages import GenerationReport
+from tests.system import System, ask, new_session, running_system
+
+
+@pytest.fixture(scope="module")
+def system(nats_url: str, stub_url: str) -> Iterator[System]:
+    with running_system(nats_url, stub_url, services=("generator", "decider", "gateway",
+                                                      "tools")) as running:
+        yield running
+
+
+@pytest.fixture
+def client(system: System) -> Iterator[httpx.Client]:
+    with system.client() as http:
+        yield http
+
+
+def test_query_travels_the_whole_path_and_is_stored(client: httpx.Client) -> None:
+    sid = new_session(client, system="You are terse.")
+    answer = ask(client, sid, "hello there")
+    assert answer.status_code == 200, answer.text
+    body = answer.json()
+    assert body["session_id"] == sid
+    assert body["reply"] == "Echo: hello there (turn 1)"
+    assert body["prompt_tokens"] > 0 and body["completion_tokens"] > 0
+
+    second = ask(client, sid, "and again").json()
+    assert second["reply"] == "Echo: and again (turn 2)"
+
+    session = client.get(f"/api/sessions/{sid}").json()
+    assert [(m["role"], m["content"]) for m in session["messages"]] == [
+        ("user", "hello there"),
+        ("assistant", "Echo: hello there (turn 1)"),
+        ("user", "and again"),
+        ("assistant", "Echo: and again (turn 2)"),
+    ]
+    assert session["state"] == "idle"
+    assert session["num_ctx"] == 8192
+    assert session["token_count"] > 0
+
+
+async def test_each_generation_is_reported_with_the_providers_count(
+    system: System, nats_url: str
+) -> None:
+    nc = await nats.connect(nats_url)
+    reports: asyncio.Queue[Envelope[GenerationReport]] = asyncio.Queue()
+
+    async def collect(msg: nats.aio.msg.Msg) -> None:
+        await reports.put(Envelope[GenerationReport].model_validate_json(msg.data))
+
+    await nc.subscribe(subjects.RESPONSE_GENERATION, cb=collect)
+    async with httpx.AsyncClient(base_url=system.base_url, timeout=30) as http:
+        sid = (await http.post("/api/sessions", json={})).json()["session_id"]
+        reply = (await http.post(f"/api/sessions/{sid}/messages",
+                                 json={"content": "count me"})).json()
+    report = await asyncio.wait_for(reports.get(), 10)
+    await nc.drain()
+    assert report.sender_id == "generator"
+    assert report.session_id == sid
+    assert report.payload.model == "stub-model"
+    assert report.payload.prompt_tokens == reply["prompt_tokens"]
+    assert report.payload.completion_tokens == reply["completion_tokens"]
+    assert report.payload.num_ctx == 8192
+    assert report.payload.sent_chars > len("count me")
+
+
+def test_unknown_session_is_404_with_a_json_error(client: httpx.Client) -> None:
+    for response in (client.get("/api/sessions/nosuchsession"),
+                     ask(client, "nosuchsession", "hi"),
+                     client.post("/api/sessions/nosuchsession/compact")):
+        assert response.status_code == 404
+        assert response.json()["error"]["code"] == "unknown_session"
+
+
+@pytest.mark.parametrize("body, field", [
+    ({}, "content"),
+    ({"content": ""}, "content"),
+    ({"content": 12}, "content"),
+    ({"content": "hi", "extra": 1}, "extra"),
+])
+def test_malformed_message_body_names_the_field(client: httpx.Client, body: object,
+                                                 field: str) -> None:
+    sid = new_session(client)
+    response = client.post(f"/api/sessions/{sid}/messages", json=body)
+    assert 400 <= response.status_code < 500
+    assert response.json()["error"]["field"] == field
+
+
+def test_body_that_is_not_json_is_a_clear_400(client: httpx.Client) -> None:
+    sid = new_session(client)
+    response = client.post(f"/api/sessions/{sid}/messages", content=b"{not json")
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == "invalid_json"
+
+
+def test_session_ids_that_could_escape_a_subject_are_refused(client: httpx.Client) -> None:
+    for bad in ("a.b", "a*", "a>", "x" * 65):
+        response = client.get(f"/api/sessions/{bad}")
+        assert response.status_code == 400, bad
+        assert response.json()["error"]["code"] == "invalid_session_id"
+
+
+def test_create_session_validates_its_body(client: httpx.Client) -> None:
+    response = client.post("/api/sessions", json={"system": 5})
+    assert response.status_code == 422
+    assert response.json()["error"]["field"] == "system"
+    created = client.post("/api/sessions", json={"system": "Be brief.", "model": "other"})
+    assert created.status_code == 201
+    session = client.get(f"/api/sessions/{created.json()['session_id']}").json()
+    assert session["system"] == "Be brief." and session["model"] == "other"
+
+
+def test_healthz_is_ok_while_connected(client: httpx.Client) -> None:
+    assert client.get("/healthz").status_code == 200
+
+
+async def test_every_service_answers_micro_discovery(system: System, nats_url: str) -> None:
+    nc = await nats.connect(nats_url)
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox)
+    await nc.publish("$SRV.PING", b"", reply=inbox)
+    names = set()
+    try:
+        while True:
+            msg = await sub.next_msg(timeout=0.5)
+            names.add(json.loads(msg.data)["name"])
+    except nats.errors.TimeoutError:
+        pass
+    stats = json.loads((await nc.request("$SRV.STATS.generator", b"", timeout=2)).data)
+    await nc.drain()
+    assert {"gateway", "generator", "compaction-decider", "tools"} <= names
+    assert stats["name"] == "generator" and "endpoints" in stats
+
+
+async def test_malformed_messages_are_reported_and_kill_nothing(
+    system: System, nats_url: str, client: httpx.Client
+) -> None:
+    nc = await nats.connect(nats_url)
+    errors = await nc.subscribe(subjects.ERROR_SUBJECT)
+    js = nc.jetstream()
+    await js.publish(subjects.RESPONSE_GENERATION, b'{"payload": {"session_id": 3}}')
+    await js.publish(subjects.COMPACTION_REQUEST, b"not json at all")
+    await js.publish(subjects.query("somesession"), b'{"message_type": "chat.query"}')
+    seen = set()
+    for _ in range(3):
+        msg = await errors.next_msg(timeout=10)
+        report = json.loads(msg.data)["payload"]
+        assert report["code"] == "invalid_message"
+        seen.add(report["subject"])
+    await nc.drain()
+    assert seen == {subjects.RESPONSE_GENERATION, subjects.COMPACTION_REQUEST,
+                    subjects.query("somesession")}
+    sid = new_session(client)
+    assert ask(client, sid, "still alive?").status_code == 200
+    for name in ("generator", "decider", "gateway"):
+        assert system[name].proc is not None and system[name].proc.poll() is None
+
+
+def test_history_survives_restarting_every_service(nats_url: str, stub_url: str) -> None:
+    with running_system(nats_url, stub_url) as system, system.client() as client:
+        sid = new_session(client, system="Remember me.")
+        ask(client, sid, "first")
+        ask(client, sid, "second")
+        before = client.get(f"/api/sessions/{sid}").json()
+        exit_codes = system.stop()
+        assert exit_codes == {"gateway": 0, "decider": 0, "generator": 0}
+        system.start()
+        after = client.get(f"/api/sessions/{sid}").json()
+        assert after["messages"] == before["messages"]
+        assert after["system"] == "Remember me."
+        assert ask(client, sid, "third").json()["reply"] == "Echo: third (turn 3)"
