@@ -26,8 +26,10 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import structlog
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.errors import APIError, KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
+
+from services.shared.history_store import WRONG_LAST_SEQUENCE
 
 Purpose = Literal["query", "compaction"]
 log = structlog.get_logger()
@@ -95,7 +97,10 @@ class SessionLocks:
     async def release(self, lease: Lease) -> None:
         try:
             await self._kv.delete(lease.session_id, last=lease.revision)
-        except (KeyWrongLastSequenceError, KeyNotFoundError):
+        except APIError as err:
+            stale = isinstance(err, KeyWrongLastSequenceError) or err.err_code in WRONG_LAST_SEQUENCE
+            if not stale:
+                raise
             # Our lease lapsed and the key expired or changed hands: not ours to delete.
             log.warning("lock_release_skipped", session_id=lease.session_id,
                         revision=lease.revision)

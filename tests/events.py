@@ -1,0 +1,54 @@
+"""Watch NATS subjects from a test: collect decoded envelopes as they come."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import nats
+from nats.aio.msg import Msg
+
+
+class Watcher:
+    def __init__(self) -> None:
+        self.events: list[dict[str, Any]] = []
+        self._arrived = asyncio.Event()
+
+    async def on_message(self, msg: Msg) -> None:
+        self.events.append({"subject": msg.subject, **json.loads(msg.data)})
+        self._arrived.set()
+
+    def payloads(self, message_type: str | None = None) -> list[dict[str, Any]]:
+        return [e["payload"] for e in self.events
+                if message_type is None or e.get("message_type") == message_type]
+
+    async def wait_for(self, predicate: Callable[[dict[str, Any]], bool],
+                       timeout_s: float = 15.0) -> dict[str, Any]:
+        async with asyncio.timeout(timeout_s):
+            while True:
+                for event in self.events:
+                    if predicate(event):
+                        return event
+                self._arrived.clear()
+                await self._arrived.wait()
+
+
+@asynccontextmanager
+async def watching(nats_url: str, *subjects: str) -> AsyncIterator[Watcher]:
+    nc = await nats.connect(nats_url)
+    watcher = Watcher()
+    for subject in subjects:
+        await nc.subscribe(subject, cb=watcher.on_message)
+    await nc.flush()
+    try:
+        yield watcher
+    finally:
+        await nc.drain()
+
+
+def transitions(watcher: Watcher, sid: str) -> list[tuple[str, str, str]]:
+    return [(p["from_state"], p["to_state"], p["action"])
+            for p in watcher.payloads("generator.state") if p["session_id"] == sid]

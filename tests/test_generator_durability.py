@@ -1,0 +1,221 @@
+"""Many sessions at once, each in order; two generator processes; and no
+query lost or answered twice when a generator is missing, killed or frozen.
+
+Each test runs its own processes against its own nats-server, so work
+queues and durable consumers start empty."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import AsyncIterator, Iterator
+
+import httpx
+import nats
+import pytest
+
+from schemas import subjects
+from schemas.messages import Query
+from services.shared.bus import Bus
+from tests.events import Watcher, transitions, watching
+from tests.nats_server import NatsServer
+from tests.stub_server import running_stub
+from tests.system import System
+from tests.test_generator_turns import TURN
+
+STATES = f"{subjects.STATE_PREFIX}.*"
+
+
+@pytest.fixture
+def stub() -> Iterator[str]:
+    with running_stub() as url:
+        yield url
+
+
+def configure(stub: str, **config: object) -> None:
+    httpx.post(f"{stub}/_stub/config", json=config).raise_for_status()
+
+
+@pytest.fixture
+def system(private_nats: NatsServer, stub: str) -> Iterator[System]:
+    system = System(private_nats.url, stub, services=("gateway",))
+    yield system
+    system.stop()
+
+
+@pytest.fixture
+async def http(system: System) -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(base_url=system.base_url, timeout=60) as client:
+        yield client
+
+
+def add_generator(system: System, name: str) -> None:
+    system.add(name, "services.generator", {"GENERATOR_ID": name}).start()
+
+
+async def create(http: httpx.AsyncClient) -> str:
+    return str((await http.post("/api/sessions", json={})).json()["session_id"])
+
+
+async def say(http: httpx.AsyncClient, sid: str, content: str) -> httpx.Response:
+    return await http.post(f"/api/sessions/{sid}/messages", json={"content": content})
+
+
+async def in_order(http: httpx.AsyncClient, sid: str, contents: list[str]) -> list[str]:
+    """Send the queries a little apart (so their arrival order is known) without
+    waiting for answers; return the replies."""
+    tasks = []
+    for content in contents:
+        tasks.append(asyncio.create_task(say(http, sid, content)))
+        await asyncio.sleep(0.05)
+    return [str((await task).json().get("reply")) for task in tasks]
+
+
+def max_concurrent_generations(watcher: Watcher) -> int:
+    active: set[str] = set()
+    peak = 0
+    for event in watcher.payloads("generator.state"):
+        if event["action"] == "start_generation":
+            active.add(event["session_id"])
+        elif event["action"] == "reset":
+            active.discard(event["session_id"])
+        peak = max(peak, len(active))
+    return peak
+
+
+async def history(http: httpx.AsyncClient, sid: str) -> list[tuple[str, str]]:
+    messages = (await http.get(f"/api/sessions/{sid}")).json()["messages"]
+    return [(m["role"], m["content"]) for m in messages]
+
+
+async def test_one_process_answers_many_sessions_at_once(
+    system: System, stub: str, http: httpx.AsyncClient, private_nats: NatsServer
+) -> None:
+    configure(stub, model_latency={"stub-model": 400})
+    system.start()
+    add_generator(system, "gen-a")
+    sids = [await create(http) for _ in range(16)]
+    async with watching(private_nats.url, STATES) as watcher:
+        replies = await asyncio.gather(*(say(http, sid, "hello") for sid in sids))
+    assert all(r.json()["reply"] == "Echo: hello (turn 1)" for r in replies)
+    assert max_concurrent_generations(watcher) >= 8
+
+
+async def test_queries_of_one_session_are_answered_one_after_the_other_in_order(
+    system: System, stub: str, http: httpx.AsyncClient, private_nats: NatsServer
+) -> None:
+    configure(stub, model_latency={"stub-model": 150})
+    system.start()
+    add_generator(system, "gen-a")
+    sid = await create(http)
+    async with watching(private_nats.url, STATES) as watcher:
+        replies = await in_order(http, sid, ["one", "two", "three", "four"])
+    assert replies == [f"Echo: {w} (turn {i})" for i, w in
+                       enumerate(["one", "two", "three", "four"], 1)]
+    assert transitions(watcher, sid) == TURN * 4
+    assert [c for r, c in await history(http, sid) if r == "user"] == [
+        "one", "two", "three", "four"]
+
+
+async def test_two_generator_processes_share_sessions_and_never_interleave_one(
+    system: System, stub: str, http: httpx.AsyncClient, private_nats: NatsServer
+) -> None:
+    configure(stub, model_latency={"stub-model": 100})
+    system.start()
+    add_generator(system, "gen-a")
+    add_generator(system, "gen-b")
+    sids = [await create(http) for _ in range(10)]
+    words = ["alpha", "beta", "gamma"]
+    async with watching(private_nats.url, STATES) as watcher:
+        results = await asyncio.gather(*(in_order(http, sid, words) for sid in sids))
+    expected = [f"Echo: {w} (turn {i})" for i, w in enumerate(words, 1)]
+    assert all(replies == expected for replies in results)
+    for sid in sids:
+        assert transitions(watcher, sid) == TURN * 3
+    workers = {e["generator_id"] for e in watcher.payloads("generator.state")
+               if e["action"] == "start_generation"}
+    assert workers == {"gen-a", "gen-b"}
+
+
+async def test_a_query_accepted_while_no_generator_runs_is_answered_when_one_starts(
+    system: System, http: httpx.AsyncClient
+) -> None:
+    system.start()  # gateway only
+    sid = await create(http)
+    pending = asyncio.create_task(say(http, sid, "anyone?"))
+    await asyncio.sleep(1.0)
+    assert not pending.done()
+    add_generator(system, "gen-late")
+    reply = await asyncio.wait_for(pending, 30)
+    assert reply.json()["reply"] == "Echo: anyone? (turn 1)"
+    assert await history(http, sid) == [("user", "anyone?"),
+                                        ("assistant", "Echo: anyone? (turn 1)")]
+
+
+async def test_a_generator_killed_mid_answer_loses_nothing_and_doubles_nothing(
+    system: System, stub: str, http: httpx.AsyncClient, private_nats: NatsServer
+) -> None:
+    configure(stub, ms_per_token=15)
+    system.start()
+    add_generator(system, "gen-a")
+    sid = await create(http)
+    await say(http, sid, "warm up")
+    async with watching(private_nats.url, STATES) as watcher:
+        pending = asyncio.create_task(say(http, sid, "!long 600 tell me a story"))
+        await watcher.wait_for(lambda e: e["payload"].get("to_state") == "generating"
+                               and e["payload"]["session_id"] == sid)
+        system["gen-a"].kill()
+    assert not pending.done()
+    add_generator(system, "gen-b")
+    reply = (await asyncio.wait_for(pending, 60)).json()
+    assert reply["reply"].startswith("Echo: !long 600 tell me a story (turn 2)")
+    stored = await history(http, sid)
+    assert [r for r, _ in stored] == ["user", "assistant", "user", "assistant"]
+    assert stored[2] == ("user", "!long 600 tell me a story")
+    assert stored[3][1] == reply["reply"]
+
+
+async def test_a_frozen_holder_past_its_lease_cannot_write(
+    system: System, stub: str, http: httpx.AsyncClient, private_nats: NatsServer
+) -> None:
+    configure(stub, model_latency={"stub-model": 1500})
+    system.start()
+    add_generator(system, "gen-a")
+    add_generator(system, "gen-b")
+    sid = await create(http)
+    async with watching(private_nats.url, STATES) as watcher:
+        pending = asyncio.create_task(say(http, sid, "freeze me"))
+        started = await watcher.wait_for(lambda e: e["payload"].get("action") == "start_generation")
+    frozen_name = started["payload"]["generator_id"]
+    frozen = system[frozen_name]
+    frozen.signal(signal.SIGSTOP)
+    try:
+        reply = (await asyncio.wait_for(pending, 60)).json()
+    finally:
+        frozen.signal(signal.SIGCONT)
+    assert reply["reply"] == "Echo: freeze me (turn 1)"
+    await asyncio.to_thread(frozen.wait_for, "stale_history_write_rejected", 20.0)
+    await asyncio.sleep(1.0)  # let the woken holder's redelivery settle
+    assert await history(http, sid) == [("user", "freeze me"),
+                                        ("assistant", "Echo: freeze me (turn 1)")]
+
+
+async def test_a_retried_publish_of_a_query_is_stored_and_answered_once(
+    system: System, http: httpx.AsyncClient, private_nats: NatsServer
+) -> None:
+    system.start()
+    add_generator(system, "gen-a")
+    sid = await create(http)
+    nc = await nats.connect(private_nats.url)
+    bus = Bus(nc, "gateway")
+    replies = await nc.subscribe(subjects.reply(sid))
+    query = Query(session_id=sid, content="only once")
+    _, first = await bus.js_publish(subjects.query(sid), query, message_id="fixed-id")
+    _, second = await bus.js_publish(subjects.query(sid), query, message_id="fixed-id")
+    assert not first.duplicate and second.duplicate
+    await replies.next_msg(timeout=15)
+    with pytest.raises(nats.errors.TimeoutError):
+        await replies.next_msg(timeout=1.5)
+    await nc.drain()
+    assert await history(http, sid) == [("user", "only once"),
+                                        ("assistant", "Echo: only once (turn 1)")]

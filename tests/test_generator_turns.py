@@ -1,0 +1,186 @@
+"""A turn through the generator on real processes: its published state
+transitions, streaming, tool calls, and every way the model can fail."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Iterator
+
+import httpx
+import nats
+import pytest
+from nats.aio.msg import Msg
+
+from schemas import subjects
+from schemas.history import ToolCall
+from schemas.messages import ToolOutcome
+from services.generator.toolbox import TOOL_LIST_SUBJECT, Toolbox
+from services.shared.bus import Bus
+from tests.events import transitions, watching
+from tests.nats_server import NatsServer, free_port
+from tests.stub_server import running_stub
+from tests.system import System, ask, new_session, running_system
+
+TURN = [
+    ("idle", "receiving", "receive"),
+    ("receiving", "generating", "start_generation"),
+    ("generating", "publishing", "publish"),
+    ("publishing", "idle", "reset"),
+]
+
+
+@pytest.fixture(scope="module")
+def stub() -> Iterator[str]:
+    """A stand-in of this module's own: tests here switch its quirks on and off."""
+    with running_stub() as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def system(nats_url: str, stub: str) -> Iterator[System]:
+    env = {"OLLAMA_TIMEOUT_S": "1.5", "TOOL_TIMEOUT_S": "1"}
+    with running_system(nats_url, stub, env,
+                        services=("generator", "gateway", "tools")) as running:
+        yield running
+
+
+@pytest.fixture
+async def http(system: System, stub: str) -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(base_url=system.base_url, timeout=30) as client:
+        yield client
+    httpx.post(f"{stub}/_stub/config", json={"quirks": []})
+
+
+async def create(http: httpx.AsyncClient) -> str:
+    return str((await http.post("/api/sessions", json={})).json()["session_id"])
+
+
+async def test_every_transition_of_a_turn_is_published(system: System, nats_url: str,
+                                                        http: httpx.AsyncClient) -> None:
+    sid = await create(http)
+    async with watching(nats_url, f"{subjects.STATE_PREFIX}.*") as watcher:
+        await http.post(f"/api/sessions/{sid}/messages", json={"content": "hi"})
+        await watcher.wait_for(lambda e: e["payload"].get("action") == "reset")
+    assert transitions(watcher, sid) == TURN
+    assert {p["generator_id"] for p in watcher.payloads()} != {""}
+    assert (await http.get(f"/api/sessions/{sid}")).json()["state"] == "idle"
+
+
+async def test_tool_calls_run_through_the_tool_states_and_are_stored(
+    system: System, nats_url: str, http: httpx.AsyncClient
+) -> None:
+    sid = await create(http)
+    async with watching(nats_url, f"{subjects.STATE_PREFIX}.*",
+                        subjects.RESPONSE_GENERATION) as watcher:
+        reply = await http.post(f"/api/sessions/{sid}/messages", json={
+            "content": '!tool word_count {"text": "one two three"}'})
+        await watcher.wait_for(lambda e: e["subject"] == subjects.RESPONSE_GENERATION)
+    assert reply.json()["reply"] == "tool results: 3 words, 1 lines, 13 characters"
+    assert transitions(watcher, sid) == [
+        *TURN[:2],
+        ("generating", "dispatching_tool", "dispatch_tool"),
+        ("dispatching_tool", "waiting_for_tool", "await_result"),
+        ("waiting_for_tool", "generating", "tool_result"),
+        *TURN[2:],
+    ]
+    messages = (await http.get(f"/api/sessions/{sid}")).json()["messages"]
+    assert [m["role"] for m in messages] == ["user", "assistant", "tool", "assistant"]
+    assert messages[1]["tool_calls"] == [{"name": "word_count",
+                                          "arguments": {"text": "one two three"}}]
+    assert messages[2]["tool_name"] == "word_count"
+    report = watcher.payloads("response.generation")[0]
+    # The last call sent the tool call (with its arguments) and its result.
+    assert report["sent_chars"] > len(json.dumps(messages[1]["tool_calls"])) + 40
+
+
+async def test_answers_stream_as_server_sent_events(http: httpx.AsyncClient) -> None:
+    sid = await create(http)
+    events: list[tuple[str, dict[str, object]]] = []
+    async with http.stream("POST", f"/api/sessions/{sid}/messages",
+                           json={"content": "stream this please"},
+                           headers={"Accept": "text/event-stream"}) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        name = ""
+        async for line in response.aiter_lines():
+            if line.startswith("event: "):
+                name = line[7:]
+            elif line.startswith("data: "):
+                events.append((name, json.loads(line[6:])))
+    names = [n for n, _ in events]
+    assert names[-1] == "done" and names.count("done") == 1
+    assert names.count("token") >= 3
+    done = events[-1][1]
+    tokens = "".join(str(d["text"]) for n, d in events if n == "token")
+    assert tokens == done["reply"] == "Echo: stream this please (turn 1)"
+    assert set(done) == {"session_id", "reply", "prompt_tokens", "completion_tokens"}
+
+
+@pytest.mark.parametrize("quirk, status, code", [
+    ("error", 502, "provider_error"),
+    ("hang", 504, "timeout"),
+    ("empty-content", 502, "empty_reply"),
+])
+async def test_model_failures_give_a_clear_error_and_leave_the_session_clean(
+    stub: str, http: httpx.AsyncClient, quirk: str, status: int, code: str
+) -> None:
+    sid = await create(http)
+    await http.post(f"/api/sessions/{sid}/messages", json={"content": "works"})
+    httpx.post(f"{stub}/_stub/config", json={"quirks": [quirk]})
+    failed = await http.post(f"/api/sessions/{sid}/messages", json={"content": "fails"})
+    assert failed.status_code == status, failed.text
+    assert failed.json()["error"]["code"] == code
+    session = (await http.get(f"/api/sessions/{sid}")).json()
+    assert session["state"] == "idle"
+    assert [m["content"] for m in session["messages"]] == ["works", "Echo: works (turn 1)"]
+    httpx.post(f"{stub}/_stub/config", json={"quirks": []})
+    # The lock was released: the very next query is answered at once.
+    again = await http.post(f"/api/sessions/{sid}/messages", json={"content": "again"})
+    assert again.json()["reply"] == "Echo: again (turn 2)"
+
+
+def test_an_unreachable_model_is_named_as_such(private_nats: NatsServer) -> None:
+    # A NATS of its own: the module's healthy generator must not answer for it.
+    dead = f"http://127.0.0.1:{free_port()}"
+    with running_system(private_nats.url, dead, services=("generator", "gateway")) as system, \
+            system.client() as client:
+        sid = new_session(client)
+        failed = ask(client, sid, "anyone there?")
+        assert failed.status_code == 502
+        assert failed.json()["error"]["code"] == "unreachable"
+        assert dead.removeprefix("http://") in failed.json()["error"]["message"]
+        assert client.get(f"/api/sessions/{sid}").json()["messages"] == []
+
+
+async def tool_responder(nc: nats.aio.client.Client) -> None:
+    """Tools of this test's own, answering on real NATS: one slow, one failing."""
+    definitions = [{"type": "function", "function": {"name": n, "description": n,
+                                                     "parameters": {"type": "object"}}}
+                   for n in ("slow", "broken", "absent")]
+
+    async def listing(msg: Msg) -> None:
+        await msg.respond(json.dumps(definitions).encode())
+
+    async def broken(msg: Msg) -> None:
+        await msg.respond(Bus(nc, "tools").envelope(
+            msg.subject, ToolOutcome(name="broken", error="ValueError: boom")
+        ).model_dump_json().encode())
+
+    await nc.subscribe(TOOL_LIST_SUBJECT, cb=listing)
+    await nc.subscribe(subjects.tool("broken"), cb=broken)
+    async def silent(msg: Msg) -> None:
+        return None  # a tool that never answers
+
+    await nc.subscribe(subjects.tool("slow"), cb=silent)
+
+
+async def test_tool_failures_reach_the_model_as_clear_errors(nc: nats.aio.client.Client) -> None:
+    await tool_responder(nc)
+    toolbox = Toolbox(Bus(nc, "generator"), timeout_s=0.3)
+
+    async def run(name: str) -> str:
+        return (await toolbox.run(ToolCall(name=name), "q1", "c1")).content
+
+    assert await run("nosuch") == "error: unknown tool 'nosuch'"
+    assert await run("slow") == "error: tool 'slow' timed out after 0.3 s"
+    assert await run("broken") == "error: tool 'broken' failed: ValueError: boom"
+    assert await run("absent") == "error: tool 'absent' is not available right now"

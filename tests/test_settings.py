@@ -1,0 +1,62 @@
+"""Settings come from the environment, then an optional YAML file, then defaults."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from services.compaction_decider.settings import DeciderSettings
+from services.gateway.settings import GatewaySettings
+from services.generator.settings import GeneratorSettings
+
+
+@pytest.fixture(autouse=True)
+def clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("NATS_URL", "OLLAMA_HOST", "MODEL", "NUM_CTX", "GATEWAY_HOST", "GATEWAY_PORT",
+                 "COMPACTION_THRESHOLD", "COMPACTION_TAIL_TURNS", "CONFIG_FILE"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_defaults_are_safe() -> None:
+    gateway = GatewaySettings()
+    assert gateway.gateway_host == "127.0.0.1"
+    assert gateway.gateway_port == 8080
+    assert DeciderSettings().compaction_threshold == 0.8
+    generator = GeneratorSettings()
+    assert generator.compaction_tail_turns == 4
+    assert generator.ollama_host == "http://127.0.0.1:11434"
+
+
+def test_environment_variables_set_each_pinned_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NATS_URL", "nats://elsewhere:4222")
+    monkeypatch.setenv("OLLAMA_HOST", "http://gpu-box:11434")
+    monkeypatch.setenv("MODEL", "qwen3")
+    monkeypatch.setenv("NUM_CTX", "32768")
+    monkeypatch.setenv("COMPACTION_TAIL_TURNS", "6")
+    monkeypatch.setenv("COMPACTION_THRESHOLD", "0.7")
+    monkeypatch.setenv("GATEWAY_PORT", "9000")
+    generator = GeneratorSettings()
+    assert (generator.nats_url, generator.ollama_host, generator.model, generator.num_ctx,
+            generator.compaction_tail_turns) == (
+        "nats://elsewhere:4222", "http://gpu-box:11434", "qwen3", 32768, 6)
+    assert DeciderSettings().compaction_threshold == 0.7
+    assert GatewaySettings().gateway_port == 9000
+
+
+def test_yaml_file_is_read_and_environment_wins(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    config = tmp_path / "chat.yaml"
+    config.write_text("model: from-yaml\nNUM_CTX: 4096\ncompaction_threshold: 0.5\n")
+    monkeypatch.setenv("CONFIG_FILE", str(config))
+    monkeypatch.setenv("MODEL", "from-env")
+    generator = GeneratorSettings()
+    assert generator.model == "from-env"
+    assert generator.num_ctx == 4096
+    assert DeciderSettings().compaction_threshold == 0.5
+
+
+def test_invalid_settings_fail_loudly(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COMPACTION_THRESHOLD", "1.5")
+    with pytest.raises(ValueError, match="compaction_threshold"):
+        DeciderSettings()
