@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import uuid
 from datetime import UTC, datetime
 from typing import Generic, TypeVar
@@ -28,6 +29,9 @@ def utc_now() -> datetime:
 
 
 class Envelope(BaseModel, Generic[P]):
+    """Use `enveloped(PayloadType)` rather than `Envelope[PayloadType]` on hot
+    paths: it builds the parametrised model once."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     message_id: str = Field(default_factory=new_id, min_length=1, max_length=128)
@@ -39,3 +43,8 @@ class Envelope(BaseModel, Generic[P]):
     timestamp: datetime = Field(default_factory=utc_now)
     schema_version: int = SCHEMA_VERSION
     payload: P
+
+
+@functools.cache
+def enveloped(payload_type: type[P]) -> type[Envelope[P]]:
+    return Envelope[payload_type]  # type: ignore[valid-type]

@@ -1,9 +1,11 @@
 """What a session's history is made of.
 
-One JetStream message on `history.<session>` holds one `HistoryEntry`: either a
-single chat message appended after a turn, or a snapshot written by a
-compaction splice (a rollup that replaces everything before it). Folding the
-entries in order gives the `Conversation` the generator sends to the model.
+One JetStream message on `history.<session>` holds one `HistoryEntry`: either
+every message of one turn (the user's message, tool calls and results, the
+answer), written at once when the turn ends so no reader ever sees half a
+turn, or a snapshot written by a compaction splice (a rollup that replaces
+everything before it). Folding the entries in order gives the `Conversation`
+the generator sends to the model.
 
 The system prompt is deliberately absent: it is pinned in the session's
 metadata and prepended on every call, so no compaction can drop or alter it.
@@ -48,13 +50,17 @@ class Snapshot(Strict):
 
 
 class HistoryEntry(Strict):
-    kind: Literal["message", "snapshot"]
-    message: ChatMessage | None = None
+    kind: Literal["turn", "snapshot"]
+    messages: tuple[ChatMessage, ...] = ()
     snapshot: Snapshot | None = None
 
     @classmethod
+    def of_turn(cls, messages: tuple[ChatMessage, ...]) -> HistoryEntry:
+        return cls(kind="turn", messages=messages)
+
+    @classmethod
     def of_message(cls, message: ChatMessage) -> HistoryEntry:
-        return cls(kind="message", message=message)
+        return cls.of_turn((message,))
 
     @classmethod
     def of_snapshot(cls, snapshot: Snapshot) -> HistoryEntry:
@@ -74,9 +80,7 @@ class Conversation(Strict):
             return Conversation(
                 summary=snap.summary, messages=snap.messages, compactions=snap.compactions
             )
-        if entry.message is None:
-            raise ValueError("history entry of kind 'message' carries no message")
-        return self.model_copy(update={"messages": (*self.messages, entry.message)})
+        return self.model_copy(update={"messages": (*self.messages, *entry.messages)})
 
 
 def fold(entries: list[HistoryEntry]) -> Conversation:

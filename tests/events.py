@@ -49,6 +49,20 @@ async def watching(nats_url: str, *subjects: str) -> AsyncIterator[Watcher]:
         await nc.drain()
 
 
+async def turns_finished(watcher: Watcher, sid: str, turns: int,
+                         timeout_s: float = 15.0) -> None:
+    """Wait until `turns` turns of the session are back to idle (the reply
+    reaches the caller a moment before the generator resets its state)."""
+    def done() -> int:
+        return sum(1 for p in watcher.payloads("generator.state")
+                   if p["session_id"] == sid and p["action"] == "reset")
+
+    async with asyncio.timeout(timeout_s):
+        while done() < turns:
+            watcher._arrived.clear()
+            await watcher._arrived.wait()
+
+
 def transitions(watcher: Watcher, sid: str) -> list[tuple[str, str, str]]:
     return [(p["from_state"], p["to_state"], p["action"])
             for p in watcher.payloads("generator.state") if p["session_id"] == sid]

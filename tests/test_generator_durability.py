@@ -17,7 +17,7 @@ import pytest
 from schemas import subjects
 from schemas.messages import Query
 from services.shared.bus import Bus
-from tests.events import Watcher, transitions, watching
+from tests.events import Watcher, transitions, turns_finished, watching
 from tests.nats_server import NatsServer
 from tests.stub_server import running_stub
 from tests.system import System
@@ -110,6 +110,7 @@ async def test_queries_of_one_session_are_answered_one_after_the_other_in_order(
     sid = await create(http)
     async with watching(private_nats.url, STATES) as watcher:
         replies = await in_order(http, sid, ["one", "two", "three", "four"])
+        await turns_finished(watcher, sid, 4)
     assert replies == [f"Echo: {w} (turn {i})" for i, w in
                        enumerate(["one", "two", "three", "four"], 1)]
     assert transitions(watcher, sid) == TURN * 4
@@ -128,6 +129,8 @@ async def test_two_generator_processes_share_sessions_and_never_interleave_one(
     words = ["alpha", "beta", "gamma"]
     async with watching(private_nats.url, STATES) as watcher:
         results = await asyncio.gather(*(in_order(http, sid, words) for sid in sids))
+        for sid in sids:
+            await turns_finished(watcher, sid, 3)
     expected = [f"Echo: {w} (turn {i})" for i, w in enumerate(words, 1)]
     assert all(replies == expected for replies in results)
     for sid in sids:

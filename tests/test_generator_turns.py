@@ -16,7 +16,7 @@ from schemas.history import ToolCall
 from schemas.messages import ToolOutcome
 from services.generator.toolbox import TOOL_LIST_SUBJECT, Toolbox
 from services.shared.bus import Bus
-from tests.events import transitions, watching
+from tests.events import transitions, turns_finished, watching
 from tests.nats_server import NatsServer, free_port
 from tests.stub_server import running_stub
 from tests.system import System, ask, new_session, running_system
@@ -75,6 +75,7 @@ async def test_tool_calls_run_through_the_tool_states_and_are_stored(
         reply = await http.post(f"/api/sessions/{sid}/messages", json={
             "content": '!tool word_count {"text": "one two three"}'})
         await watcher.wait_for(lambda e: e["subject"] == subjects.RESPONSE_GENERATION)
+        await turns_finished(watcher, sid, 1)
     assert reply.json()["reply"] == "tool results: 3 words, 1 lines, 13 characters"
     assert transitions(watcher, sid) == [
         *TURN[:2],
@@ -173,7 +174,9 @@ async def tool_responder(nc: nats.aio.client.Client) -> None:
     await nc.subscribe(subjects.tool("slow"), cb=silent)
 
 
-async def test_tool_failures_reach_the_model_as_clear_errors(nc: nats.aio.client.Client) -> None:
+async def test_tool_failures_reach_the_model_as_clear_errors(private_nats: NatsServer) -> None:
+    # A NATS of its own: no tools service may answer `tool.list` here.
+    nc = await nats.connect(private_nats.url)
     await tool_responder(nc)
     toolbox = Toolbox(Bus(nc, "generator"), timeout_s=0.3)
 
@@ -184,3 +187,4 @@ async def test_tool_failures_reach_the_model_as_clear_errors(nc: nats.aio.client
     assert await run("slow") == "error: tool 'slow' timed out after 0.3 s"
     assert await run("broken") == "error: tool 'broken' failed: ValueError: boom"
     assert await run("absent") == "error: tool 'absent' is not available right now"
+    await nc.drain()

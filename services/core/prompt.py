@@ -87,18 +87,26 @@ def history_chars(messages: Sequence[ChatMessage]) -> int:
     return sum(message_chars(message_dict(m)) for m in messages)
 
 
-def shared_prefix_chars(
-    previous: Sequence[Mapping[str, Any]], current: Sequence[Mapping[str, Any]]
+def reusable_chars(
+    previous: Sequence[Mapping[str, Any]],
+    current: Sequence[Mapping[str, Any]],
+    *,
+    previous_tools: Sequence[Mapping[str, Any]] = (),
+    tools: Sequence[Mapping[str, Any]] = (),
 ) -> int:
-    """Characters of the leading messages `current` shares with `previous`.
+    """Characters of `current` a provider's prompt cache may have served from the
+    session's previous call (`previous`: the messages it sent, without its reply).
 
-    Pass the session's previous prompt, without its reply: a provider reusing
-    its KV cache evaluates, and may count, only what follows this shared part.
-    `calibrate` uses it to tell a complete token count from a suffix-only one.
+    Only a prompt that extends the previous one unchanged (same tools, all the
+    previous messages as its prefix) may reuse it, and then all of it: with the
+    cache-count quirk only the new suffix is counted. Any other prompt (the
+    first, one rewritten by a compaction, new tools) is taken as counted in
+    full, so 0 (a real Ollama may still reuse a leading system prompt: a small
+    undercount). `calibrate` uses this to tell a complete count from a
+    suffix-only one.
     """
-    shared = 0
-    for before, now in zip(previous, current, strict=False):
-        if before != now:
-            break
-        shared += message_chars(now)
-    return shared
+    if not previous or len(current) < len(previous) or list(previous_tools) != list(tools):
+        return 0
+    if any(before != now for before, now in zip(previous, current, strict=False)):
+        return 0
+    return sent_chars(previous, tools)

@@ -19,8 +19,8 @@ FALLBACK_TOKENS_PER_CHAR = 1 / 2.5
 # whole prompt (Ollama's KV cache reuse reports only the uncached tokens).
 MIN_TOKENS_PER_CHAR = 1 / 12
 
-# No tokenizer spends more than about one token per character of chat text;
-# a count that fits within that over the new suffix may be a suffix-only count.
+# Chat text seldom costs more than one token per character, so a count no
+# larger than this per character of the new suffix may be of the suffix alone.
 MAX_TOKENS_PER_CHAR = 1.0
 
 # A count at or above this share of num_ctx was capped by silent truncation.
@@ -43,32 +43,35 @@ def calibrate(
 ) -> Calibration:
     """Fold one provider report into the calibration; untrustworthy ones change nothing.
 
-    `reused_chars` is the length of the prefix this prompt shared with the
-    session's previous prompt (`prompt.shared_prefix_chars`). When given, a
-    count that could be the count of only the new suffix is ambiguous and is
-    ignored: it would otherwise under-estimate every later prompt.
+    `reused_chars` is what a prompt cache may have served this call from the
+    previous one (`prompt.reusable_chars`); Ollama leaves that part out of its
+    count. Pass it: without it, a count of only a large new suffix (a big tool
+    result) looks plausible and would make every later estimate too low.
     """
-    if not _trustworthy(reported_prompt_tokens, sent_chars, num_ctx, reused_chars):
+    ratio = _sample(reported_prompt_tokens, sent_chars, num_ctx, reused_chars)
+    if ratio is None:
         return previous
-    assert reported_prompt_tokens is not None
     # The latest sample wins, no averaging: consecutive prompts share almost
     # all their text, so the last call's ratio is the best predictor of the
     # next; an average would lag behind whenever the content mix changes
     # (say, code-heavy tool output arriving) and lag is what overflows.
-    return Calibration(reported_prompt_tokens / sent_chars, previous.reports + 1)
+    return Calibration(ratio, previous.reports + 1)
 
 
-def _trustworthy(reported: int | None, sent_chars: int, num_ctx: int, reused_chars: int) -> bool:
+def _sample(reported: int | None, sent_chars: int, num_ctx: int, reused_chars: int) -> float | None:
+    """Tokens per character this report shows, or None when it shows nothing reliable."""
     if reported is None or reported <= 0 or sent_chars <= 0:
-        return False
+        return None
     if reported >= TRUNCATION_FRACTION * num_ctx:
-        return False
+        return None  # capped by truncation
     if reported < sent_chars * MIN_TOKENS_PER_CHAR:
-        return False
+        return None  # counted only what the cache did not hold
     fresh = sent_chars - reused_chars
-    # A suffix-only count is at most MAX_TOKENS_PER_CHAR per fresh character;
-    # only a count larger than that proves the whole prompt was counted.
-    return reused_chars <= 0 or fresh <= 0 or reported > fresh * MAX_TOKENS_PER_CHAR
+    # Nothing could come from the cache, or more tokens than MAX_TOKENS_PER_CHAR
+    # per fresh character: the count cannot be of the fresh part alone.
+    if reused_chars <= 0 or fresh <= 0 or reported > fresh * MAX_TOKENS_PER_CHAR:
+        return reported / sent_chars
+    return None  # it may count only the fresh part: nothing reliable to learn
 
 
 def estimate_tokens(chars: int, calibration: Calibration) -> int:

@@ -109,6 +109,7 @@ class Api:
         self._history = HistoryStore(bus.js)
         self._replies = replies
         self._live = live
+        self._known: set[str] = set()
 
     def routes(self) -> list[Route | Mount]:
         return [
@@ -160,7 +161,7 @@ class Api:
     async def post_message(self, request: Request) -> Response:
         sid = session_id_of(request)
         body = await parse_body(request, PostMessage)
-        await self._record(sid)
+        await self._require(sid)
         if "text/event-stream" in request.headers.get("accept", ""):
             return StreamingResponse(self._stream_answer(sid, body.content),
                                      media_type="text/event-stream")
@@ -196,7 +197,7 @@ class Api:
     async def compact(self, request: Request) -> Response:
         sid = session_id_of(request)
         body = await parse_body(request, CompactBody, optional=True)
-        await self._record(sid)
+        await self._require(sid)
         await self._bus.js_publish(
             subjects.COMPACTION_REQUEST,
             CompactionRequest(session_id=sid, auto=False, reason="requested by the user",
@@ -225,6 +226,13 @@ class Api:
         return {"session_id": reply.session_id, "reply": reply.reply,
                 "prompt_tokens": reply.prompt_tokens,
                 "completion_tokens": reply.completion_tokens}
+
+    async def _require(self, sid: str) -> None:
+        """404 unless the session exists; sessions are never deleted, so once seen
+        an id needs no further look-up."""
+        if sid not in self._known:
+            await self._record(sid)
+            self._known.add(sid)
 
     async def _record(self, sid: str) -> SessionRecord:
         try:

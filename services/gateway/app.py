@@ -86,7 +86,8 @@ class Gateway:
 
 
 async def build(bus: Bus, settings: GatewaySettings) -> Gateway:
-    sessions = SessionStore(await sessions_bucket(bus.js))
+    # Uncached: the page shows the generator's latest calibration.
+    sessions = SessionStore(await sessions_bucket(bus.js), cached=False)
     replies = ReplyRouter(bus)
     live = LiveFeed(bus.nc)
     api = Api(bus, settings, sessions, replies, live)

@@ -175,11 +175,13 @@ class Generator:
         blocked = self._compactor.blocking and (
             self._compactor.running(sid) or await self._locks.purpose_of(sid) == "compaction")
         wait = self._settings.blocking_query_wait_s if blocked else None
+        # No query can join the stream ahead of this one, so the ordering check
+        # need not wait for the lock.
+        if await self._earlier_query_pending(sid, msg):
+            await msg.nak(delay=OUT_OF_ORDER_DELAY_S)
+            return
         try:
             async with self._locks.hold(sid, "query", wait_s=wait):
-                if await self._earlier_query_pending(sid, msg):
-                    await msg.nak(delay=OUT_OF_ORDER_DELAY_S)
-                    return
                 await self._answer(msg, env)
         except LockTimeout:
             if blocked:
@@ -195,7 +197,7 @@ class Generator:
         await self._states.apply(sid, Action.receive, env.correlation_id)
         try:
             record = await self._sessions.get(sid)
-            reply = await self._turns.run(env, record)
+            await self._turns.run(env, record, deliver=self._publish_reply)
         except HistoryConflict:
             # Our view is stale (we lost the lease while frozen): let the query come
             # back; the redelivery sees what was written and never answers twice.
@@ -204,19 +206,25 @@ class Generator:
             await msg.nak(delay=0.2)
             return
         except (SessionNotFound, TurnError) as err:
-            reply = self._error_reply(env, err)
             await self._states.recover(sid, env.correlation_id)
+            await self._publish_reply(env, self._error_reply(env, err))
         except Exception as err:
             await self._unexpected(msg, env, err)
             return
         else:
             await self._states.apply(sid, Action.reset, env.correlation_id)
-        await self._send_reply(msg, env, reply)
+        await self._done_with(msg)
 
     async def _send_reply(self, msg: Msg, env: Envelope[Query], reply: Reply) -> None:
+        await self._publish_reply(env, reply)
+        await self._done_with(msg)
+
+    async def _publish_reply(self, env: Envelope[Query], reply: Reply) -> None:
         sid = env.payload.session_id
         await self._bus.publish(subjects.reply(sid), reply,
                                 correlation_id=env.correlation_id, session_id=sid)
+
+    async def _done_with(self, msg: Msg) -> None:
         # Synchronous: the stream must have dropped this query before the
         # session's next one checks for earlier pending queries.
         await msg.ack_sync()

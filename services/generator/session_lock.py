@@ -1,12 +1,15 @@
 """The durable per-session lock: one key per session in the `session_locks`
 KV bucket.
 
-Acquire is `create` (succeeds only when the key is absent); the revision it
-returns is the fencing token. The holder renews by compare-and-swap `update`
-on that revision; the bucket's TTL (history 1) restarts the key's age on
-every renewal, so a holder that dies (SIGKILL) stops renewing and the session
-frees itself within one lease. Release is a compare-and-swap delete: a holder
-whose lease lapsed cannot delete the next holder's lock.
+Acquire is `create` (succeeds only when the key is absent) or a
+compare-and-swap `update` over a "free" marker; the revision it returns is
+the fencing token. The holder renews by compare-and-swap `update` on that
+revision; the bucket's TTL (history 1) restarts the key's age on every
+renewal, so a holder that dies (SIGKILL) stops renewing and the session frees
+itself within one lease. Release writes the free marker by compare-and-swap
+(a holder whose lease lapsed cannot free the next holder's lock) and
+remembers its revision, so this process takes the session again in one round
+trip; the marker itself expires with the lease.
 
 The lock only prevents duplicate work. A holder frozen past its lease
 (SIGSTOP, a long GC) may wake up believing it still holds the lock; what
@@ -32,6 +35,8 @@ from nats.js.kv import KeyValue
 from services.shared.history_store import WRONG_LAST_SEQUENCE
 
 Purpose = Literal["query", "compaction"]
+FREE = b'{"free": true}'
+MAX_REMEMBERED = 10_000
 log = structlog.get_logger()
 
 
@@ -53,6 +58,8 @@ class SessionLocks:
         self._holder = holder_id
         self._lease_s = lease_s
         self._wait_s = wait_s
+        # Revision of the free marker this process wrote, per session.
+        self._freed_at: dict[str, int] = {}
 
     @contextlib.asynccontextmanager
     async def hold(self, sid: str, purpose: Purpose, wait_s: float | None = None
@@ -72,16 +79,34 @@ class SessionLocks:
         deadline = time.monotonic() + wait_s
         delay = 0.005
         while True:
-            try:
-                revision = await self._kv.create(sid, self._value(purpose))
+            revision = await self._try_take(sid, self._value(purpose))
+            if revision is not None:
                 log.debug("lock_acquired", session_id=sid, purpose=purpose, revision=revision)
                 return Lease(sid, purpose, revision)
-            except KeyWrongLastSequenceError:
-                pass
             if time.monotonic() >= deadline:
                 raise LockTimeout(f"session {sid} stayed locked for {wait_s:g} s")
             await asyncio.sleep(delay * random.uniform(0.5, 1.5))
             delay = min(delay * 2, 0.1)
+
+    async def _try_take(self, sid: str, value: bytes) -> int | None:
+        """The new revision if the session was free, else None."""
+        freed_at = self._freed_at.pop(sid, None)
+        if freed_at is not None:
+            with contextlib.suppress(KeyWrongLastSequenceError):
+                return await self._kv.update(sid, value, last=freed_at)
+        try:
+            return await self._kv.create(sid, value)
+        except KeyWrongLastSequenceError:
+            pass
+        try:
+            entry = await self._kv.get(sid)
+        except KeyNotFoundError:
+            return None
+        if entry.value != FREE or entry.revision is None:
+            return None
+        with contextlib.suppress(KeyWrongLastSequenceError):
+            return await self._kv.update(sid, value, last=entry.revision)
+        return None
 
     async def purpose_of(self, sid: str) -> str | None:
         """Why the session is locked right now (None when it is free)."""
@@ -89,14 +114,14 @@ class SessionLocks:
             entry = await self._kv.get(sid)
         except KeyNotFoundError:
             return None
-        if not entry.value:
+        if not entry.value or entry.value == FREE:
             return None
         purpose = json.loads(entry.value).get("purpose")
         return str(purpose) if purpose else None
 
     async def release(self, lease: Lease) -> None:
         try:
-            await self._kv.delete(lease.session_id, last=lease.revision)
+            freed_at = await self._kv.update(lease.session_id, FREE, last=lease.revision)
         except APIError as err:
             stale = isinstance(err, KeyWrongLastSequenceError) or err.err_code in WRONG_LAST_SEQUENCE
             if not stale:
@@ -104,6 +129,10 @@ class SessionLocks:
             # Our lease lapsed and the key expired or changed hands: not ours to delete.
             log.warning("lock_release_skipped", session_id=lease.session_id,
                         revision=lease.revision)
+            return
+        if len(self._freed_at) > MAX_REMEMBERED:
+            self._freed_at.clear()
+        self._freed_at[lease.session_id] = freed_at
 
     async def _keep_renewed(self, lease: Lease) -> None:
         while True:

@@ -2,10 +2,11 @@
 
 Called with the session's lock held. The turn reads the history, sends the
 pinned system prompt + summary + messages to the model, runs the tool loop,
-appends the new messages with compare-and-swap, and publishes the
-`response.generation` report. It never appends anything partial: every
-message of the turn is written at the end, tagged with the query's id, so a
-redelivered query recognises its own messages and is never answered twice.
+appends the turn's messages with compare-and-swap, and publishes the
+`response.generation` report. It never appends anything partial: all the
+turn's messages are written at the end in one history entry, tagged with the
+query's id, so a redelivered query finds its answer and is never answered
+twice.
 
 Before every model call the prompt is measured against the budget. Over it,
 the turn compacts first (emergency level) when automatic compaction is on,
@@ -16,6 +17,7 @@ that would overflow the window is ever sent.
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +44,7 @@ from services.shared.sessions import SessionStore
 
 log = structlog.get_logger()
 Messages = list[dict[str, Any]]
+Deliver = Callable[[Envelope[Query], Reply], Awaitable[None]]
 
 
 class TurnError(Exception):
@@ -59,10 +62,8 @@ class Turn:
     env: Envelope[Query]
     record: SessionRecord
     view: HistoryView
-    # This query's messages already in the history (a delivery that died stored them).
-    stored: list[ChatMessage]
-    # This query's messages not yet written.
-    fresh: list[ChatMessage]
+    # The user's message, then tool calls and results as they come.
+    messages: list[ChatMessage]
 
     @property
     def sid(self) -> str:
@@ -71,16 +72,6 @@ class Turn:
     @property
     def query_id(self) -> str:
         return self.env.message_id
-
-    @property
-    def messages(self) -> list[ChatMessage]:
-        return [*self.stored, *self.fresh]
-
-    def prior(self) -> Conversation:
-        """The history before this query."""
-        conversation = self.view.conversation
-        return replace_messages(conversation, [m for m in conversation.messages
-                                               if m.query_id != self.query_id])
 
 
 def replace_messages(conversation: Conversation, messages: list[ChatMessage]) -> Conversation:
@@ -114,29 +105,30 @@ class TurnRunner:
         headroom = s.output_headroom if s.output_headroom is not None else default_headroom(s.num_ctx)
         return budget(s.num_ctx, headroom)
 
-    async def run(self, env: Envelope[Query], record: SessionRecord) -> Reply:
+    async def run(self, env: Envelope[Query], record: SessionRecord, deliver: Deliver) -> None:
+        """Answer the query; `deliver` gets the reply as soon as it is stored, before
+        the bookkeeping that the caller need not wait for."""
         sid, query_id = env.payload.session_id, env.message_id
         view = await self._history.read(sid)
         done = previous_answer(view.conversation, query_id)
         if done is not None:
             log.info("query_already_answered")
-            return Reply(session_id=sid, query_id=query_id, reply=done)
-        stored = [m for m in view.conversation.messages if m.query_id == query_id]
-        fresh = [] if stored else [ChatMessage(role="user", content=env.payload.content,
-                                               query_id=query_id)]
-        turn = Turn(env, record, view, stored, fresh)
+            await deliver(env, Reply(session_id=sid, query_id=query_id, reply=done))
+            return
+        question = ChatMessage(role="user", content=env.payload.content, query_id=query_id)
+        turn = Turn(env, record, view, [question])
         started = time.monotonic()
         await self._states.apply(sid, Action.start_generation, env.correlation_id)
         result, prompt, tools = await self._tool_loop(turn)
         answer = ChatMessage(role="assistant", content=result.content, query_id=query_id)
         await self._states.apply(sid, Action.publish, env.correlation_id)
-        turn.view = await self._history.append(sid, turn.view, [*turn.fresh, answer],
+        turn.view = await self._history.append(sid, turn.view, [*turn.messages, answer],
                                                msg_id=query_id)
+        await deliver(env, Reply(session_id=sid, query_id=query_id, reply=result.content,
+                                 prompt_tokens=result.prompt_tokens,
+                                 completion_tokens=result.completion_tokens))
         await self._recalibrate(turn.record, result, sent_chars(prompt, tools))
         await self._report(turn, result, sent_chars(prompt, tools), tools, started)
-        return Reply(session_id=sid, query_id=query_id, reply=result.content,
-                     prompt_tokens=result.prompt_tokens,
-                     completion_tokens=result.completion_tokens)
 
     async def _tool_loop(self, turn: Turn) -> tuple[ChatResult, Messages, Messages]:
         tools = await self._toolbox.definitions()
@@ -147,14 +139,14 @@ class TurnRunner:
                 return result, prompt, tools
             call = ChatMessage(role="assistant", content=result.content,
                                tool_calls=result.tool_calls, query_id=turn.query_id)
-            turn.fresh = [*turn.fresh, call, *await self._run_tools(turn.env, result)]
+            turn.messages = [*turn.messages, call, *await self._run_tools(turn.env, result)]
         raise TurnError(
             "tool_loop_limit",
             f"the model kept calling tools after {self._settings.max_tool_iterations} rounds",
         )
 
     async def _fitting_prompt(self, turn: Turn, tools: Messages) -> Messages:
-        prompt = render_messages(turn.record.system, turn.prior(), turn.messages)
+        prompt = render_messages(turn.record.system, turn.view.conversation, turn.messages)
         if self._fits(turn.record, prompt, tools):
             return prompt
         if not self._may_compact(turn.record):
@@ -167,7 +159,7 @@ class TurnRunner:
         except (CompactionSkipped, CompactionFailed) as err:
             raise self._overflow(turn.record, prompt, tools,
                                  f"emergency compaction could not make room: {err}") from err
-        prompt = render_messages(turn.record.system, turn.prior(), turn.messages)
+        prompt = render_messages(turn.record.system, turn.view.conversation, turn.messages)
         if not self._fits(turn.record, prompt, tools):
             raise self._overflow(turn.record, prompt, tools,
                                  "it does not fit even after compaction (a single message "

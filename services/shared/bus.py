@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 import nats
 import structlog
@@ -22,7 +22,7 @@ from nats.js.api import PubAck
 from pydantic import ValidationError
 
 from schemas import subjects
-from schemas.envelope import Envelope, new_id
+from schemas.envelope import Envelope, enveloped, new_id
 from schemas.messages import ErrorReport, Payload
 
 P = TypeVar("P", bound=Payload)
@@ -43,7 +43,7 @@ class BadMessage(Exception):
 
 def decode(data: bytes, payload_type: type[P], subject: str) -> Envelope[P]:
     try:
-        return Envelope[payload_type].model_validate_json(data)  # type: ignore[valid-type]
+        return enveloped(payload_type).model_validate_json(data)
     except ValidationError as err:
         raise BadMessage(validation_report(err, subject)) from err
 
@@ -124,8 +124,7 @@ class Bus:
         session_id: str | None = None,
         message_id: str | None = None,
     ) -> Envelope[P]:
-        model = cast(type[Envelope[P]], Envelope[type(payload)])  # type: ignore[misc]
-        return model(
+        return enveloped(type(payload))(
             message_id=message_id or new_id(),
             message_type=payload.MESSAGE_TYPE,
             subject=subject,

@@ -61,13 +61,12 @@ class HistoryStore:
     async def append(
         self, sid: str, view: HistoryView, messages: Sequence[ChatMessage], msg_id: str
     ) -> HistoryView:
-        """Append messages after `view`; `msg_id` makes a retried append a no-op."""
-        for index, message in enumerate(messages):
-            entry = HistoryEntry.of_message(message)
-            seq = await self._write(sid, entry, view.last_seq, {
-                "Nats-Msg-Id": f"{msg_id}:{view.last_seq}:{index}",
-            })
-            view = HistoryView(view.conversation.apply(entry), seq)
+        """Append one turn's messages after `view`, in one write; `msg_id` makes a
+        retried append (same view, same turn) a no-op."""
+        entry = HistoryEntry.of_turn(tuple(messages))
+        seq = await self._write(sid, entry, view.last_seq,
+                                {"Nats-Msg-Id": f"{msg_id}:{view.last_seq}"})
+        view = HistoryView(view.conversation.apply(entry), seq)
         self._remember(sid, view)
         return view
 

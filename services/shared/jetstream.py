@@ -93,8 +93,14 @@ async def locks_bucket(js: JetStreamContext, lease_s: float) -> KeyValue:
     # A bucket-wide TTL with history=1: every renewal (an update) restarts the
     # key's age, and a holder that dies stops renewing, so its lock lapses
     # within one lease. (A per-message TTL would be lost by the first update.)
-    return await _bucket(js, KeyValueConfig(bucket=s.LOCKS_BUCKET, history=1,
-                                            ttl=lease_s, storage=StorageType.FILE))
+    kv = await _bucket(js, KeyValueConfig(bucket=s.LOCKS_BUCKET, history=1,
+                                          ttl=lease_s, storage=StorageType.FILE))
+    info = await js.stream_info(f"KV_{s.LOCKS_BUCKET}")
+    if info.config.max_age != lease_s:  # the lease setting changed: the TTL follows
+        info.config.max_age = lease_s
+        info.config.duplicate_window = min(info.config.duplicate_window, lease_s)
+        await js.update_stream(info.config)
+    return kv
 
 
 async def _bucket(js: JetStreamContext, config: KeyValueConfig) -> KeyValue:

@@ -17,7 +17,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import structlog
+from nats.aio.client import Client as NATS
 from nats.micro import add_service
+from nats.micro.service import Service
 from nats.micro.request import Request
 
 from services.shared.bus import Bus, connect
@@ -26,7 +28,7 @@ from services.shared.logging import configure_logging
 from services.shared.settings import ServiceSettings
 
 VERSION = "0.1.0"
-DRAIN_TIMEOUT_S = 5.0
+SHUTDOWN_TIMEOUT_S = 10.0
 log = structlog.get_logger()
 
 
@@ -56,7 +58,15 @@ async def serve(
 ) -> None:
     configure_logging(name, settings.log_level, settings.log_format)
     stop = _stop_on_signals()
-    nc = await connect(settings.nats_url, name, settings.nats_connect_timeout_s)
+    connecting = asyncio.create_task(
+        connect(settings.nats_url, name, settings.nats_connect_timeout_s))
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait({connecting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if not connecting.done():  # asked to stop before NATS ever answered
+        connecting.cancel()
+        return
+    stopping.cancel()
+    nc = connecting.result()
     bus = Bus(nc, name)
     await ensure_layout(bus.js, lock_lease_s)
     component = await build(bus)
@@ -73,14 +83,19 @@ async def serve(
     log.info("service_started", nats_url=settings.nats_url)
     await stop.wait()
     log.info("service_stopping")
-    await component.stop()
-    await micro.stop()
     try:
-        await asyncio.wait_for(nc.drain(), DRAIN_TIMEOUT_S)
+        await asyncio.wait_for(_shut_down(component, micro, nc), SHUTDOWN_TIMEOUT_S)
     except TimeoutError:
-        log.warning("drain_timed_out")
+        # NATS is gone or a handler hangs: exit anyway rather than linger.
+        log.warning("shutdown_timed_out")
         await nc.close()
     log.info("service_stopped")
+
+
+async def _shut_down(component: Component, micro: Service, nc: NATS) -> None:
+    await component.stop()
+    await micro.stop()
+    await nc.drain()
 
 
 def _stop_on_signals() -> asyncio.Event:

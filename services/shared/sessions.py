@@ -13,13 +13,30 @@ class SessionNotFound(LookupError):
 
 
 class SessionStore:
-    def __init__(self, kv: KeyValue) -> None:
+    """Records are read through a per-process cache, written through it.
+
+    What can change after creation is only calibration, which each writer
+    refreshes from its own reports; a slightly stale ratio in another process
+    is harmless, a round trip on every turn is not.
+    """
+
+    def __init__(self, kv: KeyValue, cached: bool = True) -> None:
         self._kv = kv
+        self._cached = cached
+        self._cache: dict[str, SessionRecord] = {}
 
     async def create(self, record: SessionRecord) -> None:
         await self._kv.create(record.session_id, record.model_dump_json().encode())
 
     async def get(self, sid: str) -> SessionRecord:
+        if self._cached and sid in self._cache:
+            return self._cache[sid]
+        record = await self._load(sid)
+        if self._cached:
+            self._cache[sid] = record
+        return record
+
+    async def _load(self, sid: str) -> SessionRecord:
         try:
             entry = await self._kv.get(sid)
         except KeyNotFoundError as err:
@@ -30,3 +47,5 @@ class SessionStore:
 
     async def put(self, record: SessionRecord) -> None:
         await self._kv.put(record.session_id, record.model_dump_json().encode())
+        if self._cached:
+            self._cache[record.session_id] = record

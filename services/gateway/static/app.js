@@ -306,6 +306,7 @@ function selectSession(id, { updateHash = true } = {}) {
   showNotice("");
   ui.messages.replaceChildren();
   ui.log.replaceChildren();
+  renderSessionFacts(null);
   setState("unknown");
   renderGauge();
   renderCompacting();
@@ -679,15 +680,16 @@ function renderGauge() {
   }
 }
 
+// `s` null clears the facts (while another session loads).
 function renderSessionFacts(s) {
-  ui.factModel.textContent = s.model ?? "—";
-  ui.factAuto.textContent = s.auto_compact ? "on" : "off";
-  ui.factCompactions.textContent = String(s.compactions ?? 0);
-  ui.factMessages.textContent = String((s.messages ?? []).length);
-  ui.summaryText.textContent = s.summary ?? "";
-  show(ui.summaryBox, Boolean(s.summary));
-  ui.systemText.textContent = s.system ?? "";
-  show(ui.systemBox, Boolean(s.system));
+  ui.factModel.textContent = s?.model ?? "—";
+  ui.factAuto.textContent = s ? (s.auto_compact ? "on" : "off") : "—";
+  ui.factCompactions.textContent = s ? String(s.compactions ?? 0) : "—";
+  ui.factMessages.textContent = s ? String((s.messages ?? []).length) : "—";
+  ui.summaryText.textContent = s?.summary ?? "";
+  show(ui.summaryBox, Boolean(s?.summary));
+  ui.systemText.textContent = s?.system ?? "";
+  show(ui.systemBox, Boolean(s?.system));
 }
 
 // --------------------------------------------------------------------------- panel: compaction

@@ -1,0 +1,582 @@
+"""A seeded, deterministic world over the pure core (no asyncio, no I/O).
+
+One scenario is one session: a provider with its own tokenizer ratio and
+quirks, a scripted user and tools, a "generator" that renders, estimates,
+guards and sends every call, and a "decider" that watches each call and
+starts background compactions which splice some turns later, racing the
+turns in between. After every step the invariants of the design are checked;
+the first violation raises `InvariantViolation` naming the seed.
+
+Every message carries a unique id (`#<n>:` at the start of its content) so the
+simulation can prove that nothing appended is ever lost or duplicated: each id
+is either raw in the history or covered by the current (stacked) summary.
+
+Modelling choices, mirroring the stand-in Ollama and what the shells must do:
+- the provider's prompt cache holds the previous prompt; with the cache-count
+  quirk a prompt extending it is charged only for the new suffix, and the
+  generator passes `reusable_chars` to `calibrate` so such counts are not
+  mistaken for whole-prompt ones;
+- a turn's messages are appended only when the turn completes, so a refused
+  turn leaves no trace in the history;
+- the generator's own emergency compaction does not clear the decider's
+  pending flag: the decider reacts only to the result of its own request
+  (correlate `compaction.result` with the request), else a second background
+  compaction could start beside a doomed one.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from schemas.history import ChatMessage, Conversation, ToolCall
+from services.core.boundary import choose_boundary, tail_turns_for
+from services.core.decision import (
+    EMERGENCY_FRACTION,
+    Level,
+    Observation,
+    Policy,
+    SessionMemory,
+    check_fit,
+    decide,
+    level_for,
+    on_result,
+)
+from services.core.prompt import (
+    compact_json,
+    history_chars,
+    render_messages,
+    reusable_chars,
+    sent_chars,
+)
+from services.core.splice import (
+    CompactionPlan,
+    SpliceConflict,
+    first_user_request,
+    plan_compaction,
+    splice,
+)
+from services.core.state_machine import (
+    INITIAL,
+    Action,
+    CompactionMode,
+    IllegalTransition,
+    Phase,
+    SessionState,
+    transition,
+)
+from services.core.summary_prompt import SUMMARY_MARKER, summary_messages
+from services.core.tokens import (
+    Calibration,
+    budget,
+    calibrate,
+    default_headroom,
+    estimate_tokens,
+)
+
+Msg = dict[str, Any]
+
+REPLAY_HINT = "SIM_SEED={seed} pytest tests/core/test_simulation.py -k replay"
+
+# Like the stand-in: every message costs 4 template tokens beyond its text, and
+# with prompt-cache counting a suffix under 5 tokens is not reported at all.
+PROVIDER_OVERHEAD_TOKENS = 4
+CACHE_MIN_TOKENS = 5
+NUM_CTX_SIZES = (1024, 2048, 2048, 4096, 4096, 8192)
+# How far below the threshold a decider firing may be (the estimate's error).
+PREMATURE_SLACK = 0.05
+# The generator's guard acts at the emergency line, on an estimate that errs
+# both ways by up to about 6.5%: it must never compact below 85% of the budget.
+GUARD_SLACK = 0.10
+TOOLS: tuple[dict[str, Any], ...] = (
+    {"type": "function", "function": {"name": "read_file", "description": "Read a file",
+                                      "parameters": {"path": {"type": "string"}}}},
+    {"type": "function", "function": {"name": "search", "description": "Search the code",
+                                      "parameters": {"q": {"type": "string"}}}},
+)
+
+
+class InvariantViolation(AssertionError):
+    def __init__(self, seed: int, step: str, what: str) -> None:
+        super().__init__(
+            f"seed {seed}, {step}: {what}\n  replay: {REPLAY_HINT.format(seed=seed)}"
+        )
+        self.seed = seed
+
+
+# --------------------------------------------------------------------------- the world
+
+
+@dataclass(frozen=True)
+class Scenario:
+    seed: int
+    num_ctx: int
+    chars_per_token: float
+    missing_rate: float
+    cache_counts: bool
+    eviction_rate: float
+    truncates: bool
+    mode: CompactionMode
+    policy: Policy
+    tail_turns: int
+    turns: int
+    system: str
+
+    @classmethod
+    def draw(cls, seed: int, rng: random.Random) -> Scenario:
+        policy = Policy(
+            threshold=rng.choice((0.0, 0.6, 0.7, 0.8, 0.8, 0.9)),
+            cooldown_s=rng.choice((0.0, 30.0, 120.0)),
+            min_relief=rng.choice((0.05, 0.1, 0.2)),
+        )
+        return cls(
+            seed=seed,
+            num_ctx=rng.choice(NUM_CTX_SIZES),
+            chars_per_token=rng.uniform(2.5, 8.0),
+            missing_rate=rng.choice((0.0, 0.0, 0.2, 1.0)),
+            cache_counts=rng.random() < 0.5,
+            eviction_rate=rng.choice((0.0, 0.1, 0.5)),
+            truncates=rng.random() < 0.5,
+            mode=CompactionMode.blocking if rng.random() < 0.2 else CompactionMode.background,
+            policy=policy,
+            tail_turns=rng.choice((1, 2, 4, 8)),
+            turns=rng.randint(30, 80),
+            system="You are a careful assistant. " * rng.randint(1, 6),
+        )
+
+    @property
+    def headroom(self) -> int:
+        return default_headroom(self.num_ctx)
+
+    @property
+    def budget(self) -> int:
+        return budget(self.num_ctx, self.headroom)
+
+    @property
+    def window_chars(self) -> int:
+        return int(self.num_ctx * self.chars_per_token)
+
+
+class Provider:
+    """Ollama as the stand-in models it: exact counts, then the scenario's quirks."""
+
+    def __init__(self, sc: Scenario, rng: random.Random) -> None:
+        self.sc = sc
+        self.rng = rng
+        self.cached: list[Msg] | None = None
+
+    def message_tokens(self, message: Msg) -> int:
+        text_chars = len(message.get("content") or "")
+        if message.get("tool_calls"):
+            text_chars += len(compact_json(message["tool_calls"]))
+        return math.ceil(text_chars / self.sc.chars_per_token) + PROVIDER_OVERHEAD_TOKENS
+
+    def true_tokens(self, messages: Sequence[Msg]) -> int:
+        tools = math.ceil(len(compact_json(list(TOOLS))) / self.sc.chars_per_token)
+        return sum(self.message_tokens(m) for m in messages) + tools
+
+    def report(self, messages: list[Msg]) -> int | None:
+        """The prompt_eval_count Ollama would return for this call."""
+        true = self.true_tokens(messages)
+        previous, self.cached = self.cached, messages
+        if self.sc.truncates and true > self.sc.num_ctx:
+            return self.sc.num_ctx  # silently truncated: the count is capped
+        if self.rng.random() < self.sc.missing_rate:
+            return None
+        evicted = self.rng.random() < self.sc.eviction_rate
+        if self.sc.cache_counts and previous and not evicted and (
+            messages[: len(previous)] == previous
+        ):
+            suffix = sum(self.message_tokens(m) for m in messages[len(previous):])
+            return None if suffix < CACHE_MIN_TOKENS else suffix
+        return true
+
+
+class Script:
+    """What the user and the tools say: sizes drawn from the scenario's rng."""
+
+    def __init__(self, sc: Scenario, rng: random.Random) -> None:
+        self.sc = sc
+        self.rng = rng
+        self.next_id = 0
+
+    def text(self, chars: int) -> str:
+        self.next_id += 1
+        head = f"#{self.next_id}:"
+        return head + "x" * max(0, chars - len(head))
+
+    def size(self, big_share: float) -> int:
+        if self.rng.random() < big_share:
+            # Up to 40% of the window, mostly far less.
+            return 10 + int(0.4 * self.sc.window_chars * self.rng.random() ** 2)
+        return self.rng.randint(10, 400)
+
+    def user(self) -> ChatMessage:
+        return ChatMessage(role="user", content=self.text(self.size(0.15)))
+
+    def tool_call(self) -> ChatMessage:
+        name = self.rng.choice(("read_file", "search"))
+        args = {"path": f"src/m{self.rng.randint(1, 99)}.py"}
+        return ChatMessage(role="assistant", content=self.text(self.rng.randint(0, 80)),
+                           tool_calls=(ToolCall(name=name, arguments=args),))
+
+    def tool_result(self, name: str, timed_out: bool) -> ChatMessage:
+        if timed_out:
+            return ChatMessage(role="tool", tool_name=name, content=self.text(40))
+        chars = self.size(0.3)
+        if self.rng.random() < 0.01:
+            chars = int(1.2 * self.sc.window_chars)  # a single result larger than the window
+        return ChatMessage(role="tool", tool_name=name, content=self.text(chars))
+
+    def answer(self) -> ChatMessage:
+        most = max(20, int(0.5 * self.sc.headroom * self.sc.chars_per_token))
+        return ChatMessage(role="assistant", content=self.text(self.rng.randint(10, most)))
+
+
+def message_id(message: ChatMessage) -> int:
+    return int(message.content[1 : message.content.index(":")])
+
+
+# --------------------------------------------------------------------------- bookkeeping
+
+
+@dataclass
+class InFlight:
+    plan: CompactionPlan
+    level: Level
+    splice_before_turn: int
+
+
+@dataclass
+class Stats:
+    calls: int = 0
+    refused_turns: int = 0
+    decider_firings: int = 0
+    emergency_compactions: int = 0
+    splices: int = 0
+    conflicts: int = 0
+    rejected_queries: int = 0
+    max_fill: float = 0.0  # highest true prompt tokens / budget sent
+    max_underestimate: float = 0.0  # highest true/estimate - 1 over calibrated calls
+    # Lowest (true fill - the line it acts on) at which a calibrated decider or
+    # guard compaction fired; the invariants allow -5% and -10%.
+    decider_excess: float = math.inf
+    guard_excess: float = math.inf
+
+
+@dataclass
+class Session:
+    """Everything the generator and the decider keep for the one session."""
+
+    history: Conversation = field(default_factory=Conversation)
+    calibration: Calibration = field(default_factory=Calibration)
+    previous_prompt: list[Msg] = field(default_factory=list)
+    state: SessionState = INITIAL
+    memory: SessionMemory = field(default_factory=SessionMemory)
+    in_flight: InFlight | None = None
+    queued: InFlight | None = None  # blocking mode: runs at the next idle point
+    covered: dict[str, frozenset[int]] = field(default_factory=dict)
+    appended: set[int] = field(default_factory=set)
+    last_fire_turn: int | None = None
+    last_fire_level: Level | None = None
+    completed_since_fire: bool = True
+    now: float = 0.0
+
+
+# --------------------------------------------------------------------------- the run
+
+
+class Simulation:
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        rng = random.Random(seed)
+        self.sc = Scenario.draw(seed, rng)
+        self.rng = rng
+        self.provider = Provider(self.sc, rng)
+        self.script = Script(self.sc, rng)
+        self.s = Session()
+        self.stats = Stats()
+        self.turn = 0
+        self.summaries = 0
+
+    def fail(self, what: str) -> InvariantViolation:
+        return InvariantViolation(self.seed, f"turn {self.turn}", what)
+
+    def run(self) -> Stats:
+        for turn in range(self.sc.turns):
+            self.turn = turn
+            self.between_turns()
+            self.one_turn()
+            self.check_history()
+            self.check_idle()
+        return self.stats
+
+    # ----------------------------------------------------------------- state machine
+
+    def act(self, action: Action) -> None:
+        try:
+            self.s.state = transition(self.s.state, action, self.sc.mode)
+        except IllegalTransition as err:
+            raise self.fail(f"illegal transition in the simulated shell: {err}") from err
+
+    def check_idle(self) -> None:
+        want_flag = self.sc.mode is CompactionMode.background and self.s.in_flight is not None
+        if self.s.state != SessionState(Phase.idle, want_flag):
+            raise self.fail(f"between turns the state is {self.s.state}, flag {want_flag}")
+
+    # ----------------------------------------------------------------- a turn
+
+    def one_turn(self) -> None:
+        self.act(Action.receive)
+        self.act(Action.start_generation)
+        pending = [self.script.user()]
+        for _ in range(self.rng.choice((0, 0, 1, 1, 2, 3))):
+            call = self.script.tool_call()
+            if not self.call_model(pending, call):
+                return self.refuse()
+            pending.append(call)
+            self.act(Action.dispatch_tool)
+            self.act(Action.await_result)
+            timed_out = self.rng.random() < 0.05
+            pending.append(self.script.tool_result(call.tool_calls[0].name, timed_out))
+            self.act(Action.tool_timeout if timed_out else Action.tool_result)
+        answer = self.script.answer()
+        if not self.call_model(pending, answer):
+            return self.refuse()
+        pending.append(answer)
+        self.act(Action.publish)
+        self.append(pending)
+        self.act(Action.reset)
+        return None
+
+    def refuse(self) -> None:
+        """The turn cannot fit even after an emergency compaction: a clear error."""
+        self.stats.refused_turns += 1
+        self.act(Action.fail)
+        self.act(Action.reset)
+
+    def append(self, messages: Sequence[ChatMessage]) -> None:
+        history = self.s.history
+        self.s.history = history.model_copy(update={"messages": (*history.messages, *messages)})
+        self.s.appended.update(message_id(m) for m in messages)
+
+    def render(self, pending: Sequence[ChatMessage]) -> tuple[list[Msg], int]:
+        messages = render_messages(self.sc.system, self.s.history, pending)
+        return messages, sent_chars(messages, TOOLS)
+
+    def call_model(self, pending: list[ChatMessage], reply: ChatMessage) -> bool:
+        """The generator's pre-send guard, the call itself, then the decider."""
+        messages, chars = self.render(pending)
+        estimate = estimate_tokens(chars, self.s.calibration)
+        if not check_fit(estimate, self.sc.budget).fits:
+            true = self.provider.true_tokens(messages)
+            self.check_not_premature(true, "generator emergency", EMERGENCY_FRACTION, GUARD_SLACK)
+            excess = self.excess(true, EMERGENCY_FRACTION)
+            self.stats.guard_excess = min(self.stats.guard_excess, excess)
+            self.emergency_compaction()
+            messages, chars = self.render(pending)
+            estimate = estimate_tokens(chars, self.s.calibration)
+            if not check_fit(estimate, self.sc.budget).fits:
+                return False  # not sent, and the turn's messages are never appended
+        self.send(messages, chars, estimate)
+        self.decider_step([*pending, reply])
+        return True
+
+    def send(self, messages: list[Msg], chars: int, estimate: int) -> None:
+        sc = self.sc
+        if messages[0] != {"role": "system", "content": sc.system}:
+            raise self.fail("the system prompt was not sent first and unchanged")
+        true = self.provider.true_tokens(messages)
+        if true > sc.budget:
+            raise self.fail(
+                f"prompt of {true} true tokens sent over the budget {sc.budget} "
+                f"(estimate {estimate}, calibration {self.s.calibration})"
+            )
+        self.stats.calls += 1
+        self.stats.max_fill = max(self.stats.max_fill, true / sc.budget)
+        if self.s.calibration.reports:
+            self.stats.max_underestimate = max(self.stats.max_underestimate, true / estimate - 1)
+        reported = self.provider.report(messages)
+        reused = reusable_chars(self.s.previous_prompt, messages, previous_tools=TOOLS,
+                                tools=TOOLS)
+        self.s.calibration = calibrate(self.s.calibration, reported, chars, sc.num_ctx,
+                                       reused_chars=reused)
+        self.s.previous_prompt = messages
+        self.s.now += self.rng.uniform(2.0, 25.0)
+
+    # ----------------------------------------------------------------- compaction
+
+    def summarise(self, plan: CompactionPlan) -> str:
+        """A deterministic stand-in for the summariser: small, and it records coverage."""
+        request = summary_messages(plan.snapshot.summary, plan.to_compact,
+                                   first_user_request(plan.snapshot))
+        if SUMMARY_MARKER not in request[0]["content"]:
+            raise self.fail("the summarisation request lacks its marker")
+        self.summaries += 1
+        text = f"notes {self.summaries}: " + "n" * self.rng.randint(40, 160)
+        earlier = self.s.covered.get(plan.snapshot.summary or "", frozenset())
+        self.s.covered[text] = earlier | {message_id(m) for m in plan.to_compact}
+        return text
+
+    def apply_splice(self, plan: CompactionPlan) -> bool:
+        """Summarise and splice under the lock; False when the splice conflicts."""
+        current = self.s.history
+        summary = self.summarise(plan)
+        try:
+            snapshot = splice(current, plan, summary)
+        except SpliceConflict:
+            self.stats.conflicts += 1
+            return False
+        since = current.messages[len(plan.snapshot.messages):]
+        kept = {message_id(m) for m in snapshot.messages}
+        if not {message_id(m) for m in (*plan.live, *since)} <= kept:
+            raise self.fail("the live zone shrank during a compaction")
+        self.s.history = Conversation(summary=snapshot.summary, messages=snapshot.messages,
+                                      compactions=snapshot.compactions)
+        self.stats.splices += 1
+        self.check_history()
+        return True
+
+    def emergency_compaction(self) -> None:
+        """The generator's last guard: compact now, keeping only the last turn raw."""
+        plan = plan_compaction(self.s.history, tail_turns_for(Level.emergency, self.sc.tail_turns))
+        if plan is None:
+            return
+        self.stats.emergency_compactions += 1
+        # Shown as compacting only where the mode allows it beside the turn.
+        flag = self.sc.mode is CompactionMode.background and not self.s.state.compacting
+        if flag:
+            self.act(Action.start_compaction)
+        self.apply_splice(plan)
+        if flag:
+            self.act(Action.complete_compaction)
+
+    def between_turns(self) -> None:
+        """The lock is free: a due background splice or a queued blocking one runs."""
+        flight = self.s.in_flight
+        if flight is not None and flight.splice_before_turn <= self.turn:
+            ok = self.apply_splice(flight.plan)
+            self.s.in_flight = None
+            self.act(Action.complete_compaction)
+            self.result(ok)
+        if self.s.queued is not None:
+            self.blocking_compaction(self.s.queued)
+
+    def blocking_compaction(self, request: InFlight) -> None:
+        self.s.queued = None
+        self.act(Action.start_compaction)
+        if self.rng.random() < 0.5:
+            # A query arriving now is rejected and the session stays compacting.
+            try:
+                transition(self.s.state, Action.receive, self.sc.mode)
+            except IllegalTransition:
+                self.stats.rejected_queries += 1
+            else:
+                raise self.fail("blocking mode accepted a query while compacting")
+        plan = plan_compaction(self.s.history, tail_turns_for(request.level, self.sc.tail_turns))
+        ok = plan is not None and self.apply_splice(plan)
+        self.act(Action.complete_compaction)
+        self.result(ok)
+
+    def result(self, ok: bool) -> None:
+        """compaction.result reaches the decider."""
+        tokens_after = None
+        if ok:
+            _, chars = self.render(())
+            tokens_after = estimate_tokens(chars, self.s.calibration)
+        self.s.memory = on_result(self.s.memory, tokens_after, self.s.now)
+        self.s.completed_since_fire = True
+
+    # ----------------------------------------------------------------- the decider
+
+    def decider_step(self, next_pending: Sequence[ChatMessage]) -> None:
+        sc, s = self.sc, self.s
+        _, chars = self.render(next_pending)
+        estimate = estimate_tokens(chars, s.calibration)
+        level = level_for(estimate, sc.budget, sc.policy)
+        compactable = 0
+        if level is not None:
+            tail = tail_turns_for(level, sc.tail_turns)
+            boundary = choose_boundary(s.history.messages, tail)
+            compactable = estimate_tokens(history_chars(s.history.messages[:boundary]),
+                                          s.calibration)
+        obs = Observation(estimate, sc.budget, compactable, s.now)
+        decision, s.memory = decide(obs, s.memory, sc.policy)
+        if not decision.fire:
+            return
+        assert decision.level is not None
+        self.check_firing(decision.level, next_pending)
+        self.start_background(decision.level)
+
+    def check_firing(self, level: Level, next_pending: Sequence[ChatMessage]) -> None:
+        s = self.s
+        self.stats.decider_firings += 1
+        if s.in_flight is not None or s.queued is not None:
+            raise self.fail("two compactions pending for the session")
+        consecutive = s.last_fire_turn is not None and self.turn - s.last_fire_turn <= 1
+        escalated = level is Level.emergency and s.last_fire_level is not Level.emergency
+        if consecutive and not s.completed_since_fire and not escalated:
+            raise self.fail("the decider fired on consecutive turns without a compaction between")
+        messages, _ = self.render(next_pending)
+        true = self.provider.true_tokens(messages)
+        self.check_not_premature(true, "decider", self.sc.policy.threshold, PREMATURE_SLACK)
+        excess = self.excess(true, self.sc.policy.threshold)
+        self.stats.decider_excess = min(self.stats.decider_excess, excess)
+        s.last_fire_turn, s.last_fire_level, s.completed_since_fire = self.turn, level, False
+
+    def check_not_premature(self, true_tokens: int, who: str, threshold: float,
+                            slack: float) -> None:
+        """Once calibrated, nothing compacts well below the line it acts on."""
+        if not self.s.calibration.reports:
+            return
+        floor = (threshold - slack) * self.sc.budget
+        if true_tokens < floor:
+            raise self.fail(
+                f"{who} compaction fired at {true_tokens} true tokens, below {floor:.0f} "
+                f"(line {threshold:.0%} - {slack:.0%} of {self.sc.budget})"
+            )
+
+    def excess(self, true_tokens: int, line: float) -> float:
+        if not self.s.calibration.reports:
+            return math.inf
+        return true_tokens / self.sc.budget - line
+
+    def start_background(self, level: Level) -> None:
+        s = self.s
+        plan = plan_compaction(s.history, tail_turns_for(level, self.sc.tail_turns))
+        if self.sc.mode is CompactionMode.blocking:
+            if plan is not None:
+                s.queued = InFlight(plan, level, self.turn + 1)
+            else:
+                self.result(False)
+            return
+        if plan is None:
+            self.result(False)
+            return
+        self.act(Action.start_compaction)
+        delay = self.rng.choice((0, 0, 1, 1, 2, 3))
+        s.in_flight = InFlight(plan, level, self.turn + 1 + delay)
+
+    # ----------------------------------------------------------------- accounting
+
+    def check_history(self) -> None:
+        """No message lost or duplicated: raw or covered by the summary, never both."""
+        history = self.s.history
+        raw = [message_id(m) for m in history.messages]
+        if len(raw) != len(set(raw)):
+            raise self.fail("a message is duplicated in the raw history")
+        covered = self.s.covered.get(history.summary or "", frozenset())
+        if covered & set(raw):
+            raise self.fail("a message is both summarised and raw")
+        missing = self.s.appended - covered - set(raw)
+        if missing:
+            raise self.fail(f"messages lost: {sorted(missing)[:10]}")
+        if (covered | set(raw)) - self.s.appended:
+            raise self.fail("the history holds messages that were never appended")
+
+
+def run_scenario(seed: int) -> Stats:
+    return Simulation(seed).run()

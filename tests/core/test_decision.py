@@ -1,0 +1,244 @@
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from services.core.decision import (
+    FIT_MARGIN,
+    Decision,
+    Fit,
+    Level,
+    Observation,
+    Policy,
+    SessionMemory,
+    check_fit,
+    decide,
+    level_for,
+    on_result,
+)
+from services.core.tokens import Calibration, budget, calibrate, default_headroom, estimate_tokens
+
+BUDGET = 10000
+FRESH = SessionMemory()
+
+
+def expected_level(tokens: int, budget_: int, threshold: float) -> Level | None:
+    """Written from the brief: percentages of the budget, no shared code."""
+    pct = 100 * tokens / budget_
+    if threshold <= 0 or pct < 100 * threshold - 1e-9:
+        return None
+    if pct >= 95 - 1e-9:
+        return Level.emergency
+    if pct >= 100 * (threshold + (1 - threshold) / 2) - 1e-9:
+        return Level.tighter
+    return Level.gentle
+
+
+THRESHOLDS = [0.0, 0.5, 0.6, 0.8, 0.9, 0.97, 1.0]
+TOKENS = sorted({0, 1, 4999, 5000, 5999, 6000, 7999, 8000, 8999, 9000, 9499, 9500, 9699,
+                 9700, 9999, 10000, 12000})
+
+
+@pytest.mark.parametrize(("tokens", "threshold"), list(itertools.product(TOKENS, THRESHOLDS)))
+def test_level_for_every_point(tokens: int, threshold: float) -> None:
+    assert level_for(tokens, BUDGET, Policy(threshold=threshold)) == expected_level(
+        tokens, BUDGET, threshold
+    )
+
+
+MEMORIES = [
+    SessionMemory(),
+    SessionMemory(pending=True, last_fired_at=90.0),
+    SessionMemory(pending=False, last_fired_at=90.0, tokens_after_last=3000),  # 10 s ago
+    SessionMemory(pending=False, last_fired_at=70.0),  # exactly the cooldown ago
+    SessionMemory(pending=False, last_fired_at=10.0),  # long ago
+]
+RELIEF = [0, 999, 1000, 5000]
+
+
+@pytest.mark.parametrize(
+    ("tokens", "threshold", "memory", "compactable"),
+    list(itertools.product(TOKENS, THRESHOLDS, MEMORIES, RELIEF)),
+)
+def test_decide_every_combination(
+    tokens: int, threshold: float, memory: SessionMemory, compactable: int
+) -> None:
+    policy = Policy(threshold=threshold, cooldown_s=30.0, min_relief=0.1)
+    now = 100.0
+    obs = Observation(tokens, BUDGET, compactable, now)
+    decision, after = decide(obs, memory, policy)
+
+    level = expected_level(tokens, BUDGET, threshold)
+    cooling = memory.last_fired_at is not None and now - memory.last_fired_at < 30.0
+    should_fire = (
+        level is not None
+        and not memory.pending
+        and (level is Level.emergency or not cooling)
+        and compactable >= 1000
+    )
+    assert decision.fire is should_fire
+    if should_fire:
+        assert decision.level is level
+        assert after == SessionMemory(True, now, memory.tokens_after_last)
+    else:
+        assert decision.level is None
+        assert after == memory
+    assert decision.reason
+
+
+def test_reason_names_the_numbers() -> None:
+    decision, _ = decide(Observation(9210, BUDGET, 5000, 0.0), FRESH, Policy())
+    assert decision == Decision(
+        True, Level.tighter,
+        "estimate 9210 of budget 10000 tokens (92%) >= threshold 80%: compact (tighter)",
+    )
+
+
+@pytest.mark.parametrize(
+    ("obs", "memory", "policy", "words"),
+    [
+        (Observation(9000, BUDGET, 5000, 0.0), FRESH, Policy(threshold=0), ["disabled"]),
+        (Observation(7000, BUDGET, 5000, 0.0), FRESH, Policy(), ["7000", "70%", "below"]),
+        (Observation(9000, BUDGET, 5000, 0.0), SessionMemory(pending=True), Policy(), ["pending"]),
+        (Observation(9000, BUDGET, 5000, 10.0), SessionMemory(last_fired_at=0.0), Policy(),
+         ["cooling down", "10.0s", "30s"]),
+        (Observation(9000, BUDGET, 400, 0.0), FRESH, Policy(), ["400", "1000", "too little"]),
+    ],
+)
+def test_reasons_for_not_firing(
+    obs: Observation, memory: SessionMemory, policy: Policy, words: list[str]
+) -> None:
+    decision, after = decide(obs, memory, policy)
+    assert not decision.fire and after == memory
+    for word in words:
+        assert word in decision.reason
+
+
+def test_emergency_ignores_cooldown_but_never_pending() -> None:
+    recent = SessionMemory(last_fired_at=99.0)
+    fired, _ = decide(Observation(9600, BUDGET, 5000, 100.0), recent, Policy())
+    assert fired.fire and fired.level is Level.emergency
+    blocked, _ = decide(Observation(9600, BUDGET, 5000, 100.0), replace(recent, pending=True),
+                        Policy())
+    assert not blocked.fire
+
+
+def test_on_result_clears_pending_and_records_tokens_after() -> None:
+    pending = SessionMemory(pending=True, last_fired_at=5.0)
+    assert on_result(pending, 1234, 40.0) == SessionMemory(False, 5.0, 1234)
+    # A failed compaction restarts the cooldown, so a broken summariser is not hammered.
+    assert on_result(pending, None, 40.0) == SessionMemory(False, 40.0, None)
+
+
+def test_one_crossing_fires_once() -> None:
+    """Hysteresis: the estimate stays above threshold for many turns; one firing until a result."""
+    policy, memory, fired = Policy(), FRESH, []
+    for step in range(20):
+        decision, memory = decide(Observation(8500 + step, BUDGET, 5000, step * 5.0), memory,
+                                  policy)
+        fired.append(decision.fire)
+    assert fired.count(True) == 1 and fired[0]
+
+
+@pytest.mark.parametrize(
+    ("kwargs"), [{"threshold": -0.1}, {"threshold": 1.5}, {"cooldown_s": -1}, {"min_relief": 2}]
+)
+def test_policy_validation(kwargs: dict[str, float]) -> None:
+    with pytest.raises(ValueError):
+        Policy(**kwargs)
+
+
+def test_check_fit_exact() -> None:
+    assert check_fit(999, 1000, margin=0) == Fit(True, 0)
+    assert check_fit(1000, 1000, margin=0) == Fit(True, 0)
+    assert check_fit(1001, 1000, margin=0) == Fit(False, 1)
+    assert check_fit(5000, 1000, margin=0) == Fit(False, 4000)
+
+
+def test_check_fit_keeps_the_default_margin_in_reserve() -> None:
+    assert pytest.approx(0.05) == FIT_MARGIN
+    assert check_fit(950, 1000) == Fit(True, 0)
+    assert check_fit(951, 1000) == Fit(False, 1)
+    assert check_fit(9500, 10000) == Fit(True, 0)
+    assert check_fit(217907, 229376) == Fit(True, 0)
+    assert check_fit(217908, 229376) == Fit(False, 1)
+    with pytest.raises(ValueError):
+        check_fit(1, 10, margin=1.0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.integers(0, 300000), st.integers(1, 262144), st.integers(0, 300000),
+    st.floats(0.0, 1.0), st.booleans(),
+)
+def test_decide_never_fires_below_threshold_or_twice(
+    tokens: int, budget_: int, compactable: int, threshold: float, pending: bool
+) -> None:
+    policy = Policy(threshold=threshold)
+    decision, memory = decide(Observation(tokens, budget_, compactable, 0.0),
+                              SessionMemory(pending=pending), policy)
+    if decision.fire:
+        assert threshold > 0 and tokens >= threshold * budget_ and not pending
+        assert memory.pending
+        again, _ = decide(Observation(tokens, budget_, compactable, 1000.0), memory, policy)
+        assert not again.fire
+
+
+# --- The third seed's oscillation, replayed --------------------------------------------
+
+WINDOW = 262144
+CHARS_PER_TOKEN = 7.5  # the rig's measured ratio for AILANG code and DOCX XML
+# What the provider reported per call: full history, compacted, full, ... (seed 3).
+REPORTED = [246429, 103830, 254162, 104257, 261021, 105690, 267365]
+# The uncompacted history grew the whole time; between two full calls, interpolate.
+FULL_HISTORY = [246429, 250296, 254162, 257592, 261021, 264193, 267365]
+COMPACTED = [103830, 103830, 104044, 104257, 104974, 105690, 106528]
+
+
+def old_rule_fires(last_reported: int | None) -> bool:
+    """The seed's trigger: the provider's previous count >= 60% of (window - 75k)."""
+    return last_reported is not None and last_reported >= 0.6 * (WINDOW - 75000)
+
+
+def test_old_rule_oscillates_into_overflow() -> None:
+    last: int | None = None
+    sent = []
+    for step, full in enumerate(FULL_HISTORY):
+        tokens = COMPACTED[step] if old_rule_fires(last) else full
+        sent.append(tokens)
+        last = tokens
+    assert sent == REPORTED  # the trajectory the seed recorded
+    # After every compacted call the old rule reads a low count and stays quiet, so the
+    # full history goes out again, creeping up until it overflows the window.
+    assert [old_rule_fires(r) for r in REPORTED[1::2]] == [False, False, False]
+    assert sent[-1] > WINDOW
+
+
+def test_estimate_of_what_is_about_to_be_sent_fires_every_time() -> None:
+    limit = budget(WINDOW, default_headroom(WINDOW))
+    policy, memory = Policy(), SessionMemory()
+    # The run was long under way: an earlier call had calibrated the ratio.
+    calibration = calibrate(Calibration(), 200000, round(200000 * CHARS_PER_TOKEN), WINDOW)
+    sent = []
+    for step, full in enumerate(FULL_HISTORY):
+        full_chars = round(full * CHARS_PER_TOKEN)
+        compacted_chars = round(COMPACTED[step] * CHARS_PER_TOKEN)
+        estimate = estimate_tokens(full_chars, calibration)
+        compactable = estimate - estimate_tokens(compacted_chars, calibration)
+        now = 60.0 * step
+        decision, memory = decide(Observation(estimate, limit, compactable, now), memory, policy)
+        # The full history is about to be sent on every step: the decision must fire,
+        # and the guard agrees it would not fit.
+        assert decision.fire, (step, decision.reason)
+        assert not check_fit(estimate, limit).fits
+        memory = on_result(memory, COMPACTED[step], now)
+        sent_chars, tokens = compacted_chars, COMPACTED[step]
+        assert check_fit(estimate_tokens(sent_chars, calibration), limit).fits
+        sent.append(tokens)
+        calibration = calibrate(calibration, tokens, sent_chars, WINDOW)
+    assert all(tokens <= limit for tokens in sent)
+    assert calibration.tokens_per_char == pytest.approx(1 / CHARS_PER_TOKEN, rel=1e-3)

@@ -1,0 +1,77 @@
+"""The seeded deterministic simulation: 1,000 scenarios by default.
+
+SIM_SCENARIOS raises the count; SIM_SEED=<seed> with `-k replay` runs one seed.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+
+import pytest
+
+from tests.core.simulation import REPLAY_HINT, InvariantViolation, Stats, run_scenario
+
+SCENARIOS = int(os.environ.get("SIM_SCENARIOS", "1000"))
+REPLAY_SEED = os.environ.get("SIM_SEED")
+
+
+def test_simulation() -> None:
+    started = time.monotonic()
+    failures: list[str] = []
+    total = Stats()
+    for seed in range(SCENARIOS):
+        try:
+            stats = run_scenario(seed)
+        except InvariantViolation as err:
+            failures.append(str(err))
+            if len(failures) >= 5:
+                break
+            continue
+        _accumulate(total, stats)
+    assert not failures, f"{len(failures)}+ scenario(s) broke an invariant:\n" + "\n".join(
+        failures
+    )
+    print(
+        f"\n{SCENARIOS} scenarios in {time.monotonic() - started:.1f}s: {total.calls} calls, "
+        f"{total.decider_firings} decider firings, {total.emergency_compactions} emergency "
+        f"compactions, {total.splices} splices, {total.conflicts} splice conflicts, "
+        f"{total.refused_turns} refused turns, {total.rejected_queries} queries rejected "
+        f"while blocking; fullest prompt {total.max_fill:.1%} of budget, worst "
+        f"underestimate {total.max_underestimate:.1%}; closest firings: decider "
+        f"{total.decider_excess:+.1%} from its threshold, guard {total.guard_excess:+.1%} "
+        "from the emergency line (fractions of the budget)"
+    )
+    # The world must actually exercise the paths the invariants guard.
+    assert total.decider_firings and total.emergency_compactions and total.conflicts
+    assert total.splices and total.refused_turns and total.rejected_queries
+
+
+def _accumulate(total: Stats, stats: Stats) -> None:
+    for name in ("calls", "refused_turns", "decider_firings", "emergency_compactions",
+                 "splices", "conflicts", "rejected_queries"):
+        setattr(total, name, getattr(total, name) + getattr(stats, name))
+    total.max_fill = max(total.max_fill, stats.max_fill)
+    total.max_underestimate = max(total.max_underestimate, stats.max_underestimate)
+    total.decider_excess = min(total.decider_excess, stats.decider_excess)
+    total.guard_excess = min(total.guard_excess, stats.guard_excess)
+
+
+@pytest.mark.skipif(REPLAY_SEED is None, reason="set SIM_SEED=<seed> to replay one scenario")
+def test_replay() -> None:
+    assert REPLAY_SEED is not None
+    print(f"\nreplaying: {REPLAY_HINT.format(seed=REPLAY_SEED)}")
+    stats = run_scenario(int(REPLAY_SEED))
+    print(stats)
+
+
+def test_same_seed_same_world() -> None:
+    assert run_scenario(7) == run_scenario(7)
+    assert math.isfinite(run_scenario(7).max_fill)
+
+
+def test_a_violation_names_its_seed_and_how_to_rerun_it() -> None:
+    err = InvariantViolation(42, "turn 3", "something broke")
+    assert "seed 42" in str(err)
+    assert "SIM_SEED=42 pytest tests/core/test_simulation.py -k replay" in str(err)

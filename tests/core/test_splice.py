@@ -1,0 +1,107 @@
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from schemas.history import ChatMessage, Conversation, HistoryEntry, Role, fold
+from services.core.splice import (
+    CompactionPlan,
+    SpliceConflict,
+    first_user_request,
+    plan_compaction,
+    splice,
+)
+from tests.core import histories, turns
+
+
+def msg(role: Role, text: str) -> ChatMessage:
+    return ChatMessage(role=role, content=text)
+
+
+TURNS = tuple(
+    m for i in range(4) for m in (msg("user", f"u{i}"), msg("assistant", f"a{i}"))
+)
+SNAP = Conversation(messages=TURNS)
+
+
+def test_plan_and_splice_keep_the_live_zone_and_new_messages() -> None:
+    plan = plan_compaction(SNAP, tail_turns=2)
+    assert plan is not None and plan.boundary == 4
+    assert plan.to_compact == TURNS[:4] and plan.live == TURNS[4:]
+    appended = (msg("user", "u4"), msg("assistant", "a4"))
+    current = SNAP.model_copy(update={"messages": TURNS + appended})
+    out = splice(current, plan, "notes")
+    assert out.summary == "notes"
+    assert out.messages == TURNS[4:] + appended
+    assert out.compactions == 1
+    # What the rollup looks like after folding the history stream.
+    folded = fold([HistoryEntry.of_message(m) for m in TURNS]
+                  + [HistoryEntry.of_snapshot(out)])
+    assert folded == Conversation(summary="notes", messages=out.messages, compactions=1)
+
+
+def test_nothing_to_compact() -> None:
+    assert plan_compaction(SNAP, tail_turns=4) is None
+    assert plan_compaction(Conversation(), tail_turns=1) is None
+
+
+def test_plan_validates_its_boundary() -> None:
+    with pytest.raises(ValueError):
+        CompactionPlan(SNAP, 0)
+    with pytest.raises(ValueError):
+        CompactionPlan(SNAP, len(TURNS) + 1)
+
+
+@pytest.mark.parametrize("summary", ["", "   ", "\n\t"])
+def test_blank_summary_is_never_spliced(summary: str) -> None:
+    plan = plan_compaction(SNAP, 1)
+    assert plan is not None
+    with pytest.raises(ValueError):
+        splice(SNAP, plan, summary)
+
+
+def test_conflicts() -> None:
+    plan = plan_compaction(SNAP, 1)
+    assert plan is not None
+    rolled = Conversation(summary="other", messages=TURNS[6:], compactions=1)
+    changed = SNAP.model_copy(update={"messages": (msg("user", "edited"), *TURNS[1:])})
+    shorter = SNAP.model_copy(update={"messages": TURNS[:-1]})
+    recount = SNAP.model_copy(update={"compactions": 3})
+    for current in (rolled, changed, shorter, recount):
+        with pytest.raises(SpliceConflict):
+            splice(current, plan, "notes")
+
+
+def test_second_compaction_stacks_on_the_first() -> None:
+    first = plan_compaction(SNAP, 2)
+    assert first is not None
+    after = splice(SNAP, first, "notes 1")
+    conv = Conversation(summary=after.summary, messages=after.messages, compactions=1)
+    second = plan_compaction(conv, 1)
+    assert second is not None
+    out = splice(conv, second, "notes 1+2")
+    assert out.compactions == 2 and out.messages == TURNS[6:]
+
+
+def test_first_user_request() -> None:
+    assert first_user_request(SNAP) == "u0"
+    assert first_user_request(Conversation(messages=(msg("assistant", "hi"),))) is None
+    assert first_user_request(Conversation(summary="s", messages=TURNS, compactions=1)) is None
+
+
+@settings(max_examples=120, deadline=None)
+@given(histories(), st.lists(turns(), max_size=3), st.integers(1, 4))
+def test_splice_keeps_every_message_after_the_boundary(
+    history: tuple[ChatMessage, ...], later: list[list[ChatMessage]], tail: int
+) -> None:
+    snapshot = Conversation(messages=history)
+    plan = plan_compaction(snapshot, tail)
+    if plan is None:
+        return
+    appended = tuple(m for turn in later for m in turn)
+    current = snapshot.model_copy(update={"messages": history + appended})
+    out = splice(current, plan, "s")
+    assert out.messages == history[plan.boundary:] + appended
+    assert len(out.messages) >= len(plan.live) + len(appended)  # live zone never shrinks
+    assert out.messages[0].role == "user"

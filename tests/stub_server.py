@@ -1,0 +1,95 @@
+"""Run the Ollama stand-in (scripts/ollama_stub.py) as a subprocess for tests.
+
+    with running_stub("--quirk", "cache-count") as url:
+        client = ollama.AsyncClient(host=url)
+
+Plain helper without pytest imports, so benchmarks and scripts can use it too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+STARTUP_TIMEOUT_S = 10.0
+STOP_TIMEOUT_S = 5.0
+# A free port can be taken by someone else before the stub binds it; retry with a new one.
+START_ATTEMPTS = 3
+
+
+def free_port() -> int:
+    """A loopback TCP port that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/api/version", timeout=1) as response:
+            return bool(response.status == 200)
+    except (OSError, urllib.error.URLError):
+        return False
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is not None:
+        return
+    process.terminate()
+    try:
+        process.wait(timeout=STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def _wait_until_ready(process: subprocess.Popen[bytes], url: str, stderr_path: Path) -> bool:
+    """True once the stub answers; False if it exited (e.g. port taken). Raises on timeout."""
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            return False
+        if _answers(url):
+            return True
+        time.sleep(0.05)
+    _stop(process)
+    raise RuntimeError(
+        f"ollama stand-in did not answer at {url} within {STARTUP_TIMEOUT_S:.0f}s:\n"
+        + stderr_path.read_text(errors="replace")
+    )
+
+
+@contextlib.contextmanager
+def running_stub(*flags: str) -> Iterator[str]:
+    """Start the stand-in with ``flags``, yield its base URL, always stop it afterwards."""
+    with tempfile.TemporaryDirectory(prefix="ollama-stub-") as tmp:
+        stderr_path = Path(tmp) / "stderr.txt"
+        for _ in range(START_ATTEMPTS):
+            port = free_port()
+            url = f"http://127.0.0.1:{port}"
+            command = [sys.executable, "-m", "scripts.ollama_stub", "--port", str(port), *flags]
+            # stderr goes to a file: a pipe nobody reads could fill up and stall the stub.
+            with stderr_path.open("wb") as stderr:
+                process = subprocess.Popen(
+                    command, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=stderr
+                )
+            try:
+                if _wait_until_ready(process, url, stderr_path):
+                    yield url
+                    return
+            finally:
+                _stop(process)
+        raise RuntimeError(
+            f"ollama stand-in failed to start ({' '.join(command)}):\n"
+            + stderr_path.read_text(errors="replace")
+        )

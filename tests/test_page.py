@@ -1,0 +1,236 @@
+"""The gateway's web page, checked without a browser: its files reference each
+other, load nothing from outside, and put data into the page only as text."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+STATIC = Path(__file__).resolve().parent.parent / "services" / "gateway" / "static"
+
+LIVE_EVENT_TYPES = (
+    "generator.state",
+    "response.generation",
+    "compaction.request",
+    "compaction.event",
+    "compaction.result",
+)
+STATES = (
+    "idle", "receiving", "generating", "dispatching_tool", "waiting_for_tool",
+    "publishing", "compacting", "error",
+)  # fmt: skip
+
+
+def read(name: str) -> str:
+    return (STATIC / name).read_text(encoding="utf-8")
+
+
+class PageParser(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ids: list[str] = []
+        self.refs: list[tuple[str, str, str]] = []  # (tag, attribute, value)
+        self.inline_scripts: list[str] = []
+        self.labels_for: set[str] = set()
+        self.controls: list[tuple[str, dict[str, str | None]]] = []
+        self._in_script = False
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        a = dict(attrs)
+        if a.get("id"):
+            self.ids.append(str(a["id"]))
+        for name in ("src", "href", "action", "poster", "data"):
+            if a.get(name):
+                self.refs.append((tag, name, str(a[name])))
+        if tag == "label" and a.get("for"):
+            self.labels_for.add(str(a["for"]))
+        if tag in ("input", "textarea", "select"):
+            self.controls.append((tag, a))
+        self._in_script = tag == "script"
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "script":
+            self._in_script = False
+
+    def handle_data(self, data: str) -> None:
+        if self._in_script and data.strip():
+            self.inline_scripts.append(data)
+
+
+@pytest.fixture(scope="module")
+def html() -> str:
+    return read("index.html")
+
+
+@pytest.fixture(scope="module")
+def page(html: str) -> PageParser:
+    parser = PageParser()
+    parser.feed(html)
+    return parser
+
+
+@pytest.fixture(scope="module")
+def js() -> str:
+    return read("app.js")
+
+
+@pytest.fixture(scope="module")
+def css() -> str:
+    return read("style.css")
+
+
+# --------------------------------------------------------------------------- index.html
+
+
+def test_index_references_script_and_stylesheet(html: str, page: PageParser) -> None:
+    assert ("script", "src", "/static/app.js") in page.refs
+    assert ("link", "href", "/static/style.css") in page.refs
+    assert re.search(r'<script[^>]+type="module"[^>]+src="/static/app.js"', html)
+
+
+def test_index_loads_nothing_from_outside(html: str, page: PageParser) -> None:
+    assert "http://" not in html
+    assert "https://" not in html
+    for tag, attr, value in page.refs:
+        assert value.startswith("/static/"), f"<{tag} {attr}={value!r}> is not a local file"
+        assert not value.startswith("//")
+
+
+def test_index_has_no_inline_script(page: PageParser) -> None:
+    assert page.inline_scripts == []
+
+
+def test_index_ids_are_unique(page: PageParser) -> None:
+    duplicates = {i for i in page.ids if page.ids.count(i) > 1}
+    assert not duplicates
+
+
+def test_every_form_control_has_a_label(page: PageParser) -> None:
+    for tag, attrs in page.controls:
+        if attrs.get("type") == "checkbox":
+            continue  # wrapped in its <label>
+        assert attrs.get("id") in page.labels_for or attrs.get("aria-label"), (tag, attrs)
+
+
+# --------------------------------------------------------------------------- style.css
+
+
+def test_stylesheet_loads_nothing_from_outside(css: str) -> None:
+    assert "http://" not in css
+    assert "https://" not in css
+    assert "@import" not in css
+    assert "@font-face" not in css
+
+
+def test_stylesheet_colours_every_state(css: str) -> None:
+    for state in STATES:
+        assert f'[data-state="{state}"]' in css, state
+
+
+# --------------------------------------------------------------------------- app.js
+
+
+def test_script_never_parses_data_as_markup(js: str) -> None:
+    assert not re.search(r"\b(innerHTML|outerHTML)\s*(\+|\|\||&&|\?\?)?=(?!=)", js)
+    assert "insertAdjacentHTML" not in js
+    assert not re.search(r"document\s*\.\s*write(ln)?\s*\(", js)
+    assert "createContextualFragment" not in js
+    assert "DOMParser" not in js
+    assert not re.search(r"\beval\s*\(|new\s+Function\s*\(", js)
+
+
+def test_script_renders_text(js: str) -> None:
+    assert "textContent" in js or "createTextNode" in js
+
+
+def test_script_loads_nothing_from_outside(js: str) -> None:
+    assert "http://" not in js
+    assert "https://" not in js
+    assert not re.search(r"^\s*import\s", js, re.MULTILINE), "no dependencies"
+
+
+def test_script_uses_every_endpoint(js: str) -> None:
+    for endpoint in ("/api/sessions", "/messages", "/compact", "/api/events"):
+        assert endpoint in js, endpoint
+    assert "text/event-stream" in js
+    assert "getReader()" in js
+    assert "EventSource(" in js
+    assert "localStorage" in js
+    assert "#session=" in js
+
+
+def test_script_handles_every_event_type(js: str) -> None:
+    for name in (*LIVE_EVENT_TYPES, "token", "done", "error"):
+        assert f'"{name}"' in js, name
+
+
+def test_script_knows_every_state(js: str) -> None:
+    for state in STATES:
+        assert f'"{state}"' in js, state
+
+
+def test_script_finds_only_elements_the_page_has(js: str, page: PageParser) -> None:
+    wanted = set(re.findall(r'byId\("([^"]+)"\)', js))
+    # bindUi() maps names to ids as `name: "id",`; every such id must exist too.
+    bind = re.search(r"function bindUi\(\) \{(.*?)\n\}", js, re.DOTALL)
+    assert bind, "bindUi() not found"
+    wanted |= set(re.findall(r':\s*"([a-z0-9-]+)"', bind.group(1)))
+    assert wanted
+    missing = wanted - set(page.ids)
+    assert not missing, f"app.js looks up ids the page lacks: {sorted(missing)}"
+
+
+# --------------------------------------------------------------------------- app.js under node
+
+NODE = shutil.which("node")
+
+NODE_CHECK = r"""
+const mod = await import(process.argv[1]);
+const p = new mod.SseParser();
+const out = [];
+// Frames split at awkward places, a comment, CRLF line ends and a multi-line data field.
+for (const chunk of [": connected\n\nevent: tok", "en\ndata: {\"text\": \"Hi\", \"index\": 0}\n",
+                     "\nevent: token\r\ndata: {\"text\": \" there\",", " \"index\": 1}\r\n\r\n",
+                     "data: a\ndata: b\n\n", "event: done\ndata: {\"reply\": \"Hi there\"}"]) {
+  out.push(...p.push(chunk));
+}
+out.push(...p.finish());
+const levels = [0, 0.79, 0.8, 0.949, 0.95, 1.2].map((r) => mod.gaugeLevel(r * 1000, 1000));
+console.log(JSON.stringify({
+  events: out, levels, fmt: mod.fmt(1234567), pct: mod.percent(1234, 3584),
+  types: mod.LIVE_EVENT_TYPES,
+}));
+"""
+
+
+@pytest.mark.skipif(NODE is None, reason="node is not installed")
+def test_sse_parser_and_helpers_under_node(tmp_path: Path) -> None:
+    # Copied to .mjs so node of any version loads it as a module.
+    module = tmp_path / "app.mjs"
+    module.write_text(read("app.js"), encoding="utf-8")
+    assert NODE is not None
+    done = subprocess.run(
+        [NODE, "--input-type=module", "-e", NODE_CHECK, module.as_uri()],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["events"] == [
+        {"event": "token", "data": '{"text": "Hi", "index": 0}'},
+        {"event": "token", "data": '{"text": " there", "index": 1}'},
+        {"event": "message", "data": "a\nb"},
+        {"event": "done", "data": '{"reply": "Hi there"}'},
+    ]
+    assert result["levels"] == ["ok", "ok", "warn", "warn", "danger", "danger"]
+    assert result["fmt"] == "1,234,567"
+    assert result["pct"] == 34
+    assert result["types"] == list(LIVE_EVENT_TYPES)
