@@ -72,6 +72,12 @@ class GenerationReport(Payload):
     # and how many of those lie before the live zone (what compaction could free).
     next_prompt_chars: int | None = Field(default=None, ge=0)
     compactable_chars: int | None = Field(default=None, ge=0)
+    # The same for the smaller live zones of the tighter and emergency levels.
+    compactable_chars_by_level: dict[Level, int] = Field(default_factory=dict)
+    # Characters of this prompt the provider may have served from its cache
+    # (the previous call's prompt, unchanged): a count covering only the rest
+    # must not be taken for the whole prompt's.
+    reused_chars: int = Field(default=0, ge=0)
     auto_compact: bool = True
 
 

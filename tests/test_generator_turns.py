@@ -48,7 +48,12 @@ def system(nats_url: str, stub: str) -> Iterator[System]:
 async def http(system: System, stub: str) -> AsyncIterator[httpx.AsyncClient]:
     async with httpx.AsyncClient(base_url=system.base_url, timeout=30) as client:
         yield client
-    httpx.post(f"{stub}/_stub/config", json={"quirks": []})
+    await configure(stub, quirks=[])
+
+
+async def configure(stub: str, **config: object) -> None:
+    async with httpx.AsyncClient() as client:
+        (await client.post(f"{stub}/_stub/config", json=config)).raise_for_status()
 
 
 async def create(http: httpx.AsyncClient) -> str:
@@ -126,14 +131,14 @@ async def test_model_failures_give_a_clear_error_and_leave_the_session_clean(
 ) -> None:
     sid = await create(http)
     await http.post(f"/api/sessions/{sid}/messages", json={"content": "works"})
-    httpx.post(f"{stub}/_stub/config", json={"quirks": [quirk]})
+    await configure(stub, quirks=[quirk])
     failed = await http.post(f"/api/sessions/{sid}/messages", json={"content": "fails"})
     assert failed.status_code == status, failed.text
     assert failed.json()["error"]["code"] == code
     session = (await http.get(f"/api/sessions/{sid}")).json()
     assert session["state"] == "idle"
     assert [m["content"] for m in session["messages"]] == ["works", "Echo: works (turn 1)"]
-    httpx.post(f"{stub}/_stub/config", json={"quirks": []})
+    await configure(stub, quirks=[])
     # The lock was released: the very next query is answered at once.
     again = await http.post(f"/api/sessions/{sid}/messages", json={"content": "again"})
     assert again.json()["reply"] == "Echo: again (turn 2)"

@@ -19,10 +19,19 @@ from schemas import subjects
 from schemas.envelope import Envelope
 from schemas.messages import CompactionRequest, CompactionResult, GenerationReport
 from services.compaction_decider.settings import DeciderSettings
-from services.core.decision import Observation, Policy, SessionMemory, decide, on_result
+from services.core.decision import (
+    Decision,
+    Observation,
+    Policy,
+    SessionMemory,
+    decide,
+    level_for,
+    on_result,
+)
 from services.core.tokens import Calibration, budget, calibrate, default_headroom, estimate_tokens
 from services.shared.bus import BadMessage, Bus, decode
 from services.shared.consumer import PullLoop
+from services.shared.live_config import LiveSettings
 from services.shared.runner import Endpoint
 
 CONSUMER = "compaction-decider"
@@ -32,12 +41,19 @@ log = structlog.get_logger()
 class Decider:
     def __init__(self, bus: Bus, settings: DeciderSettings) -> None:
         self._bus = bus
-        self.settings = settings
+        self._live = LiveSettings(bus.js, settings)
         self._calibration: dict[str, Calibration] = {}
         self._memory: dict[str, SessionMemory] = {}
+        # The correlation id of the request each session's pending flag is for:
+        # only the result of *that* compaction clears it.
+        self._awaiting: dict[str, str] = {}
         self._loop: PullLoop | None = None
         self._results: Subscription | None = None
         self._fired = 0
+
+    @property
+    def settings(self) -> DeciderSettings:
+        return self._live.current
 
     def policy(self) -> Policy:
         s = self.settings
@@ -45,6 +61,7 @@ class Decider:
                       min_relief=s.compaction_min_relief)
 
     async def start(self) -> None:
+        await self._live.start()
         self._results = await self._bus.nc.subscribe(subjects.COMPACTION_RESULT,
                                                      cb=self._on_result)
         sub = await self._bus.js.pull_subscribe(
@@ -56,6 +73,7 @@ class Decider:
         self._loop.start()
 
     async def stop(self) -> None:
+        await self._live.stop()
         if self._loop:
             await self._loop.stop()
         if self._results:
@@ -86,31 +104,40 @@ class Decider:
     async def _consider(self, env: Envelope[GenerationReport]) -> None:
         report, sid = env.payload, env.payload.session_id
         cal = calibrate(self._calibration.get(sid, Calibration()), report.prompt_tokens,
-                        report.sent_chars, report.num_ctx)
+                        report.sent_chars, report.num_ctx, reused_chars=report.reused_chars)
         self._calibration[sid] = cal
         if not report.auto_compact:
             return
-        headroom = self.settings.output_headroom
-        obs = Observation(
-            next_prompt_tokens=estimate_tokens(report.next_prompt_chars or report.sent_chars, cal),
-            budget=budget(report.num_ctx, headroom if headroom is not None
-                          else default_headroom(report.num_ctx)),
-            compactable_tokens=estimate_tokens(report.compactable_chars or 0, cal),
-            now=time.monotonic(),
-        )
-        decision, memory = decide(obs, self._memory.get(sid, SessionMemory()), self.policy())
-        self._memory[sid] = memory
+        decision = self._decide(sid, report, cal)
         if not decision.fire or decision.level is None:
             log.debug("no_compaction", reason=decision.reason)
             return
         log.info("compaction_requested", level=decision.level.value, reason=decision.reason)
-        await self._bus.js_publish(
+        request, _ = await self._bus.js_publish(
             subjects.COMPACTION_REQUEST,
             CompactionRequest(session_id=sid, auto=True, reason=decision.reason,
                               level=decision.level.value),
-            correlation_id=env.correlation_id, session_id=sid,
+            session_id=sid,
         )
+        self._awaiting[sid] = request.correlation_id
         self._fired += 1
+
+    def _decide(self, sid: str, report: GenerationReport, cal: Calibration) -> Decision:
+        headroom = self.settings.output_headroom
+        limit = budget(report.num_ctx,
+                       headroom if headroom is not None else default_headroom(report.num_ctx))
+        upcoming = estimate_tokens(report.next_prompt_chars or report.sent_chars, cal)
+        level = level_for(upcoming, limit, self.policy())
+        # What a compaction at that level could free: its own, smaller live zone.
+        freeable = report.compactable_chars or 0
+        if level is not None:
+            freeable = report.compactable_chars_by_level.get(level.value, freeable)
+        obs = Observation(next_prompt_tokens=upcoming, budget=limit,
+                          compactable_tokens=estimate_tokens(freeable, cal),
+                          now=time.monotonic())
+        decision, memory = decide(obs, self._memory.get(sid, SessionMemory()), self.policy())
+        self._memory[sid] = memory
+        return decision
 
     async def _on_result(self, msg: Msg) -> None:
         try:
@@ -119,6 +146,7 @@ class Decider:
             await self._bus.report_bad_event(err)
             return
         sid = env.payload.session_id
-        if sid in self._memory:
+        if sid in self._memory and self._awaiting.get(sid) == env.correlation_id:
+            del self._awaiting[sid]
             self._memory[sid] = on_result(self._memory[sid], env.payload.tokens_after,
                                           time.monotonic())

@@ -253,7 +253,9 @@ class Api:
 
     def _budget(self) -> int:
         s = self._settings
-        headroom = s.output_headroom if s.output_headroom is not None else default_headroom(s.num_ctx)
+        headroom = s.output_headroom
+        if headroom is None:
+            headroom = default_headroom(s.num_ctx)
         return budget(s.num_ctx, headroom)
 
 

@@ -40,6 +40,7 @@ from services.generator.settings import GeneratorSettings
 from services.generator.states import SessionStates
 from services.shared.bus import Bus
 from services.shared.history_store import HistoryConflict, HistoryStore, HistoryView
+from services.shared.live_config import LiveSettings
 from services.shared.sessions import SessionNotFound, SessionStore
 
 log = structlog.get_logger()
@@ -64,17 +65,22 @@ class Job:
 
 
 class Compactor:
-    def __init__(self, bus: Bus, settings: GeneratorSettings, provider: ChatProvider,
+    def __init__(self, bus: Bus, live: LiveSettings[GeneratorSettings], provider: ChatProvider,
                  history: HistoryStore, sessions: SessionStore, locks: SessionLocks,
                  states: SessionStates) -> None:
         self._bus = bus
-        self._settings = settings
+        self._live = live
         self._provider = provider
         self._history = history
         self._sessions = sessions
         self._locks = locks
         self._states = states
         self._running: set[str] = set()
+
+    @property
+    def _settings(self) -> GeneratorSettings:
+        # Read on every use: settings may change while we run.
+        return self._live.current
 
     @property
     def blocking(self) -> bool:

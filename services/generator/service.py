@@ -35,6 +35,7 @@ from services.shared.bus import BadMessage, Bus, decode
 from services.shared.consumer import PullLoop
 from services.shared.history_store import HistoryConflict, HistoryStore
 from services.shared.jetstream import locks_bucket, sessions_bucket
+from services.shared.live_config import LiveSettings
 from services.shared.runner import Endpoint
 from services.shared.sessions import SessionNotFound, SessionStore
 
@@ -52,14 +53,15 @@ class Generator:
                  sessions: SessionStore, locks: SessionLocks) -> None:
         self._bus = bus
         self._settings = settings
+        self._live = LiveSettings(bus.js, settings)
         self._history = HistoryStore(bus.js)
         self._sessions = sessions
         self._locks = locks
         self._states = SessionStates(bus, settings.generator_id,
                                      CompactionMode(settings.compaction_mode))
-        self._compactor = Compactor(bus, settings, provider, self._history, sessions, locks,
+        self._compactor = Compactor(bus, self._live, provider, self._history, sessions, locks,
                                     self._states)
-        self._turns = TurnRunner(bus, settings, provider, self._history, sessions,
+        self._turns = TurnRunner(bus, self._live, provider, self._history, sessions,
                                  self._states, Toolbox(bus, settings.tool_timeout_s),
                                  self._compactor)
         self._local_order: dict[str, asyncio.Lock] = {}
@@ -68,6 +70,7 @@ class Generator:
         self._answered = 0
 
     async def start(self) -> None:
+        await self._live.start()
         sub = await self._bus.js.pull_subscribe(
             f"{subjects.QUERY_PREFIX}.*",
             durable=QUERY_CONSUMER,
@@ -94,6 +97,7 @@ class Generator:
             loop.start()
 
     async def stop(self) -> None:
+        await self._live.stop()
         for loop in self._loops:
             await loop.stop()
         if self._tasks:

@@ -123,8 +123,8 @@ class SessionLocks:
         try:
             freed_at = await self._kv.update(lease.session_id, FREE, last=lease.revision)
         except APIError as err:
-            stale = isinstance(err, KeyWrongLastSequenceError) or err.err_code in WRONG_LAST_SEQUENCE
-            if not stale:
+            lapsed = isinstance(err, KeyWrongLastSequenceError)
+            if not (lapsed or err.err_code in WRONG_LAST_SEQUENCE):
                 raise
             # Our lease lapsed and the key expired or changed hands: not ours to delete.
             log.warning("lock_release_skipped", session_id=lease.session_id,

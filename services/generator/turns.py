@@ -28,9 +28,9 @@ from schemas.envelope import Envelope
 from schemas.history import ChatMessage, Conversation
 from schemas.messages import GenerationReport, Query, Reply, Token
 from schemas.session import SessionRecord
-from services.core.boundary import choose_boundary
-from services.core.decision import check_fit
-from services.core.prompt import render_messages, sent_chars
+from services.core.boundary import choose_boundary, tail_turns_for
+from services.core.decision import Level, check_fit
+from services.core.prompt import render_messages, reusable_chars, sent_chars
 from services.core.state_machine import Action
 from services.core.tokens import Calibration, budget, calibrate, default_headroom, estimate_tokens
 from services.generator.compaction import CompactionFailed, CompactionSkipped, Compactor
@@ -40,10 +40,12 @@ from services.generator.states import SessionStates
 from services.generator.toolbox import Toolbox
 from services.shared.bus import Bus
 from services.shared.history_store import HistoryStore, HistoryView
+from services.shared.live_config import LiveSettings
 from services.shared.sessions import SessionStore
 
 log = structlog.get_logger()
 Messages = list[dict[str, Any]]
+MAX_REMEMBERED_PROMPTS = 10_000
 Deliver = Callable[[Envelope[Query], Reply], Awaitable[None]]
 
 
@@ -64,6 +66,8 @@ class Turn:
     view: HistoryView
     # The user's message, then tool calls and results as they come.
     messages: list[ChatMessage]
+    # How much of the last call's prompt the provider may have had cached.
+    reused_chars: int = 0
 
     @property
     def sid(self) -> str:
@@ -88,21 +92,31 @@ def previous_answer(conversation: Conversation, query_id: str) -> str | None:
 
 
 class TurnRunner:
-    def __init__(self, bus: Bus, settings: GeneratorSettings, provider: ChatProvider,
+    def __init__(self, bus: Bus, live: LiveSettings[GeneratorSettings], provider: ChatProvider,
                  history: HistoryStore, sessions: SessionStore, states: SessionStates,
                  toolbox: Toolbox, compactor: Compactor) -> None:
         self._bus = bus
-        self._settings = settings
+        self._live = live
         self._provider = provider
         self._history = history
         self._sessions = sessions
         self._states = states
         self._toolbox = toolbox
         self._compactor = compactor
+        # Each session's last prompt and tools sent from this process: a prompt
+        # that extends it may be counted only in part by a caching provider.
+        self._last_prompts: dict[str, tuple[Messages, Messages]] = {}
+
+    @property
+    def _settings(self) -> GeneratorSettings:
+        # Read on every use: `compaction_threshold` may change while we run.
+        return self._live.current
 
     def budget(self) -> int:
         s = self._settings
-        headroom = s.output_headroom if s.output_headroom is not None else default_headroom(s.num_ctx)
+        headroom = s.output_headroom
+        if headroom is None:
+            headroom = default_headroom(s.num_ctx)
         return budget(s.num_ctx, headroom)
 
     async def run(self, env: Envelope[Query], record: SessionRecord, deliver: Deliver) -> None:
@@ -127,13 +141,14 @@ class TurnRunner:
         await deliver(env, Reply(session_id=sid, query_id=query_id, reply=result.content,
                                  prompt_tokens=result.prompt_tokens,
                                  completion_tokens=result.completion_tokens))
-        await self._recalibrate(turn.record, result, sent_chars(prompt, tools))
+        await self._recalibrate(turn.record, result, sent_chars(prompt, tools), turn.reused_chars)
         await self._report(turn, result, sent_chars(prompt, tools), tools, started)
 
     async def _tool_loop(self, turn: Turn) -> tuple[ChatResult, Messages, Messages]:
         tools = await self._toolbox.definitions()
         for _ in range(self._settings.max_tool_iterations + 1):
             prompt = await self._fitting_prompt(turn, tools)
+            turn.reused_chars = self._reused_chars(turn.sid, prompt, tools)
             result = await self._call_model(turn.env, turn.record, prompt, tools)
             if not result.tool_calls:
                 return result, prompt, tools
@@ -165,6 +180,13 @@ class TurnRunner:
                                  "it does not fit even after compaction (a single message "
                                  "larger than the window?)")
         return prompt
+
+    def _reused_chars(self, sid: str, prompt: Messages, tools: Messages) -> int:
+        previous, previous_tools = self._last_prompts.pop(sid, ([], []))
+        if len(self._last_prompts) >= MAX_REMEMBERED_PROMPTS:
+            self._last_prompts.clear()
+        self._last_prompts[sid] = (prompt, tools)
+        return reusable_chars(previous, prompt, previous_tools=previous_tools, tools=tools)
 
     def _may_compact(self, record: SessionRecord) -> bool:
         return self._settings.compaction_threshold > 0 and record.auto_compact
@@ -209,9 +231,11 @@ class TurnRunner:
             raise TurnError("empty_reply", f"the model returned an empty reply{where}")
         return result
 
-    async def _recalibrate(self, record: SessionRecord, result: ChatResult, sent: int) -> None:
+    async def _recalibrate(self, record: SessionRecord, result: ChatResult, sent: int,
+                           reused: int) -> None:
         previous = Calibration(record.tokens_per_char)
-        updated = calibrate(previous, result.prompt_tokens, sent, self._settings.num_ctx)
+        updated = calibrate(previous, result.prompt_tokens, sent, self._settings.num_ctx,
+                            reused_chars=reused)
         ratio = updated.tokens_per_char
         if ratio is not None and (previous.tokens_per_char is None
                                   or abs(ratio / previous.tokens_per_char - 1) > 0.005):
@@ -220,9 +244,8 @@ class TurnRunner:
     async def _report(self, turn: Turn, result: ChatResult, sent: int, tools: Messages,
                       started: float) -> None:
         conversation = turn.view.conversation
-        boundary = choose_boundary(conversation.messages, self._settings.compaction_tail_turns)
-        compactable = render_messages("", replace_messages(
-            conversation, list(conversation.messages[:boundary])))
+        compactable = {level.value: self._compactable_chars(conversation, level)
+                       for level in Level}
         report = GenerationReport(
             session_id=turn.sid,
             model=turn.record.model or self._settings.model,
@@ -232,12 +255,22 @@ class TurnRunner:
             num_ctx=self._settings.num_ctx,
             duration_ms=(time.monotonic() - started) * 1000,
             next_prompt_chars=sent_chars(render_messages(turn.record.system, conversation), tools),
-            compactable_chars=sent_chars(compactable),
+            compactable_chars=compactable[Level.gentle.value],
+            compactable_chars_by_level=compactable,
+            reused_chars=turn.reused_chars,
             auto_compact=turn.record.auto_compact,
         )
         await self._bus.js_publish(subjects.RESPONSE_GENERATION, report,
                                    correlation_id=turn.env.correlation_id, session_id=turn.sid,
                                    message_id=f"{turn.query_id}:generation")
+
+
+    def _compactable_chars(self, conversation: Conversation, level: Level) -> int:
+        """Characters before the live zone of `level`: what a compaction could free."""
+        tail = tail_turns_for(level, self._settings.compaction_tail_turns)
+        boundary = choose_boundary(conversation.messages, tail)
+        before = replace_messages(conversation, list(conversation.messages[:boundary]))
+        return sent_chars(render_messages("", before))
 
 
 class _TokenStreamer:

@@ -91,7 +91,8 @@ class HistoryStore:
         except APIError as err:
             if err.err_code in WRONG_LAST_SEQUENCE:
                 self.forget(sid)
-                raise HistoryConflict(f"history of {sid} changed since sequence {expected}") from err
+                raise HistoryConflict(
+                    f"history of {sid} changed since sequence {expected}") from err
             raise
         return int(ack.seq)
 

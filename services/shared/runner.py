@@ -10,6 +10,7 @@ A service is any object with `start()`, `stop()`, `status()` and
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 from collections.abc import Awaitable, Callable
@@ -19,8 +20,8 @@ from typing import Any, Protocol
 import structlog
 from nats.aio.client import Client as NATS
 from nats.micro import add_service
-from nats.micro.service import Service
 from nats.micro.request import Request
+from nats.micro.service import Service
 
 from services.shared.bus import Bus, connect
 from services.shared.jetstream import ensure_layout
@@ -107,7 +108,5 @@ def _stop_on_signals() -> asyncio.Event:
 
 
 def main(coro: Awaitable[None]) -> None:
-    try:
+    with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(coro)  # type: ignore[arg-type]
-    except KeyboardInterrupt:
-        pass

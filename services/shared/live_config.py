@@ -1,0 +1,70 @@
+"""Settings that change without a restart: a `config` KV bucket, watched.
+
+`nats kv put config compaction_threshold 0.6` reaches every watching service
+within a moment. A value that does not validate is logged and ignored; the
+service keeps its previous settings. Keys are setting names (lower case).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+import structlog
+from nats.js import JetStreamContext
+from nats.js.api import KeyValueConfig, StorageType
+from nats.js.errors import NotFoundError
+from pydantic import ValidationError
+
+from services.shared.settings import ServiceSettings
+
+CONFIG_BUCKET = "config"
+S = TypeVar("S", bound=ServiceSettings)
+log = structlog.get_logger()
+
+
+class LiveSettings(Generic[S]):
+    def __init__(self, js: JetStreamContext, initial: S,
+                 on_change: Callable[[S], None] | None = None) -> None:
+        self._js = js
+        self.current = initial
+        self._on_change = on_change
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        try:
+            kv = await self._js.key_value(CONFIG_BUCKET)
+        except NotFoundError:
+            kv = await self._js.create_key_value(
+                KeyValueConfig(bucket=CONFIG_BUCKET, history=5, storage=StorageType.FILE))
+        watcher = await kv.watchall()
+        self._task = asyncio.create_task(self._follow(watcher))
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _follow(self, watcher: object) -> None:
+        async for entry in watcher:  # type: ignore[attr-defined]
+            if entry is None or entry.value is None or not entry.key:
+                continue  # the end-of-initial-values marker, or a deletion
+            self.apply(entry.key.lower(), entry.value.decode().strip())
+
+    def apply(self, key: str, raw: str) -> None:
+        if key not in type(self.current).model_fields:
+            return  # a setting of another service
+        try:
+            updated = type(self.current).model_validate(
+                {**self.current.model_dump(), key: raw})
+        except ValidationError as err:
+            log.error("live_setting_rejected", key=key, value=raw,
+                      error=err.errors(include_url=False)[0]["msg"])
+            return
+        log.info("live_setting_changed", key=key, value=getattr(updated, key))
+        self.current = updated
+        if self._on_change:
+            self._on_change(updated)
