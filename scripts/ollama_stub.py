@@ -64,6 +64,10 @@ FILLER_WORDS = (
 
 _TOOL_DIRECTIVE = re.compile(r"!tool\s+([A-Za-z_][\w.\-]*)")
 _LONG_DIRECTIVE = re.compile(r"!long\s+(\d+)")
+# Keep calling the tool after each result, for tests of a runaway tool loop.
+_TOOL_LOOP_DIRECTIVE = "!toolloop"
+_FIRST_REQUEST = re.compile(r"FIRST REQUEST[^\n]*\n(.+)")
+_EARLIER_GOAL = re.compile(r"EARLIER NOTES[^\n]*\n(?:.*\n)*?Goal: (.+)")
 # The user label of a transcript rendered into one message: "[user]", "user:", "**User**:",
 # with the text on the same line or on the lines below it.
 _TRANSCRIPT_USER_LABEL = re.compile(r"^[ \t#*>]*(?:\[user\]:?|user\**:)[ \t]*(.*)$", re.IGNORECASE)
@@ -344,11 +348,18 @@ def transcript_user_text(text: str) -> str | None:
 
 
 def summary_goal(conversation: Sequence[ChatMessage]) -> str:
-    """The first user turn found in the text being summarised.
+    """What a model following the summary prompt would put under Goal.
 
-    The conversation may arrive as real messages or rendered into a message as a
-    transcript with ``[user]`` / ``user:`` labels; whichever user text comes first wins.
+    A quoted first request wins (``FIRST REQUEST`` section), then the Goal line
+    of earlier notes being merged (so stacked summaries keep it), then the
+    first user turn found: as a real message or in a rendered transcript with
+    ``[user]`` / ``user:`` labels.
     """
+    for pattern in (_FIRST_REQUEST, _EARLIER_GOAL):
+        for message in conversation:
+            found = pattern.search(str(message.get("content") or ""))
+            if found:
+                return found.group(1).strip()
     for message in conversation:
         content = str(message.get("content") or "")
         rendered = transcript_user_text(content)
@@ -425,11 +436,18 @@ def _directive_arguments(text: str, position: int) -> JSONObject:
 def tool_call_directives(
     messages: Sequence[ChatMessage], tools: Sequence[JSONObject]
 ) -> list[JSONObject]:
-    """Tool calls asked for by ``!tool NAME {json}`` in the last message, if it is a user's."""
-    if not tools or not messages or messages[-1]["role"] != "user":
+    """Tool calls asked for by ``!tool NAME {json}`` in the last message, if it is a
+    user's, or in the last user message after a tool result when it says ``!toolloop``."""
+    if not tools or not messages:
+        return []
+    last_user = next((m for m in reversed(messages) if m["role"] == "user"), None)
+    if last_user is None:
+        return []
+    text = str(last_user.get("content") or "")
+    looping = messages[-1]["role"] == "tool" and _TOOL_LOOP_DIRECTIVE in text
+    if messages[-1]["role"] != "user" and not looping:
         return []
     names = offered_tool_names(tools)
-    text = str(messages[-1].get("content") or "")
     calls: list[JSONObject] = []
     for match in _TOOL_DIRECTIVE.finditer(text):
         if match.group(1) in names:

@@ -144,6 +144,18 @@ async def test_model_failures_give_a_clear_error_and_leave_the_session_clean(
     assert again.json()["reply"] == "Echo: again (turn 2)"
 
 
+async def test_a_model_that_keeps_calling_tools_is_stopped(http: httpx.AsyncClient) -> None:
+    sid = await create(http)
+    looping = await http.post(f"/api/sessions/{sid}/messages", json={
+        "content": '!toolloop !tool calculate {"expression": "1+1"}'})
+    assert looping.status_code == 502
+    assert looping.json()["error"] == {
+        "code": "tool_loop_limit",
+        "message": "the model kept calling tools after 5 rounds"}
+    session = (await http.get(f"/api/sessions/{sid}")).json()
+    assert session["messages"] == [] and session["state"] == "idle"
+
+
 def test_an_unreachable_model_is_named_as_such(private_nats: NatsServer) -> None:
     # A NATS of its own: the module's healthy generator must not answer for it.
     dead = f"http://127.0.0.1:{free_port()}"

@@ -731,3 +731,32 @@ def _stop_while_a_request_hangs(process: subprocess.Popen[str], url: str) -> Non
     assert time.monotonic() - started < 1.5
     assert len(outcome) == 1
     assert isinstance(outcome[0], httpx.HTTPError | ollama.ResponseError)
+
+
+@pytest.mark.asyncio
+async def test_toolloop_keeps_calling_after_each_result(stub_url: str) -> None:
+    client = ollama.AsyncClient(host=stub_url)
+    tools = [{"type": "function", "function": {"name": "calc", "description": "c",
+                                               "parameters": {"type": "object"}}}]
+    messages = [{"role": "user", "content": "!toolloop !tool calc {\"x\": 1}"},
+                {"role": "assistant", "content": "",
+                 "tool_calls": [{"function": {"name": "calc", "arguments": {"x": 1}}}]},
+                {"role": "tool", "content": "1", "tool_name": "calc"}]
+    again = await client.chat(model="stub-model", messages=messages, tools=tools, stream=False)
+    assert [c.function.name for c in again.message.tool_calls or []] == ["calc"]
+    messages[0]["content"] = "!tool calc {}"
+    done = await client.chat(model="stub-model", messages=messages, tools=tools, stream=False)
+    assert done.message.content == "tool results: 1"
+
+
+@pytest.mark.asyncio
+async def test_summary_goal_carries_the_quoted_first_request(stub_url: str) -> None:
+    client = ollama.AsyncClient(host=stub_url)
+    system = {"role": "system", "content": "Write the COMPACTION SUMMARY."}
+    first = {"role": "user", "content": "FIRST REQUEST (quote it):\nbuild a parser\n\n"
+                                        "TRANSCRIPT:\n[user] later question"}
+    merged = {"role": "user", "content": "EARLIER NOTES (merge):\nGoal: build a parser\n"
+                                         "Progress: x\n\nTRANSCRIPT:\n[user] newer"}
+    for message in (first, merged):
+        reply = await client.chat(model="stub-model", messages=[system, message], stream=False)
+        assert reply.message.content.startswith("Goal: build a parser")
