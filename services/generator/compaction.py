@@ -110,7 +110,7 @@ class Compactor:
         await self._announce(job, before)
         try:
             summary = await self._summarise(record, plan, job)
-            spliced = await self._splice(record, view, plan, summary, before)
+            spliced, before = await self._splice(record, view, plan, summary)
         except (CompactionSkipped, CompactionFailed) as err:
             status = "skipped" if isinstance(err, CompactionSkipped) else "failed"
             await self._publish(job, CompactionResult(
@@ -152,7 +152,7 @@ class Compactor:
             summary = await self._summarise(record, plan, job)
             async with self._splice_lock(job.session_id):
                 current = await self._history.read(job.session_id)
-                spliced = await self._splice(record, current, plan, summary, before)
+                spliced, before = await self._splice(record, current, plan, summary)
         finally:
             await self._states.apply(job.session_id, Action.complete_compaction,
                                      job.correlation_id)
@@ -188,14 +188,19 @@ class Compactor:
         return result.content.strip()
 
     async def _splice(self, record: SessionRecord, current: HistoryView, plan: CompactionPlan,
-                      summary: str, before: int) -> HistoryView:
+                      summary: str) -> tuple[HistoryView, int]:
+        """Splice over `current`; returns the new view and the size it replaced.
+
+        Relief is judged against the history as it is now, turns answered
+        during the summary included, not against the older snapshot."""
+        before = self.tokens(record, current.conversation)
         snapshot = splice(current.conversation, plan, summary)
         after = self.tokens(record, Conversation(summary=snapshot.summary,
                                                  messages=snapshot.messages))
         if after >= before:
             raise CompactionSkipped(
                 f"the summary frees too little ({before} -> {after} tokens); history unchanged")
-        return await self._history.splice(record.session_id, current, snapshot)
+        return await self._history.splice(record.session_id, current, snapshot), before
 
     def tokens(self, record: SessionRecord, conversation: Conversation) -> int:
         """Calibrated estimate of the prompt this conversation makes (not chars/4)."""
