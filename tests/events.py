@@ -25,15 +25,16 @@ class Watcher:
         return [e["payload"] for e in self.events
                 if message_type is None or e.get("message_type") == message_type]
 
-    async def wait_for(self, predicate: Callable[[dict[str, Any]], bool],
-                       timeout_s: float = 15.0) -> dict[str, Any]:
+    async def wait_until(self, condition: Callable[[], bool], timeout_s: float = 15.0) -> None:
         async with asyncio.timeout(timeout_s):
-            while True:
-                for event in self.events:
-                    if predicate(event):
-                        return event
+            while not condition():
                 self._arrived.clear()
                 await self._arrived.wait()
+
+    async def wait_for(self, predicate: Callable[[dict[str, Any]], bool],
+                       timeout_s: float = 15.0) -> dict[str, Any]:
+        await self.wait_until(lambda: any(predicate(e) for e in self.events), timeout_s)
+        return next(e for e in self.events if predicate(e))
 
 
 @asynccontextmanager
@@ -57,10 +58,7 @@ async def turns_finished(watcher: Watcher, sid: str, turns: int,
         return sum(1 for p in watcher.payloads("generator.state")
                    if p["session_id"] == sid and p["action"] == "reset")
 
-    async with asyncio.timeout(timeout_s):
-        while done() < turns:
-            watcher._arrived.clear()
-            await watcher._arrived.wait()
+    await watcher.wait_until(lambda: done() >= turns, timeout_s)
 
 
 def transitions(watcher: Watcher, sid: str) -> list[tuple[str, str, str]]:

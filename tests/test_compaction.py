@@ -6,7 +6,6 @@ The window is small (NUM_CTX 2048, budget 1792 tokens) so a few turns of
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -82,9 +81,7 @@ def results(watcher: Watcher, sid: str) -> list[dict[str, Any]]:
 
 
 async def next_result(watcher: Watcher, sid: str, count: int = 1) -> dict[str, Any]:
-    async with asyncio.timeout(20):
-        while len(results(watcher, sid)) < count:
-            await asyncio.sleep(0.05)
+    await watcher.wait_until(lambda: len(results(watcher, sid)) >= count, 20)
     return results(watcher, sid)[count - 1]
 
 

@@ -28,7 +28,7 @@ from services.core.decision import (
     level_for,
     on_result,
 )
-from services.core.tokens import Calibration, budget, calibrate, default_headroom, estimate_tokens
+from services.core.tokens import Calibration, calibrate, estimate_tokens, prompt_budget
 from services.shared.bus import BadMessage, Bus, decode
 from services.shared.consumer import PullLoop
 from services.shared.live_config import LiveSettings
@@ -123,9 +123,7 @@ class Decider:
         self._fired += 1
 
     def _decide(self, sid: str, report: GenerationReport, cal: Calibration) -> Decision:
-        headroom = self.settings.output_headroom
-        limit = budget(report.num_ctx,
-                       headroom if headroom is not None else default_headroom(report.num_ctx))
+        limit = prompt_budget(report.num_ctx, self.settings.output_headroom)
         upcoming = estimate_tokens(report.next_prompt_chars or report.sent_chars, cal)
         level = level_for(upcoming, limit, self.policy())
         # What a compaction at that level could free: its own, smaller live zone.

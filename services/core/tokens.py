@@ -97,3 +97,9 @@ def default_headroom(num_ctx: int) -> int:
     answer possible in a 2k window.
     """
     return max(256, num_ctx // 8)
+
+
+def prompt_budget(num_ctx: int, output_headroom: int | None = None) -> int:
+    """The budget for a configured headroom, or for the default one when unset."""
+    headroom = default_headroom(num_ctx) if output_headroom is None else output_headroom
+    return budget(num_ctx, headroom)

@@ -21,7 +21,7 @@ from schemas.envelope import new_id
 from schemas.messages import MAX_CONTENT_CHARS, CompactionRequest, Query, Reply, StateChange
 from schemas.session import MAX_SYSTEM_PROMPT_CHARS, SessionRecord
 from services.core.prompt import render_messages, sent_chars
-from services.core.tokens import Calibration, budget, default_headroom, estimate_tokens
+from services.core.tokens import Calibration, estimate_tokens, prompt_budget
 from services.gateway.live import LiveFeed
 from services.gateway.replies import ReplyRouter, events_until_reply
 from services.gateway.settings import GatewaySettings
@@ -252,11 +252,7 @@ class Api:
             return "unknown"
 
     def _budget(self) -> int:
-        s = self._settings
-        headroom = s.output_headroom
-        if headroom is None:
-            headroom = default_headroom(s.num_ctx)
-        return budget(s.num_ctx, headroom)
+        return prompt_budget(self._settings.num_ctx, self._settings.output_headroom)
 
 
 def sse(event: str, data: dict[str, Any]) -> str:

@@ -32,7 +32,7 @@ from services.core.boundary import choose_boundary, tail_turns_for
 from services.core.decision import Level, check_fit
 from services.core.prompt import render_messages, reusable_chars, sent_chars
 from services.core.state_machine import Action
-from services.core.tokens import Calibration, budget, calibrate, default_headroom, estimate_tokens
+from services.core.tokens import Calibration, calibrate, estimate_tokens, prompt_budget
 from services.generator.compaction import CompactionFailed, CompactionSkipped, Compactor
 from services.generator.provider import ChatProvider, ChatRequest, ChatResult, ProviderError
 from services.generator.settings import GeneratorSettings
@@ -113,11 +113,7 @@ class TurnRunner:
         return self._live.current
 
     def budget(self) -> int:
-        s = self._settings
-        headroom = s.output_headroom
-        if headroom is None:
-            headroom = default_headroom(s.num_ctx)
-        return budget(s.num_ctx, headroom)
+        return prompt_budget(self._settings.num_ctx, self._settings.output_headroom)
 
     async def run(self, env: Envelope[Query], record: SessionRecord, deliver: Deliver) -> None:
         """Answer the query; `deliver` gets the reply as soon as it is stored, before
