@@ -235,7 +235,10 @@ async def test_the_decider_compacts_in_time_and_nothing_ever_overflows(
     assert senders == {"compaction-decider"}
     assert {r["level"] for r in requests} <= {"gentle", "tighter", "emergency"}
     assert all("threshold" in r["reason"] for r in requests)
-    assert all(r["status"] == "completed" for r in results(watcher, sid))
+    # A background compaction overtaken by an emergency one inside a turn is
+    # skipped as superseded; none may fail.
+    statuses = [r["status"] for r in results(watcher, sid)]
+    assert "completed" in statuses and set(statuses) <= {"completed", "skipped"}, statuses
     stats = await stub_stats(stub)
     assert stats["max_prompt_tokens"] <= NUM_CTX
     assert stats["truncated"] == 0

@@ -133,7 +133,10 @@ class Compactor:
             return self._failed(job, f"session {sid} does not exist")
         except CompactionSkipped as err:
             return self._skipped(job, str(err))
-        except (CompactionFailed, HistoryConflict, SpliceConflict) as err:
+        except SpliceConflict as err:
+            # Another compaction (an emergency one inside a turn) got there first.
+            return self._skipped(job, f"superseded: {err}")
+        except (CompactionFailed, HistoryConflict) as err:
             return self._failed(job, str(err))
         except IllegalTransition:
             return self._skipped(job, "session is busy (blocking mode compacts only when idle)")
