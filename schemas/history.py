@@ -42,9 +42,12 @@ class ChatMessage(Strict):
 
 
 class Snapshot(Strict):
-    """The whole history after a compaction: a summary plus the kept messages."""
+    """The whole history after a compaction: a summary plus the kept messages.
 
-    summary: str
+    The summary is None only after a structural fallback (old tool output
+    elided, no summary written) on a session that had none before."""
+
+    summary: str | None
     messages: tuple[ChatMessage, ...] = ()
     compactions: int = Field(ge=1)
 

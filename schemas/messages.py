@@ -105,6 +105,9 @@ class CompactionResult(Payload):
     status: CompactionStatus = "completed"
     auto: bool = False
     level: Level = "gentle"
+    # "elision": no summary could be written, old tool output was cut instead.
+    method: Literal["summary", "elision"] | None = None
+    note: str | None = None
 
 
 class CompactionEvent(Payload):

@@ -6,13 +6,19 @@ The window is small (NUM_CTX 2048, budget 1792 tokens) so a few turns of
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import httpx
+import nats
 import pytest
+from nats.aio.msg import Msg
 
 from schemas import subjects
+from schemas.messages import ToolOutcome
+from services.generator.toolbox import TOOL_LIST_SUBJECT
+from services.shared.bus import Bus
 from tests.events import Watcher, watching
 from tests.nats_server import NatsServer
 from tests.stub_server import running_stub
@@ -291,4 +297,50 @@ async def test_a_message_larger_than_the_window_is_refused_before_sending(
     assert stats["max_prompt_tokens"] <= NUM_CTX
     assert stats["requests"] - sent_before <= 1
     assert all(m["content"] != "x" * 20_000 for m in (await session(http, sid))["messages"])
+    system.stop()
+
+
+async def serve_a_verbose_tool(nats_url: str) -> Any:
+    """A tool of the test's own on real NATS whose output is long."""
+    nc = await nats.connect(nats_url)
+    definition = [{"type": "function", "function": {
+        "name": "dump", "description": "prints a lot", "parameters": {"type": "object"}}}]
+
+    async def listing(msg: Msg) -> None:
+        await msg.respond(json.dumps(definition).encode())
+
+    async def dump(msg: Msg) -> None:
+        await msg.respond(Bus(nc, "tools").envelope(
+            msg.subject, ToolOutcome(name="dump", content="line of output\n" * 150)
+        ).model_dump_json().encode())
+
+    await nc.subscribe(TOOL_LIST_SUBJECT, cb=listing)
+    await nc.subscribe(subjects.tool("dump"), cb=dump)
+    return nc
+
+
+async def test_without_a_summary_old_tool_output_is_elided_instead(
+    private_nats: NatsServer, stub: str, http_for: Any
+) -> None:
+    tools = await serve_a_verbose_tool(private_nats.url)
+    system = start(private_nats, stub, COMPACTION_THRESHOLD="0", NUM_CTX="8192")
+    http = http_for(system)
+    sid = await create(http)
+    await http.post(f"/api/sessions/{sid}/messages", json={"content": "!tool dump"})
+    await chat(http, sid, 3, filler=10)
+    before = await session(http, sid)
+    await configure(stub, quirks=["empty-content"])
+    async with watching(private_nats.url, *EVENTS) as watcher:
+        await http.post(f"/api/sessions/{sid}/compact")
+        result = await next_result(watcher, sid)
+    await configure(stub, quirks=[])
+    await tools.drain()
+    assert (result["status"], result["method"]) == ("completed", "elision"), result
+    assert result["note"].startswith("summariser failed: it returned an empty summary")
+    assert result["tokens_after"] < result["tokens_before"]
+    after = await session(http, sid)
+    assert len(after["messages"]) == len(before["messages"])
+    tool_output = after["messages"][2]
+    assert tool_output["role"] == "tool" and "elided" in tool_output["content"]
+    assert len(tool_output["content"]) < len(before["messages"][2]["content"])
     system.stop()

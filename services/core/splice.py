@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from schemas.history import ChatMessage, Conversation, Snapshot
-from services.core.boundary import choose_boundary
+from services.core.boundary import choose_boundary, elide_tool_output
 
 
 class SpliceConflict(Exception):
@@ -51,6 +51,28 @@ def splice(current: Conversation, plan: CompactionPlan, summary: str) -> Snapsho
     """The rollup that replaces `current`: the new summary, then messages[boundary:]."""
     if not summary.strip():
         raise ValueError("an empty summary is never spliced")
+    _check_unchanged(current, plan)
+    return Snapshot(
+        summary=summary,
+        messages=current.messages[plan.boundary :],
+        compactions=current.compactions + 1,
+    )
+
+
+def splice_elided(current: Conversation, plan: CompactionPlan, max_chars: int = 200) -> Snapshot:
+    """The structural fallback when no summary could be written: every message
+    stays, but tool output in the compact zone is cut to `max_chars` characters
+    (the previous summary, if any, is kept as it is)."""
+    _check_unchanged(current, plan)
+    zone = elide_tool_output(current.messages[: plan.boundary], keep_last=0, max_chars=max_chars)
+    return Snapshot(
+        summary=current.summary,
+        messages=(*zone, *current.messages[plan.boundary :]),
+        compactions=current.compactions + 1,
+    )
+
+
+def _check_unchanged(current: Conversation, plan: CompactionPlan) -> None:
     snapshot = plan.snapshot
     prefix = current.messages[: len(snapshot.messages)]
     if (
@@ -63,11 +85,6 @@ def splice(current: Conversation, plan: CompactionPlan, summary: str) -> Snapsho
             f"(compactions {snapshot.compactions} -> {current.compactions}, "
             f"{len(snapshot.messages)} -> {len(current.messages)} messages)"
         )
-    return Snapshot(
-        summary=summary,
-        messages=current.messages[plan.boundary :],
-        compactions=current.compactions + 1,
-    )
 
 
 def first_user_request(conversation: Conversation) -> str | None:

@@ -29,7 +29,13 @@ from schemas.session import SessionRecord
 from services.core.boundary import tail_turns_for
 from services.core.decision import Level as CoreLevel
 from services.core.prompt import render_messages, sent_chars
-from services.core.splice import CompactionPlan, SpliceConflict, plan_compaction, splice
+from services.core.splice import (
+    CompactionPlan,
+    SpliceConflict,
+    plan_compaction,
+    splice,
+    splice_elided,
+)
 from services.core.splice import first_user_request as first_request_of
 from services.core.state_machine import Action, CompactionMode, IllegalTransition
 from services.core.summary_prompt import summary_messages
@@ -52,6 +58,14 @@ class CompactionSkipped(Exception):
 
 class CompactionFailed(Exception):
     """Nothing was changed because something went wrong."""
+
+
+@dataclass(frozen=True)
+class Written:
+    """A new summary, or None and why the summariser could not write one."""
+
+    summary: str | None
+    failure: str | None = None
 
 
 @dataclass(frozen=True)
@@ -109,15 +123,15 @@ class Compactor:
         before = self.tokens(record, view.conversation)
         await self._announce(job, before)
         try:
-            summary = await self._summarise(record, plan, job)
-            spliced, before = await self._splice(record, view, plan, summary)
+            written = await self._write_summary(record, plan, job)
+            spliced, before = await self._splice(record, view, plan, written)
         except (CompactionSkipped, CompactionFailed) as err:
             status = "skipped" if isinstance(err, CompactionSkipped) else "failed"
             await self._publish(job, CompactionResult(
                 session_id=job.session_id, status=status, error=str(err),
                 tokens_before=before, auto=True, level=job.level))
             raise
-        await self._publish(job, self._completed(job, record, before, spliced))
+        await self._publish(job, self._completed(job, record, before, spliced, written))
         return spliced
 
     async def _attempt(self, job: Job) -> CompactionResult:
@@ -152,14 +166,14 @@ class Compactor:
         await self._states.apply(job.session_id, Action.start_compaction, job.correlation_id)
         try:
             await self._announce(job, before)
-            summary = await self._summarise(record, plan, job)
+            written = await self._write_summary(record, plan, job)
             async with self._splice_lock(job.session_id):
                 current = await self._history.read(job.session_id)
-                spliced, before = await self._splice(record, current, plan, summary)
+                spliced, before = await self._splice(record, current, plan, written)
         finally:
             await self._states.apply(job.session_id, Action.complete_compaction,
                                      job.correlation_id)
-        return self._completed(job, record, before, spliced)
+        return self._completed(job, record, before, spliced, written)
 
     def _plan(self, conversation: Conversation, level: Level) -> CompactionPlan:
         tail = tail_turns_for(CoreLevel(level), self._settings.compaction_tail_turns)
@@ -168,6 +182,14 @@ class Compactor:
             raise CompactionSkipped(
                 f"nothing to compact: the whole history is within the last {tail} turn(s)")
         return plan
+
+    async def _write_summary(self, record: SessionRecord, plan: CompactionPlan,
+                             job: Job) -> Written:
+        try:
+            return Written(await self._summarise(record, plan, job))
+        except CompactionFailed as err:
+            log.warning("summary_failed_trying_elision", error=str(err))
+            return Written(None, str(err))
 
     async def _summarise(self, record: SessionRecord, plan: CompactionPlan, job: Job) -> str:
         messages = summary_messages(plan.snapshot.summary, plan.to_compact,
@@ -191,15 +213,22 @@ class Compactor:
         return result.content.strip()
 
     async def _splice(self, record: SessionRecord, current: HistoryView, plan: CompactionPlan,
-                      summary: str) -> tuple[HistoryView, int]:
+                      written: Written) -> tuple[HistoryView, int]:
         """Splice over `current`; returns the new view and the size it replaced.
 
         Relief is judged against the history as it is now, turns answered
-        during the summary included, not against the older snapshot."""
+        during the summary included, not against the older snapshot. Without
+        a summary, the structural fallback (old tool output elided) is spliced
+        if it frees anything; otherwise the summariser's failure stands."""
         before = self.tokens(record, current.conversation)
-        snapshot = splice(current.conversation, plan, summary)
+        if written.summary is None:
+            snapshot = splice_elided(current.conversation, plan)
+        else:
+            snapshot = splice(current.conversation, plan, written.summary)
         after = self.tokens(record, Conversation(summary=snapshot.summary,
                                                  messages=snapshot.messages))
+        if after >= before and written.failure is not None:
+            raise CompactionFailed(f"{written.failure}; no tool output to elide instead")
         if after >= before:
             raise CompactionSkipped(
                 f"the summary frees too little ({before} -> {after} tokens); history unchanged")
@@ -241,11 +270,14 @@ class Compactor:
                                 correlation_id=job.correlation_id, session_id=job.session_id)
 
     def _completed(self, job: Job, record: SessionRecord, before: int,
-                   spliced: HistoryView) -> CompactionResult:
+                   spliced: HistoryView, written: Written) -> CompactionResult:
+        fallback = written.summary is None
         return CompactionResult(
             session_id=job.session_id, status="completed", tokens_before=before,
             tokens_after=self.tokens(record, spliced.conversation),
             summary=spliced.conversation.summary, auto=job.auto, level=job.level,
+            method="elision" if fallback else "summary",
+            note=f"{written.failure}; old tool output elided instead" if fallback else None,
         )
 
     @staticmethod

@@ -4,13 +4,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from schemas.history import ChatMessage, Conversation, HistoryEntry, Role, fold
+from schemas.history import ChatMessage, Conversation, HistoryEntry, Role, ToolCall, fold
 from services.core.splice import (
     CompactionPlan,
     SpliceConflict,
     first_user_request,
     plan_compaction,
     splice,
+    splice_elided,
 )
 from tests.core import histories, turns
 
@@ -105,3 +106,21 @@ def test_splice_keeps_every_message_after_the_boundary(
     assert out.messages == history[plan.boundary:] + appended
     assert len(out.messages) >= len(plan.live) + len(appended)  # live zone never shrinks
     assert out.messages[0].role == "user"
+
+
+def test_elided_splice_shortens_old_tool_output_and_keeps_every_message() -> None:
+    call = ChatMessage(role="assistant", tool_calls=(ToolCall(name="cat", arguments={}),))
+    output = ChatMessage(role="tool", content="x" * 5000, tool_name="cat")
+    old = (msg("user", "u0"), call, output, msg("assistant", "a0"))
+    current = Conversation(summary="earlier", messages=old + TURNS)
+    plan = plan_compaction(current, tail_turns=4)
+    assert plan is not None and plan.boundary == len(old)
+    out = splice_elided(current, plan, max_chars=100)
+    assert out.summary == "earlier" and out.compactions == 1
+    assert len(out.messages) == len(current.messages)
+    assert out.messages[2].content.startswith("x" * 100)
+    assert len(out.messages[2].content) < 200
+    assert out.messages[:2] == old[:2] and out.messages[3:] == current.messages[3:]
+    moved = current.model_copy(update={"compactions": 3})
+    with pytest.raises(SpliceConflict):
+        splice_elided(moved, plan)
