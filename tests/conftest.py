@@ -39,7 +39,8 @@ def private_nats() -> Iterator[NatsServer]:
 async def nc(nats_url: str) -> AsyncIterator[NATS]:
     client = await nats.connect(nats_url)
     yield client
-    await client.drain()
+    # close, not drain: a drain waits for unread messages of plain subscriptions.
+    await client.close()
 
 
 @pytest.fixture(scope="session")

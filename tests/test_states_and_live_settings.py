@@ -1,0 +1,58 @@
+"""The generator's state publisher and live settings, on real NATS."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from nats.aio.client import Client as NATS
+
+from schemas import subjects
+from services.compaction_decider.settings import DeciderSettings
+from services.core.state_machine import Action, CompactionMode, IllegalTransition
+from services.generator.states import SessionStates
+from services.shared.bus import Bus
+from services.shared.live_config import CONFIG_BUCKET, LiveSettings
+
+
+async def test_an_illegal_transition_is_raised_and_reported(nc: NATS) -> None:
+    errors = await nc.subscribe(subjects.ERROR_SUBJECT)
+    states = await nc.subscribe(subjects.state("s-illegal"))
+    machine = SessionStates(Bus(nc, "generator"), "gen-test", CompactionMode.background)
+    await machine.apply("s-illegal", Action.receive)
+    with pytest.raises(IllegalTransition):
+        await machine.apply("s-illegal", Action.publish)
+    report = json.loads((await errors.next_msg(timeout=2)).data)["payload"]
+    assert report["code"] == "illegal_transition"
+    assert report["subject"] == subjects.state("s-illegal")
+    change = json.loads((await states.next_msg(timeout=2)).data)["payload"]
+    assert (change["from_state"], change["to_state"], change["generator_id"]) == (
+        "idle", "receiving", "gen-test")
+    await machine.recover("s-illegal")
+    assert machine.current("s-illegal").visible.value == "idle"
+
+
+async def test_settings_change_without_a_restart(nc: NATS) -> None:
+    changed = asyncio.Event()
+    live = LiveSettings(nc.jetstream(), DeciderSettings(compaction_threshold=0.8),
+                        on_change=lambda _: changed.set())
+
+    async def settled(threshold: float) -> None:
+        async with asyncio.timeout(5):
+            while live.current.compaction_threshold != threshold:
+                changed.clear()
+                await changed.wait()
+
+    await live.start()
+    kv = await nc.jetstream().key_value(CONFIG_BUCKET)
+    await kv.put("compaction_threshold", b"0.5")
+    await kv.put("compaction_cooldown_s", b"not a number")  # rejected, logged, ignored
+    await kv.put("gateway_port", b"1")  # another service's setting
+    await settled(0.5)
+    assert live.current.compaction_cooldown_s == 30.0
+    await kv.put("compaction_threshold", b"0")
+    await settled(0)
+    await live.stop()
+    await kv.delete("compaction_threshold")
+    await kv.delete("compaction_cooldown_s")

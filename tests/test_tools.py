@@ -1,0 +1,72 @@
+"""The tools service's tools, and the service answering over real NATS."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+
+import nats
+import pytest
+from nats.aio.client import Client as NATS
+
+from schemas import subjects
+from schemas.messages import ToolInvocation, ToolOutcome
+from services.shared.bus import Bus, decode
+from services.tools.catalogue import TOOLS, ToolFailure, calculate, current_time, word_count
+from services.tools.service import run_tool
+from tests.processes import ServiceProcess
+
+
+@pytest.mark.parametrize("expression, value", [
+    ("6*7", "42"), ("(3 + 4) * 2", "14"), ("7 / 2", "3.5"), ("7 // 2", "3"), ("-2 ** 2", "-4"),
+    ("2 ** 10", "1024"), ("10 % 4", "2"), ("1.5 + 1", "2.5"),
+])
+def test_calculate_does_arithmetic(expression: str, value: str) -> None:
+    assert calculate(expression) == value
+
+
+@pytest.mark.parametrize("expression", [
+    "__import__('os')", "open('x')", "a + 1", "[1, 2]", "2 ** 100000", "1 / 0", "1 +", "x" * 300,
+    "'a' * 3",
+])
+def test_calculate_refuses_anything_but_arithmetic(expression: str) -> None:
+    with pytest.raises(ToolFailure):
+        calculate(expression)
+
+
+def test_word_count_and_time() -> None:
+    assert word_count("one two\nthree") == "3 words, 2 lines, 13 characters"
+    assert current_time("UTC").endswith("+00:00")
+    with pytest.raises(ToolFailure, match="unknown time zone"):
+        current_time("Mars/Olympus")
+
+
+def test_failures_become_error_outcomes_not_exceptions() -> None:
+    assert run_tool(TOOLS["calculate"], {"expression": "1/0"}).error == "division by zero"
+    assert run_tool(TOOLS["word_count"], {}).error.startswith("bad arguments")
+    counted = run_tool(TOOLS["word_count"], {"text": "a b"})
+    assert counted.content == "2 words, 1 lines, 3 characters"
+
+
+@pytest.fixture
+async def tools_nc(nats_url: str) -> AsyncIterator[NATS]:
+    """The real tools process, and a client to call it."""
+    service = ServiceProcess("services.tools", {"NATS_URL": nats_url}).start()
+    nc = await nats.connect(nats_url)
+    yield nc
+    await nc.drain()
+    assert service.stop() == 0
+
+
+async def test_the_service_lists_and_runs_its_tools_over_nats(tools_nc: NATS) -> None:
+    listing = json.loads((await tools_nc.request("tool.list", b"", timeout=2)).data)
+    assert {d["function"]["name"] for d in listing} >= {"calculate", "word_count",
+                                                        "current_time"}
+    bus = Bus(tools_nc, "generator")
+    subject = subjects.tool("calculate")
+    env = bus.envelope(subject, ToolInvocation(name="calculate",
+                                               arguments={"expression": "2+2"}))
+    reply = await tools_nc.request(subject, env.model_dump_json().encode(), timeout=2)
+    assert decode(reply.data, ToolOutcome, subject).payload.content == "4"
+    bad = await tools_nc.request(subject, b"{broken", timeout=2)
+    assert json.loads(bad.data)["payload"]["code"] == "invalid_message"
