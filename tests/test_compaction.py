@@ -7,7 +7,7 @@ The window is small (NUM_CTX 2048, budget 1792 tokens) so a few turns of
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import httpx
@@ -38,13 +38,23 @@ def stub() -> Iterator[str]:
         yield url
 
 
-def start(private_nats: NatsServer, stub: str, **env: str) -> System:
-    return System(private_nats.url, stub, {**SMALL_WINDOW, **env},
-                  services=("generator", "decider", "gateway")).start()
+@pytest.fixture
+def start(private_nats: NatsServer, stub: str) -> Iterator[Callable[..., System]]:
+    """Start the system with settings of the test's own; always stopped after."""
+    systems: list[System] = []
+
+    def starter(**env: str) -> System:
+        systems.append(System(private_nats.url, stub, {**SMALL_WINDOW, **env},
+                              services=("generator", "decider", "gateway")))
+        return systems[-1].start()
+
+    yield starter
+    for system in systems:
+        system.stop()
 
 
 @pytest.fixture
-async def http_for() -> AsyncIterator[Any]:
+async def http_for() -> AsyncIterator[Callable[[System], httpx.AsyncClient]]:
     clients: list[httpx.AsyncClient] = []
 
     def make(system: System) -> httpx.AsyncClient:
@@ -92,9 +102,9 @@ async def next_result(watcher: Watcher, sid: str, count: int = 1) -> dict[str, A
 
 
 async def test_manual_compaction_keeps_the_tail_and_stacks_summaries(
-    private_nats: NatsServer, stub: str, http_for: Any
+    private_nats: NatsServer, stub: str, http_for: Any, start: Callable[..., System]
 ) -> None:
-    system = start(private_nats, stub, COMPACTION_THRESHOLD="0")
+    system = start(COMPACTION_THRESHOLD="0")
     http = http_for(system)
     sid = await create(http)
     await http.post(f"/api/sessions/{sid}/messages", json={"content": "Please build a parser."})
@@ -130,13 +140,12 @@ async def test_manual_compaction_keeps_the_tail_and_stacks_summaries(
     assert second["status"] == "completed"
     assert second["summary"].startswith("Goal: Please build a parser.")
     assert (await session(http, sid))["compactions"] == 2
-    system.stop()
 
 
 async def test_compaction_with_nothing_to_compact_says_why(
-    private_nats: NatsServer, stub: str, http_for: Any
+    private_nats: NatsServer, stub: str, http_for: Any, start: Callable[..., System]
 ) -> None:
-    system = start(private_nats, stub)
+    system = start()
     http = http_for(system)
     empty, short = await create(http), await create(http)
     await chat(http, short, 2)
@@ -149,13 +158,12 @@ async def test_compaction_with_nothing_to_compact_says_why(
     assert little["status"] == "skipped"
     assert little["error"].startswith("nothing to compact")
     assert (await http.post("/api/sessions/nosuchsession/compact")).status_code == 404
-    system.stop()
 
 
 async def test_the_session_keeps_answering_while_its_summary_is_written(
-    private_nats: NatsServer, stub: str, http_for: Any
+    private_nats: NatsServer, stub: str, http_for: Any, start: Callable[..., System]
 ) -> None:
-    system = start(private_nats, stub, COMPACTION_MODEL="summariser", COMPACTION_THRESHOLD="0")
+    system = start(COMPACTION_MODEL="summariser", COMPACTION_THRESHOLD="0")
     http = http_for(system)
     sid = await create(http)
     await chat(http, sid, 5, filler=100)
@@ -173,13 +181,12 @@ async def test_the_session_keeps_answering_while_its_summary_is_written(
     # The two tail turns plus every turn answered during the compaction.
     assert kept == ["question 4 !long 100", "question 5 !long 100", "question 20 !long 10",
                     "question 21 !long 10", "question 22 !long 10"]
-    system.stop()
 
 
 async def test_blocking_mode_refuses_queries_during_a_compaction(
-    private_nats: NatsServer, stub: str, http_for: Any
+    private_nats: NatsServer, stub: str, http_for: Any, start: Callable[..., System]
 ) -> None:
-    system = start(private_nats, stub, COMPACTION_MODEL="summariser", COMPACTION_THRESHOLD="0",
+    system = start(COMPACTION_MODEL="summariser", COMPACTION_THRESHOLD="0",
                    COMPACTION_MODE="blocking", BLOCKING_QUERY_WAIT_S="0")
     http = http_for(system)
     sid = await create(http)
@@ -196,7 +203,6 @@ async def test_blocking_mode_refuses_queries_during_a_compaction(
     assert moves == [("idle", "compacting"), ("compacting", "idle")]
     after = await http.post(f"/api/sessions/{sid}/messages", json={"content": "now?"})
     assert after.status_code == 200
-    system.stop()
 
 
 @pytest.mark.parametrize("quirk, error", [
@@ -204,9 +210,10 @@ async def test_blocking_mode_refuses_queries_during_a_compaction(
     ("empty-content", "summariser failed: it returned an empty summary"),
 ])
 async def test_a_failed_summary_is_never_spliced(
-    private_nats: NatsServer, stub: str, http_for: Any, quirk: str, error: str
+    private_nats: NatsServer, stub: str, http_for: Any,
+    start: Callable[..., System], quirk: str, error: str
 ) -> None:
-    system = start(private_nats, stub, COMPACTION_THRESHOLD="0")
+    system = start(COMPACTION_THRESHOLD="0")
     http = http_for(system)
     sid = await create(http)
     await chat(http, sid, 4, filler=50)
@@ -221,13 +228,12 @@ async def test_a_failed_summary_is_never_spliced(
     after = await session(http, sid)
     assert after["messages"] == before["messages"] and after["compactions"] == 0
     assert after["state"] == "idle"
-    system.stop()
 
 
 async def test_the_decider_compacts_in_time_and_nothing_ever_overflows(
-    private_nats: NatsServer, stub: str, http_for: Any
+    private_nats: NatsServer, stub: str, http_for: Any, start: Callable[..., System]
 ) -> None:
-    system = start(private_nats, stub)
+    system = start()
     http = http_for(system)
     sid = await create(http)
     async with watching(private_nats.url, *EVENTS) as watcher:
@@ -249,7 +255,6 @@ async def test_the_decider_compacts_in_time_and_nothing_ever_overflows(
     assert stats["max_prompt_tokens"] <= NUM_CTX
     assert stats["truncated"] == 0
     assert (await session(http, sid))["compactions"] >= 1
-    system.stop()
 
 
 @pytest.mark.parametrize("env, body", [
@@ -257,10 +262,11 @@ async def test_the_decider_compacts_in_time_and_nothing_ever_overflows(
     ({}, {"auto_compact": False}),
 ])
 async def test_without_automatic_compaction_an_oversized_prompt_is_refused(
-    private_nats: NatsServer, stub: str, http_for: Any, env: dict[str, str],
+    private_nats: NatsServer, stub: str, http_for: Any,
+    start: Callable[..., System], env: dict[str, str],
     body: dict[str, object]
 ) -> None:
-    system = start(private_nats, stub, **env)
+    system = start(**env)
     http = http_for(system)
     sid = await create(http, **body)
     async with watching(private_nats.url, *EVENTS) as watcher:
@@ -278,13 +284,12 @@ async def test_without_automatic_compaction_an_oversized_prompt_is_refused(
         await http.post(f"/api/sessions/{sid}/compact")
         assert (await next_result(watcher, sid))["status"] == "completed"
     assert (await chat(http, sid, 1, filler=10, start=50))[0].status_code == 200
-    system.stop()
 
 
 async def test_a_message_larger_than_the_window_is_refused_before_sending(
-    private_nats: NatsServer, stub: str, http_for: Any
+    private_nats: NatsServer, stub: str, http_for: Any, start: Callable[..., System]
 ) -> None:
-    system = start(private_nats, stub)
+    system = start()
     http = http_for(system)
     sid = await create(http)
     await chat(http, sid, 2)
@@ -297,7 +302,6 @@ async def test_a_message_larger_than_the_window_is_refused_before_sending(
     assert stats["max_prompt_tokens"] <= NUM_CTX
     assert stats["requests"] - sent_before <= 1
     assert all(m["content"] != "x" * 20_000 for m in (await session(http, sid))["messages"])
-    system.stop()
 
 
 async def serve_a_verbose_tool(nats_url: str) -> Any:
@@ -320,10 +324,10 @@ async def serve_a_verbose_tool(nats_url: str) -> Any:
 
 
 async def test_without_a_summary_old_tool_output_is_elided_instead(
-    private_nats: NatsServer, stub: str, http_for: Any
+    private_nats: NatsServer, stub: str, http_for: Any, start: Callable[..., System]
 ) -> None:
     tools = await serve_a_verbose_tool(private_nats.url)
-    system = start(private_nats, stub, COMPACTION_THRESHOLD="0", NUM_CTX="8192")
+    system = start(COMPACTION_THRESHOLD="0", NUM_CTX="8192")
     http = http_for(system)
     sid = await create(http)
     await http.post(f"/api/sessions/{sid}/messages", json={"content": "!tool dump"})
@@ -343,4 +347,3 @@ async def test_without_a_summary_old_tool_output_is_elided_instead(
     tool_output = after["messages"][2]
     assert tool_output["role"] == "tool" and "elided" in tool_output["content"]
     assert len(tool_output["content"]) < len(before["messages"][2]["content"])
-    system.stop()
