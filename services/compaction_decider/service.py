@@ -29,7 +29,7 @@ from services.core.decision import (
     on_result,
 )
 from services.core.tokens import Calibration, calibrate, estimate_tokens, prompt_budget
-from services.shared.bus import BadMessage, Bus, decode
+from services.shared.bus import Bus
 from services.shared.consumer import PullLoop
 from services.shared.live_config import LiveSettings
 from services.shared.runner import Endpoint
@@ -91,10 +91,8 @@ class Decider:
         await msg.ack()
 
     async def _on_generation(self, msg: Msg) -> None:
-        try:
-            env = decode(msg.data, GenerationReport, msg.subject)
-        except BadMessage as err:
-            await self._bus.report_bad_event(err)
+        env = await self._bus.decode_or_report(msg, GenerationReport)
+        if env is None:
             return
         with structlog.contextvars.bound_contextvars(
             session_id=env.payload.session_id, correlation_id=env.correlation_id
@@ -138,10 +136,8 @@ class Decider:
         return decision
 
     async def _on_result(self, msg: Msg) -> None:
-        try:
-            env = decode(msg.data, CompactionResult, msg.subject)
-        except BadMessage as err:
-            await self._bus.report_bad_event(err)
+        env = await self._bus.decode_or_report(msg, CompactionResult)
+        if env is None:
             return
         sid = env.payload.session_id
         if sid in self._memory and self._awaiting.get(sid) == env.correlation_id:

@@ -18,7 +18,7 @@ from nats.aio.subscription import Subscription
 
 from schemas import subjects
 from schemas.messages import Reply, Token
-from services.shared.bus import BadMessage, Bus, decode
+from services.shared.bus import Bus
 
 log = structlog.get_logger()
 Event = Reply | Token
@@ -58,10 +58,8 @@ class ReplyRouter:
         await self._route(msg, Token)
 
     async def _route(self, msg: Msg, kind: type[Reply] | type[Token]) -> None:
-        try:
-            env = decode(msg.data, kind, msg.subject)
-        except BadMessage as err:
-            await self._bus.report_bad_event(err)
+        env = await self._bus.decode_or_report(msg, kind)
+        if env is None:
             return
         queue = self._waiting.get(env.correlation_id)
         if queue is not None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Coroutine
+from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
 import structlog
@@ -31,7 +31,7 @@ from services.generator.settings import GeneratorSettings
 from services.generator.states import SessionStates
 from services.generator.toolbox import Toolbox
 from services.generator.turns import TurnError, TurnRunner
-from services.shared.bus import BadMessage, Bus, decode
+from services.shared.bus import Bus
 from services.shared.consumer import PullLoop
 from services.shared.history_store import HistoryConflict, HistoryStore
 from services.shared.jetstream import locks_bucket, sessions_bucket
@@ -125,19 +125,26 @@ class Generator:
         self._spawn(self._handle_compaction(msg))
 
     async def _handle_compaction(self, msg: Msg) -> None:
-        try:
-            env = decode(msg.data, CompactionRequest, msg.subject)
-        except BadMessage as err:
-            await self._bus.report_bad_event(err)
-            await msg.term()
+        env = await self._bus.decode_or_report(msg, CompactionRequest)
+        if env is None:
+            await msg.term()  # a malformed request would only come back
             return
+        async with self._working_on(msg, env.payload.session_id, env.correlation_id):
+            await self._compactor.handle(env)
+        await msg.ack()
+
+    @contextlib.asynccontextmanager
+    async def _working_on(self, msg: Msg, sid: str, correlation_id: str,
+                          **context: str) -> AsyncIterator[None]:
+        """Log with the message's ids, and keep it from being redelivered while
+        we work: long answers (and waiting behind a session's earlier query)
+        must not look like a dead generator."""
         heartbeat = asyncio.create_task(self._keep_in_progress(msg))
         try:
             with structlog.contextvars.bound_contextvars(
-                session_id=env.payload.session_id, correlation_id=env.correlation_id
+                session_id=sid, correlation_id=correlation_id, **context
             ):
-                await self._compactor.handle(env)
-            await msg.ack()
+                yield
         finally:
             heartbeat.cancel()
 
@@ -152,25 +159,17 @@ class Generator:
             loop.room_freed()
 
     async def _handle(self, msg: Msg) -> None:
-        try:
-            env = decode(msg.data, Query, msg.subject)
-        except BadMessage as err:
-            await self._bus.report_bad_event(err)
-            await msg.term()
+        env = await self._bus.decode_or_report(msg, Query)
+        if env is None:
+            await msg.term()  # a malformed query would only come back
             return
         sid = env.payload.session_id
-        heartbeat = asyncio.create_task(self._keep_in_progress(msg))
-        try:
-            with structlog.contextvars.bound_contextvars(
-                session_id=sid, correlation_id=env.correlation_id, query_id=env.message_id
-            ):
-                order = self._local_order.setdefault(sid, asyncio.Lock())
-                async with order:
-                    await self._answer_in_order(msg, env)
-                if not order.locked():
-                    self._local_order.pop(sid, None)
-        finally:
-            heartbeat.cancel()
+        async with self._working_on(msg, sid, env.correlation_id, query_id=env.message_id):
+            order = self._local_order.setdefault(sid, asyncio.Lock())
+            async with order:
+                await self._answer_in_order(msg, env)
+            if not order.locked():
+                self._local_order.pop(sid, None)
 
     async def _answer_in_order(self, msg: Msg, env: Envelope[Query]) -> None:
         sid = env.payload.session_id
@@ -267,8 +266,6 @@ class Generator:
         return int(oldest.seq or 0) < msg.metadata.sequence.stream
 
     async def _keep_in_progress(self, msg: Msg) -> None:
-        # Long answers (and waiting behind a session's earlier query) must not
-        # look like a dead generator, or the query would be handed to another.
         while True:
             await asyncio.sleep(self._settings.query_ack_wait_s / 3)
             with contextlib.suppress(Exception):

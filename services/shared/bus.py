@@ -178,6 +178,14 @@ class Bus:
                             session_id=session_id)
         await self.nc.publish(msg.reply, _encode(env), headers=headers_for(env))
 
+    async def decode_or_report(self, msg: Msg, payload_type: type[P]) -> Envelope[P] | None:
+        """The validated message, or None after reporting it as malformed."""
+        try:
+            return decode(msg.data, payload_type, msg.subject)
+        except BadMessage as err:
+            await self.report_bad_event(err)
+            return None
+
     async def report_bad_event(self, err: BadMessage) -> None:
         """Log a malformed event and make it visible on the error subject."""
         log.warning("bad_message", subject=err.report.subject, error=err.report.message,
