@@ -23,6 +23,13 @@ MIN_TOKENS_PER_CHAR = 1 / 12
 # larger than this per character of the new suffix may be of the suffix alone.
 MAX_TOKENS_PER_CHAR = 1.0
 
+# A whole-prompt count and a fresh-part-only one are told apart by size only
+# when the whole prompt is at least this many times the fresh part.
+DISTINGUISHABLE = 2.0
+# ...and a count within this factor of the whole prompt's expected count is
+# taken for a whole count (the ratio drifts as the content mix changes).
+WHOLE_COUNT_TOLERANCE = 1.25
+
 # A count at or above this share of num_ctx was capped by silent truncation.
 TRUNCATION_FRACTION = 0.98
 
@@ -48,7 +55,8 @@ def calibrate(
     count. Pass it: without it, a count of only a large new suffix (a big tool
     result) looks plausible and would make every later estimate too low.
     """
-    ratio = _sample(reported_prompt_tokens, sent_chars, num_ctx, reused_chars)
+    ratio = _sample(reported_prompt_tokens, sent_chars, num_ctx, reused_chars,
+                    previous.tokens_per_char)
     if ratio is None:
         return previous
     # The latest sample wins, no averaging: consecutive prompts share almost
@@ -58,7 +66,8 @@ def calibrate(
     return Calibration(ratio, previous.reports + 1)
 
 
-def _sample(reported: int | None, sent_chars: int, num_ctx: int, reused_chars: int) -> float | None:
+def _sample(reported: int | None, sent_chars: int, num_ctx: int, reused_chars: int,
+            known: float | None) -> float | None:
     """Tokens per character this report shows, or None when it shows nothing reliable."""
     if reported is None or reported <= 0 or sent_chars <= 0:
         return None
@@ -71,7 +80,21 @@ def _sample(reported: int | None, sent_chars: int, num_ctx: int, reused_chars: i
     # per fresh character: the count cannot be of the fresh part alone.
     if reused_chars <= 0 or fresh <= 0 or reported > fresh * MAX_TOKENS_PER_CHAR:
         return reported / sent_chars
+    if known is not None and _whole_prompt_count(reported, sent_chars, fresh, known):
+        return reported / sent_chars
     return None  # it may count only the fresh part: nothing reliable to learn
+
+
+def _whole_prompt_count(reported: int, sent_chars: int, fresh: int, known: float) -> bool:
+    """With a ratio already known, a count of the whole prompt lies near
+    sent_chars x ratio and a count of the fresh part alone near fresh x ratio.
+    Where those are far apart, a count close to the first is a whole count.
+    Without this, a session whose every prompt extends the last would keep
+    its first ratio for ever, and the first prompt (short, mostly framing) is
+    the least representative one."""
+    if sent_chars < fresh * DISTINGUISHABLE:
+        return False
+    return abs(math.log(reported / (sent_chars * known))) <= math.log(WHOLE_COUNT_TOLERANCE)
 
 
 def estimate_tokens(chars: int, calibration: Calibration) -> int:

@@ -30,7 +30,7 @@ from services.generator.session_lock import LockTimeout, SessionLocks
 from services.generator.settings import GeneratorSettings
 from services.generator.states import SessionStates
 from services.generator.toolbox import Toolbox
-from services.generator.turns import TurnError, TurnRunner
+from services.generator.turns import FollowUp, TurnError, TurnRunner
 from services.shared.bus import Bus
 from services.shared.consumer import PullLoop
 from services.shared.history_store import HistoryConflict, HistoryStore
@@ -44,7 +44,7 @@ COMPACTION_CONSUMER = "generator-compactions"
 # After this many crashed attempts a query is answered with an error.
 MAX_DELIVERIES = 3
 # How long a later query of a session waits before it is offered again.
-OUT_OF_ORDER_DELAY_S = 0.05
+OUT_OF_ORDER_DELAY_S = 0.02
 log = structlog.get_logger()
 
 
@@ -167,11 +167,13 @@ class Generator:
         async with self._working_on(msg, sid, env.correlation_id, query_id=env.message_id):
             order = self._local_order.setdefault(sid, asyncio.Lock())
             async with order:
-                await self._answer_in_order(msg, env)
+                follow_up = await self._answer_in_order(msg, env)
             if not order.locked():
                 self._local_order.pop(sid, None)
+            if follow_up is not None:  # outside the session's locks
+                await follow_up()
 
-    async def _answer_in_order(self, msg: Msg, env: Envelope[Query]) -> None:
+    async def _answer_in_order(self, msg: Msg, env: Envelope[Query]) -> FollowUp | None:
         sid = env.payload.session_id
         # Blocking mode: a query meeting a compaction waits only so long, then
         # gets an error instead of the answer.
@@ -182,52 +184,49 @@ class Generator:
         # need not wait for the lock.
         if await self._earlier_query_pending(sid, msg):
             await msg.nak(delay=OUT_OF_ORDER_DELAY_S)
-            return
+            return None
         try:
             async with self._locks.hold(sid, "query", wait_s=wait):
-                await self._answer(msg, env)
+                return await self._answer(msg, env)
         except LockTimeout:
             if blocked:
                 await self._send_reply(msg, env, self._error_reply(env, TurnError(
                     "compacting", "the session is being compacted (blocking mode); "
                     "try again when it is done")))
-                return
+                return None
             log.warning("session_lock_timeout")
             await msg.nak(delay=1.0)
+            return None
 
-    async def _answer(self, msg: Msg, env: Envelope[Query]) -> None:
+    async def _answer(self, msg: Msg, env: Envelope[Query]) -> FollowUp | None:
         sid = env.payload.session_id
         await self._states.apply(sid, Action.receive, env.correlation_id)
+        follow_up = None
         try:
             record = await self._sessions.get(sid)
-            await self._turns.run(env, record, deliver=self._publish_reply)
+            reply, follow_up = await self._turns.run(env, record)
         except HistoryConflict:
             # Our view is stale (we lost the lease while frozen): let the query come
             # back; the redelivery sees what was written and never answers twice.
             log.error("stale_history_write_rejected")
             await self._states.recover(sid, env.correlation_id)
             await msg.nak(delay=0.2)
-            return
+            return None
         except (SessionNotFound, TurnError) as err:
             await self._states.recover(sid, env.correlation_id)
-            await self._publish_reply(env, self._error_reply(env, err))
+            reply = self._error_reply(env, err)
         except Exception as err:
             await self._unexpected(msg, env, err)
-            return
+            return None
         else:
             await self._states.apply(sid, Action.reset, env.correlation_id)
-        await self._done_with(msg)
+        await self._send_reply(msg, env, reply)
+        return follow_up
 
     async def _send_reply(self, msg: Msg, env: Envelope[Query], reply: Reply) -> None:
-        await self._publish_reply(env, reply)
-        await self._done_with(msg)
-
-    async def _publish_reply(self, env: Envelope[Query], reply: Reply) -> None:
         sid = env.payload.session_id
         await self._bus.publish(subjects.reply(sid), reply,
                                 correlation_id=env.correlation_id, session_id=sid)
-
-    async def _done_with(self, msg: Msg) -> None:
         # Synchronous: the stream must have dropped this query before the
         # session's next one checks for earlier pending queries.
         await msg.ack_sync()

@@ -37,6 +37,9 @@ from services.shared.history_store import WRONG_LAST_SEQUENCE
 Purpose = Literal["query", "compaction"]
 FREE = b'{"free": true}'
 MAX_REMEMBERED = 10_000
+# A waiter polls with backoff up to this: short, since sessions change hands
+# between processes all the time and a turn is often only milliseconds.
+MAX_POLL_S = 0.025
 log = structlog.get_logger()
 
 
@@ -86,7 +89,7 @@ class SessionLocks:
             if time.monotonic() >= deadline:
                 raise LockTimeout(f"session {sid} stayed locked for {wait_s:g} s")
             await asyncio.sleep(delay * random.uniform(0.5, 1.5))
-            delay = min(delay * 2, 0.1)
+            delay = min(delay * 2, MAX_POLL_S)
 
     async def _try_take(self, sid: str, value: bytes) -> int | None:
         """The new revision if the session was free, else None."""

@@ -46,7 +46,7 @@ from services.shared.sessions import SessionStore
 log = structlog.get_logger()
 Messages = list[dict[str, Any]]
 MAX_REMEMBERED_PROMPTS = 10_000
-Deliver = Callable[[Envelope[Query], Reply], Awaitable[None]]
+FollowUp = Callable[[], Awaitable[None]]
 
 
 class TurnError(Exception):
@@ -115,16 +115,17 @@ class TurnRunner:
     def budget(self) -> int:
         return prompt_budget(self._settings.num_ctx, self._settings.output_headroom)
 
-    async def run(self, env: Envelope[Query], record: SessionRecord, deliver: Deliver) -> None:
-        """Answer the query; `deliver` gets the reply as soon as it is stored, before
-        the bookkeeping that the caller need not wait for."""
+    async def run(self, env: Envelope[Query], record: SessionRecord
+                  ) -> tuple[Reply, FollowUp | None]:
+        """Answer the query and store the turn. Returns the reply and the
+        bookkeeping (calibration, `response.generation`) that neither the caller
+        nor the session's next query need wait for."""
         sid, query_id = env.payload.session_id, env.message_id
         view = await self._history.read(sid)
         done = previous_answer(view.conversation, query_id)
         if done is not None:
             log.info("query_already_answered")
-            await deliver(env, Reply(session_id=sid, query_id=query_id, reply=done))
-            return
+            return Reply(session_id=sid, query_id=query_id, reply=done), None
         question = ChatMessage(role="user", content=env.payload.content, query_id=query_id)
         turn = Turn(env, record, view, [question])
         started = time.monotonic()
@@ -134,11 +135,16 @@ class TurnRunner:
         await self._states.apply(sid, Action.publish, env.correlation_id)
         turn.view = await self._history.append(sid, turn.view, [*turn.messages, answer],
                                                msg_id=query_id)
-        await deliver(env, Reply(session_id=sid, query_id=query_id, reply=result.content,
-                                 prompt_tokens=result.prompt_tokens,
-                                 completion_tokens=result.completion_tokens))
-        await self._recalibrate(turn.record, result, sent_chars(prompt, tools), turn.reused_chars)
-        await self._report(turn, result, sent_chars(prompt, tools), tools, started)
+        reply = Reply(session_id=sid, query_id=query_id, reply=result.content,
+                      prompt_tokens=result.prompt_tokens,
+                      completion_tokens=result.completion_tokens)
+
+        async def follow_up() -> None:
+            sent = sent_chars(prompt, tools)
+            await self._recalibrate(turn.record, result, sent, turn.reused_chars)
+            await self._report(turn, result, sent, tools, started)
+
+        return reply, follow_up
 
     async def _tool_loop(self, turn: Turn) -> tuple[ChatResult, Messages, Messages]:
         tools = await self._toolbox.definitions()

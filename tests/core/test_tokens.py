@@ -95,10 +95,17 @@ def test_calibrate_properties(sent: int, reported: int, num_ctx: int, reused: in
         return
     assert out.reports == PRIOR.reports + 1
     assert out.tokens_per_char == reported / sent
-    # What is accepted is plausible, was not truncated, and cannot be a suffix count.
+    # What is accepted is plausible, was not truncated, and cannot be a suffix
+    # count, or lies close to the whole prompt's expected count while the fresh
+    # part is at most half the prompt.
     assert reported * 12 >= sent
     assert reported < 0.98 * num_ctx
-    assert reused <= 0 or reused >= sent or reported > sent - reused
+    fresh = sent - reused
+    certainly_whole = reused <= 0 or reused >= sent or reported > fresh
+    assert PRIOR.tokens_per_char is not None
+    near_whole = (sent >= 2 * fresh
+                  and abs(math.log(reported / (sent * PRIOR.tokens_per_char))) <= math.log(1.25))
+    assert certainly_whole or near_whole
 
 
 @settings(max_examples=100, deadline=None)
@@ -128,3 +135,18 @@ def test_the_stand_ins_cache_count_would_poison_a_plain_calibration() -> None:
     assert calibrate(truth, 1025, 4100, NUM_CTX, reused_chars=4000) == Calibration(0.25, 2)
     # After a compaction nothing is reusable: the count is complete.
     assert calibrate(truth, 750, 3000, NUM_CTX, reused_chars=0) == Calibration(0.25, 2)
+
+
+def test_a_whole_count_near_the_expected_one_moves_a_stale_ratio() -> None:
+    """Every prompt extends the last (the common case), and the first ratio came
+    from a short prompt that was mostly framing: a count close to what the whole
+    prompt should cost is a whole count, and the ratio follows it."""
+    first = Calibration(0.17, 1)
+    whole = calibrate(first, 700, 5000, NUM_CTX, reused_chars=4000)
+    assert whole == Calibration(700 / 5000, 2)
+    # Far from the whole prompt's expected 850 tokens: left alone.
+    assert calibrate(first, 300, 5000, NUM_CTX, reused_chars=4000) is first
+    # The fresh part is more than half the prompt: too close to call.
+    assert calibrate(first, 800, 5000, NUM_CTX, reused_chars=2000) is first
+    # With no ratio yet there is nothing to compare with.
+    assert calibrate(Calibration(), 700, 5000, NUM_CTX, reused_chars=4000) == Calibration()

@@ -1,0 +1,1352 @@
+"""Benchmark of the whole product: prints a table and writes the figures as JSON.
+
+    python scripts/bench.py                 # every row (a few minutes)
+    python scripts/bench.py --quick         # fewer repetitions (under a minute)
+    python scripts/bench.py --rows splice_128k,estimate_error --json out.json
+    python scripts/bench.py --in-process --rows splice_128k,estimate_error
+
+Everything runs on this machine and is started here: a private nats-server,
+the Ollama stand-in (scripts/ollama_stub.py) and the services as real
+subprocesses (the classes of tests/system.py), driven over HTTP with httpx and
+over NATS with nats-py. Figures are ratios measured in the same run (turn
+overhead in NATS round trips, throughput as a share of the ideal, latency during
+a compaction against latency without one), so they mean the same on a slow
+and a fast machine.
+
+Speed is measured, not asserted: a missed target is reported (✗), and the exit
+status is non-zero only when a row could not be measured at all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import gc
+import json
+import math
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import httpx
+import nats
+import ollama
+
+from schemas import subjects
+from schemas.envelope import Envelope
+from schemas.history import ChatMessage, Conversation, HistoryEntry, ToolCall
+from schemas.messages import GenerationReport
+from scripts.ollama_stub import count_prompt_tokens, echo_reply, filler_text
+from services.core.prompt import history_chars, render_messages, reusable_chars, sent_chars
+from services.core.splice import plan_compaction, splice
+from services.core.tokens import Calibration, calibrate, estimate_tokens
+from tests.nats_server import nats_server_binary, running_nats
+from tests.stub_server import running_stub
+from tests.system import System
+
+MODEL = "stub-model"
+SUMMARISER = "summariser"
+NUM_CTX = 8192
+JSON_DEFAULT = "bench-results.json"
+# The generators' shared durable consumer of the QUERIES stream.
+QUERY_CONSUMER = "generator"
+
+ROWS = (
+    "nats_rtt",
+    "turn_overhead",
+    "throughput_1_generator",
+    "throughput_2_generators",
+    "compaction_latency",
+    "splice_128k",
+    "estimate_error",
+)
+# Rows sharing the plain system run back to back, so it is started once and
+# stopped before the compaction row starts systems of its own.
+RUN_ORDER = (
+    "nats_rtt",
+    "splice_128k",
+    "turn_overhead",
+    "throughput_1_generator",
+    "throughput_2_generators",
+    "estimate_error",
+    "compaction_latency",
+)
+# Rows that cannot run without starting processes (see --in-process).
+NEEDS_PROCESSES = frozenset(ROWS) - {"splice_128k", "estimate_error"}
+
+# Targets: (comparison, bound).
+TURN_OVERHEAD_MAX_RTTS = 8.0
+THROUGHPUT_MIN_SHARE = 0.8
+COMPACTION_MAX_RATIO = 1.2
+ESTIMATE_MAX_ERROR_PCT = 5.0
+
+ANSWER_LATENCY_S = 0.2
+SUMMARY_LATENCY_S = 5.0
+# A query during a blocking compaction slower than this counts as delayed.
+DELAYED_S = 1.0
+CHARS_PER_TOKEN = (2.5, 3.0, 4.0, 5.0, 6.0, 8.0)
+# Turns answered while the splice's summary was written (they must all be kept).
+MEANWHILE_TURNS = 3
+
+
+# --------------------------------------------------------------------------- parameters
+
+
+@dataclass(frozen=True)
+class Params:
+    quick: bool
+    rtt_requests: int
+    overhead_turns: int
+    overhead_warmup: int
+    turns_per_session: int
+    stub_calls: int
+    throughput_sessions: int
+    throughput_queries: int
+    compaction_history_turns: int
+    compaction_queries: int
+    compaction_rounds: int
+    compaction_tail_turns: int
+    splice_reps: int
+    splice_messages: int
+    splice_chars: int
+    estimate_turns: int
+
+
+def params_for(quick: bool) -> Params:
+    return Params(
+        quick=quick,
+        rtt_requests=2000,
+        overhead_turns=100 if quick else 400,
+        overhead_warmup=10 if quick else 20,
+        turns_per_session=20,
+        stub_calls=100 if quick else 400,
+        throughput_sessions=64,
+        throughput_queries=4 if quick else 8,
+        compaction_history_turns=12,
+        compaction_queries=10 if quick else 20,
+        compaction_rounds=1 if quick else 5,
+        compaction_tail_turns=2,
+        splice_reps=10 if quick else 50,
+        splice_messages=400,
+        splice_chars=512_000,
+        estimate_turns=4 if quick else len(ESTIMATE_SCRIPT),
+    )
+
+
+# --------------------------------------------------------------------------- results
+
+
+@dataclass(frozen=True)
+class Target:
+    op: str  # "<=" or ">="
+    bound: float
+
+    def met(self, value: float) -> bool:
+        return value <= self.bound if self.op == "<=" else value >= self.bound
+
+    def text(self) -> str:
+        return f"{'≤' if self.op == '<=' else '≥'} {format_number(self.bound)}"
+
+
+@dataclass
+class Row:
+    name: str
+    value: float | None
+    unit: str
+    target: Target | None
+    detail: str
+    raw: dict[str, Any] = field(default_factory=dict)
+    error: str | None = None
+    skipped: str | None = None
+
+    @property
+    def meets_target(self) -> bool | None:
+        if self.target is None or self.value is None:
+            return None
+        return self.target.met(self.value)
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "value": self.value,
+            "unit": self.unit,
+            "target": None if self.target is None
+            else {"op": self.target.op, "value": self.target.bound},
+            "meets_target": self.meets_target,
+            "detail": self.detail,
+            "error": self.error,
+            "skipped": self.skipped,
+            "raw": self.raw,
+        }
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default)."""
+    if not values:
+        raise ValueError("no samples")
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def summary_ms(values_s: Sequence[float]) -> dict[str, float]:
+    ms = [v * 1000 for v in values_s]
+    return {
+        "n": len(ms),
+        "p50_ms": percentile(ms, 50),
+        "p99_ms": percentile(ms, 99),
+        "mean_ms": statistics.fmean(ms),
+        "min_ms": min(ms),
+        "max_ms": max(ms),
+    }
+
+
+def format_number(value: float) -> str:
+    if value == 0:
+        return "0"
+    if abs(value) >= 100:
+        return f"{value:,.0f}"
+    if abs(value) >= 10:
+        return f"{value:.1f}"
+    if abs(value) >= 0.01:
+        return f"{value:.3g}"
+    return f"{value:.2e}"
+
+
+# --------------------------------------------------------------------------- processes
+
+
+@dataclass
+class Env:
+    """One private nats-server, one stand-in, and the services on them."""
+
+    nats_url: str
+    stub_url: str
+    system: System
+
+    @property
+    def base_url(self) -> str:
+        return self.system.base_url
+
+
+@contextlib.contextmanager
+def running_env(stub_flags: Sequence[str] = (), env: dict[str, str] | None = None,
+                services: tuple[str, ...] = ("generator", "decider", "gateway"),
+                ) -> Iterator[Env]:
+    with running_nats() as server, running_stub(*stub_flags) as stub:
+        system = System(server.url, stub, env, services)
+        try:
+            system.start()
+            yield Env(server.url, stub, system)
+        except BaseException:
+            print(f"service logs (tail):\n{system.logs()}", file=sys.stderr)
+            raise
+        finally:
+            system.stop()
+            for process in system.processes.values():
+                process.log_path.unlink(missing_ok=True)
+
+
+def http_client(env: Env, connections: int = 32) -> httpx.AsyncClient:
+    return httpx.AsyncClient(
+        base_url=env.base_url, timeout=120.0,
+        limits=httpx.Limits(max_connections=connections,
+                            max_keepalive_connections=connections),
+    )
+
+
+async def configure_stub(stub_url: str, **config: Any) -> None:
+    async with httpx.AsyncClient(timeout=10.0) as client:
+        (await client.post(f"{stub_url}/_stub/config", json=config)).raise_for_status()
+
+
+async def new_session(http: httpx.AsyncClient, system: str = "") -> str:
+    response = await http.post("/api/sessions", json={"system": system})
+    if response.status_code != 201:
+        raise RuntimeError(f"creating a session: HTTP {response.status_code} {response.text}")
+    return str(response.json()["session_id"])
+
+
+async def ask(http: httpx.AsyncClient, sid: str, content: str) -> httpx.Response:
+    return await http.post(f"/api/sessions/{sid}/messages", json={"content": content})
+
+
+async def ask_ok(http: httpx.AsyncClient, sid: str, content: str) -> dict[str, Any]:
+    response = await ask(http, sid, content)
+    if response.status_code != 200:
+        raise RuntimeError(f"query failed: HTTP {response.status_code} {response.text}")
+    body: dict[str, Any] = response.json()
+    return body
+
+
+async def timed_ask(http: httpx.AsyncClient, sid: str, content: str
+                    ) -> tuple[float, float, httpx.Response]:
+    """(start, seconds, response) of one query, start on the perf_counter clock."""
+    started = time.perf_counter()
+    response = await ask(http, sid, content)
+    return started, time.perf_counter() - started, response
+
+
+def cpu_seconds() -> dict[str, float]:
+    """CPU time (user + system) so far of this process and of each process it started,
+    keyed "what:pid" (Linux /proc; empty elsewhere)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    out = {f"bench:{os.getpid()}": usage.ru_utime + usage.ru_stime}
+    tick = os.sysconf("SC_CLK_TCK")
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+            argv = (stat.parent / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        # The command name in parentheses may hold spaces: fields start after it.
+        fields = text[text.rindex(")") + 2:].split()
+        if int(fields[1]) != os.getpid():
+            continue
+        out[f"{process_label(argv)}:{stat.parent.name}"] = (
+            int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def process_label(argv: Sequence[bytes]) -> str:
+    words = [a.decode(errors="replace") for a in argv if a]
+    if "-m" in words[:-1]:
+        return words[words.index("-m") + 1].rsplit(".", 1)[-1]
+    return Path(words[0]).name if words else "?"
+
+
+def cpu_per_unit(before: dict[str, float], after: dict[str, float], units: int,
+                 wall_s: float) -> dict[str, Any]:
+    """CPU milliseconds per unit of work by process, and how busy the cores were."""
+    used = {key: after[key] - before.get(key, 0.0) for key in after}
+    labels = [key.split(":")[0] for key in used]
+    per_unit = {}
+    for key, seconds in sorted(used.items()):
+        label = key.split(":")[0]
+        name = label if labels.count(label) == 1 else key
+        per_unit[name] = seconds * 1000 / units
+    total = sum(used.values())
+    return {
+        "cpu_ms_per_unit_by_process": per_unit,
+        "cpu_ms_per_unit": total * 1000 / units,
+        "cores_busy": total / wall_s,
+        "cores": os.cpu_count(),
+    }
+
+
+def started_generations(log: str) -> int:
+    """Turns a generator began, from its JSON log (one state_changed line per transition)."""
+    return sum(1 for line in log.splitlines() if '"start_generation"' in line)
+
+
+# --------------------------------------------------------------------------- 1. nats_rtt
+
+
+async def measure_nats_rtt(nats_url: str, requests: int, warmup: int = 200) -> list[float]:
+    """Sequential request/reply round trips through the server, loopback, 256-byte payload;
+    the responder is a second connection in this process."""
+    responder = await nats.connect(nats_url)
+    requester = await nats.connect(nats_url)
+    try:
+        async def echo(msg: Any) -> None:
+            await msg.respond(msg.data)
+
+        await responder.subscribe("bench.rtt", cb=echo)
+        await responder.flush()
+        payload = b"x" * 256
+        samples: list[float] = []
+        for index in range(warmup + requests):
+            started = time.perf_counter()
+            await requester.request("bench.rtt", payload, timeout=5)
+            if index >= warmup:
+                samples.append(time.perf_counter() - started)
+        return samples
+    finally:
+        await requester.close()
+        await responder.close()
+
+
+def row_nats_rtt(bench: Bench) -> Row:
+    with running_nats() as server:
+        samples = asyncio.run(measure_nats_rtt(server.url, bench.params.rtt_requests))
+    stats = summary_ms(samples)
+    bench.rtt_p50_s = stats["p50_ms"] / 1000
+    return Row(
+        name="nats_rtt", value=stats["p50_ms"], unit="ms (p50)", target=None,
+        detail=f"p50 {stats['p50_ms']:.3f} ms, p99 {stats['p99_ms']:.3f} ms, "
+               f"{stats['n']} requests",
+        raw={**stats, "payload_bytes": 256},
+    )
+
+
+# --------------------------------------------------------------------------- 2. turn_overhead
+
+
+def overhead_history(turns: int) -> list[dict[str, Any]]:
+    """A prompt like the ones turn_overhead sends halfway through a session."""
+    messages: list[dict[str, Any]] = []
+    for index in range(turns):
+        messages.append({"role": "user", "content": f"benchmark question {index}"})
+        messages.append({"role": "assistant",
+                         "content": f"Echo: benchmark question {index} (turn {index + 1})"})
+    messages.append({"role": "user", "content": f"benchmark question {turns}"})
+    return messages
+
+
+async def measure_stub_chat(stub_url: str, calls: int, messages: list[dict[str, Any]],
+                            warmup: int = 10) -> list[float]:
+    """The stand-in's own time for one streamed chat call, as the generator makes it."""
+    client = ollama.AsyncClient(host=stub_url)
+    samples: list[float] = []
+    for index in range(warmup + calls):
+        started = time.perf_counter()
+        stream = await client.chat(model=MODEL, messages=messages, stream=True,
+                                   options={"num_ctx": NUM_CTX})
+        async for _part in stream:
+            pass
+        if index >= warmup:
+            samples.append(time.perf_counter() - started)
+    return samples
+
+
+async def measure_turns(env: Env, turns: int, warmup: int, per_session: int
+                        ) -> tuple[list[float], dict[str, Any]]:
+    """JSON POST /messages latencies, a fresh session every `per_session` turns;
+    and the CPU the measured turns cost."""
+    samples: list[float] = []
+    cpu_before: dict[str, float] = {}
+    started = 0.0
+    async with http_client(env, 4) as http:
+        sid = ""
+        for index in range(warmup + turns):
+            if index == warmup:
+                cpu_before, started = cpu_seconds(), time.perf_counter()
+            if index % per_session == 0:
+                sid = await new_session(http)
+            _, seconds, response = await timed_ask(
+                http, sid, f"benchmark question {index % per_session}")
+            if response.status_code != 200:
+                raise RuntimeError(f"turn failed: HTTP {response.status_code} {response.text}")
+            if index >= warmup:
+                samples.append(seconds)
+    cpu = cpu_per_unit(cpu_before, cpu_seconds(), turns, time.perf_counter() - started)
+    return samples, cpu
+
+
+async def turn_overhead(env: Env, params: Params, rtt_p50_s: float | None
+                        ) -> dict[str, Any]:
+    turns, cpu = await measure_turns(env, params.overhead_turns, params.overhead_warmup,
+                                     params.turns_per_session)
+    history = overhead_history(params.turns_per_session // 2)
+    stub = await measure_stub_chat(env.stub_url, params.stub_calls, history)
+    rtt_source = "nats_rtt row"
+    if rtt_p50_s is None:
+        rtt_p50_s = percentile(await measure_nats_rtt(env.nats_url, params.rtt_requests), 50)
+        rtt_source = "measured on this row's server"
+    return {"turns": turns, "stub": stub, "rtt_p50_s": rtt_p50_s, "rtt_source": rtt_source,
+            "stub_prompt_messages": len(history), "cpu": cpu}
+
+
+def row_turn_overhead(bench: Bench) -> Row:
+    measured = asyncio.run(turn_overhead(bench.plain(), bench.params, bench.rtt_p50_s))
+    turn = summary_ms(measured["turns"])
+    stub = summary_ms(measured["stub"])
+    rtt_ms = measured["rtt_p50_s"] * 1000
+    overhead_p50 = turn["p50_ms"] - stub["p50_ms"]
+    overhead_p99 = turn["p99_ms"] - stub["p50_ms"]
+    ratio = overhead_p50 / rtt_ms
+    return Row(
+        name="turn_overhead", value=ratio, unit="NATS round trips (p50)",
+        target=Target("<=", TURN_OVERHEAD_MAX_RTTS),
+        detail=f"overhead p50 {overhead_p50:.2f} ms, p99 {overhead_p99:.2f} ms "
+               f"(turn p50 {turn['p50_ms']:.2f} − stand-in {stub['p50_ms']:.2f}); "
+               f"RTT {rtt_ms:.3f} ms",
+        raw={
+            "overhead_p50_ms": overhead_p50,
+            "overhead_p99_ms": overhead_p99,
+            "overhead_p99_rtts": overhead_p99 / rtt_ms,
+            "turn": turn,
+            "stub_own_time": stub,
+            "nats_rtt_p50_ms": rtt_ms,
+            "nats_rtt_source": measured["rtt_source"],
+            "turns_per_session": bench.params.turns_per_session,
+            "stub_prompt_messages": measured["stub_prompt_messages"],
+            "services": list(bench.plain().system.processes),
+            "cpu_per_turn": measured["cpu"],
+        },
+    )
+
+
+# --------------------------------------------------------------------------- 3-4. throughput
+
+
+async def closed_loop(post: Callable[[httpx.AsyncClient, int], Awaitable[httpx.Response]],
+                      clients: Sequence[httpx.AsyncClient], queries: int) -> dict[str, Any]:
+    """Every client sends `queries` requests one after the other, all clients at once;
+    latencies of the 200s, failures, wall time and the CPU of every process."""
+    latencies: list[float] = []
+    failures: list[str] = []
+
+    async def one_user(client: httpx.AsyncClient) -> None:
+        for index in range(queries):
+            started = time.perf_counter()
+            response = await post(client, index)
+            if response.status_code == 200:
+                latencies.append(time.perf_counter() - started)
+            else:
+                failures.append(f"HTTP {response.status_code}: {response.text[:200]}")
+
+    cpu_before = cpu_seconds()
+    started = time.perf_counter()
+    await asyncio.gather(*(one_user(client) for client in clients))
+    wall = time.perf_counter() - started
+    cpu = cpu_per_unit(cpu_before, cpu_seconds(), max(1, len(latencies)), wall)
+    return {"latencies": latencies, "failures": failures, "wall_s": wall, "cpu": cpu}
+
+
+class GeneratorProbe:
+    """What the generators themselves saw during a run: each turn's own duration (from
+    `response.generation`) and how often the QUERIES consumer delivered a query again."""
+
+    def __init__(self) -> None:
+        self.turn_ms: list[float] = []
+        self.deliveries = 0
+        self.new_queries = 0
+
+    async def on_report(self, msg: Any) -> None:
+        self.turn_ms.append(float(json.loads(msg.data)["payload"]["duration_ms"]))
+
+    def summary(self) -> dict[str, Any]:
+        turn = summary_ms([ms / 1000 for ms in self.turn_ms]) if self.turn_ms else {}
+        return {"generator_turn": turn, "query_deliveries": self.deliveries,
+                "queries": self.new_queries,
+                "query_redeliveries": self.deliveries - self.new_queries}
+
+
+@contextlib.asynccontextmanager
+async def generator_probe(nats_url: str) -> AsyncIterator[GeneratorProbe]:
+    probe = GeneratorProbe()
+    nc = await nats.connect(nats_url)
+    js = nc.jetstream()
+    try:
+        before = await js.consumer_info(subjects.QUERIES_STREAM, QUERY_CONSUMER)
+        await nc.subscribe(subjects.RESPONSE_GENERATION, cb=probe.on_report)
+        await nc.flush()
+        yield probe
+        await asyncio.sleep(0.2)  # the last reports follow the last replies
+        after = await js.consumer_info(subjects.QUERIES_STREAM, QUERY_CONSUMER)
+        probe.deliveries = after.delivered.consumer_seq - before.delivered.consumer_seq
+        probe.new_queries = after.delivered.stream_seq - before.delivered.stream_seq
+    finally:
+        await nc.close()
+
+
+async def throughput(env: Env, sessions: int, queries: int) -> dict[str, Any]:
+    """`sessions` users at once, each sending `queries` queries one after the other.
+
+    Each user has a client (and keep-alive connection) of its own, like a browser:
+    one httpx pool shared by 64 busy connections costs ~9 ms of CPU per request and
+    caps this driver near 80 requests/s on two cores, far below what is measured."""
+    await configure_stub(env.stub_url, model_latency={MODEL: ANSWER_LATENCY_S * 1000})
+    try:
+        async with contextlib.AsyncExitStack() as stack:
+            clients = [await stack.enter_async_context(http_client(env, 1))
+                       for _ in range(sessions)]
+            sids = await asyncio.gather(*(new_session(c) for c in clients))
+            by_client = dict(zip((id(c) for c in clients), sids, strict=True))
+            # One untimed query each, so every connection and session is warm.
+            await asyncio.gather(*(ask_ok(c, by_client[id(c)], "warm-up") for c in clients))
+            async with generator_probe(env.nats_url) as probe:
+                measured = await closed_loop(
+                    lambda c, i: ask(c, by_client[id(c)], f"question {i}"), clients, queries)
+            measured["probe"] = probe.summary()
+            # The same load straight at the stand-in: what this driver and the
+            # stand-in reach on this machine with nothing in between.
+            direct = [await stack.enter_async_context(
+                httpx.AsyncClient(base_url=env.stub_url, timeout=120.0))
+                for _ in range(sessions)]
+            body = {"model": MODEL, "stream": False, "options": {"num_ctx": NUM_CTX},
+                    "messages": [{"role": "user", "content": "question"}]}
+            await asyncio.gather(*(c.post("/api/chat", json=body) for c in direct))
+            ceiling = await closed_loop(lambda c, i: c.post("/api/chat", json=body),
+                                        direct, queries)
+    finally:
+        await configure_stub(env.stub_url, model_latency={})
+    measured["direct"] = ceiling
+    return measured
+
+
+def throughput_row(name: str, bench: Bench, generators: int) -> Row:
+    env = bench.plain()
+    params = bench.params
+    logs = [p for n, p in env.system.processes.items() if n.startswith(("generator", "gen-"))]
+    before = [started_generations(p.log()) for p in logs]
+    measured = asyncio.run(throughput(env, params.throughput_sessions, params.throughput_queries))
+    per_generator = [started_generations(p.log()) - b for p, b in zip(logs, before, strict=True)]
+    answers = len(measured["latencies"])
+    rate = answers / measured["wall_s"]
+    ideal = params.throughput_sessions / ANSWER_LATENCY_S
+    share = rate / ideal
+    latency = summary_ms(measured["latencies"]) if measured["latencies"] else {}
+    direct = measured["direct"]
+    direct_rate = max(1, len(direct["latencies"])) / direct["wall_s"]
+    return Row(
+        name=name, value=share, unit="× ideal", target=Target(">=", THROUGHPUT_MIN_SHARE),
+        detail=f"{rate:.0f} answers/s of ideal {ideal:.0f} "
+               f"({params.throughput_sessions} sessions × {params.throughput_queries}, "
+               f"{ANSWER_LATENCY_S * 1000:.0f} ms/answer, {generators} generator(s)); "
+               f"latency p50 {latency.get('p50_ms', math.nan):.0f} ms, "
+               f"p99 {latency.get('p99_ms', math.nan):.0f} ms; "
+               f"{measured['cpu']['cpu_ms_per_unit']:.1f} ms CPU/answer, "
+               f"{measured['cpu']['cores_busy']:.2f} of {os.cpu_count()} cores busy; "
+               f"stand-in alone: {direct_rate:.0f}/s",
+        raw={
+            "answers": answers,
+            "failures": len(measured["failures"]),
+            "failure_examples": measured["failures"][:3],
+            "wall_s": measured["wall_s"],
+            "answers_per_s": rate,
+            "ideal_answers_per_s": ideal,
+            "sessions": params.throughput_sessions,
+            "queries_per_session": params.throughput_queries,
+            "answer_latency_ms": ANSWER_LATENCY_S * 1000,
+            "generators": generators,
+            "turns_started_per_generator_with_warmup": per_generator,
+            "latency": latency,
+            "cpu_per_answer": measured["cpu"],
+            "stand_in_alone": {
+                "answers_per_s": direct_rate,
+                "share_of_ideal": direct_rate / ideal,
+                "failures": len(direct["failures"]),
+                "latency": summary_ms(direct["latencies"]) if direct["latencies"] else {},
+                "cpu_per_answer": direct["cpu"],
+            },
+            "share_of_stand_in_alone": rate / direct_rate,
+            **measured["probe"],
+        },
+    )
+
+
+def row_throughput_1(bench: Bench) -> Row:
+    return throughput_row("throughput_1_generator", bench, 1)
+
+
+def row_throughput_2(bench: Bench) -> Row:
+    system = bench.plain().system
+    second = system.add("gen-b", "services.generator", {"GENERATOR_ID": "gen-b"})
+    try:
+        second.start()
+        return throughput_row("throughput_2_generators", bench, 2)
+    finally:
+        second.stop()
+        del system.processes["gen-b"]
+        second.log_path.unlink(missing_ok=True)
+
+
+# --------------------------------------------------------------------------- 5. compaction
+
+
+@dataclass
+class CompactionRun:
+    baseline: list[float]
+    during: list[tuple[float, float, int, str]]  # start, seconds, status, error code
+    after: list[tuple[float, float, int, str]]
+    compact_posted: float
+    started_at: float | None
+    result_at: float | None
+    result: dict[str, Any] | None
+    # A twin session that is never compacted, queried right after each measured query:
+    # what the same moments cost without a compaction (other load on the machine
+    # shows in both).
+    twin_baseline: list[float]
+    twin_during: list[float]
+
+
+class CompactionWatch:
+    """compaction.event / compaction.result of one session, with arrival times."""
+
+    def __init__(self, sid: str) -> None:
+        self.sid = sid
+        self.started_at: float | None = None
+        self.result_at: float | None = None
+        self.result: dict[str, Any] | None = None
+        self._changed = asyncio.Event()
+
+    async def on_message(self, msg: Any) -> None:
+        envelope = json.loads(msg.data)
+        payload = envelope.get("payload", {})
+        if payload.get("session_id") != self.sid:
+            return
+        if msg.subject == subjects.COMPACTION_EVENT and payload.get("event") == "started":
+            self.started_at = self.started_at or time.perf_counter()
+        elif msg.subject == subjects.COMPACTION_RESULT and self.result is None:
+            self.result_at = time.perf_counter()
+            self.result = payload
+        self._changed.set()
+
+    async def wait(self, done: Callable[[], bool], timeout_s: float) -> None:
+        async with asyncio.timeout(timeout_s):
+            while not done():
+                self._changed.clear()
+                await self._changed.wait()
+
+
+def query_outcome(response: httpx.Response) -> tuple[int, str]:
+    if response.status_code == 200:
+        return 200, ""
+    try:
+        code = str(response.json()["error"]["code"])
+    except (ValueError, KeyError, TypeError):
+        code = "?"
+    return response.status_code, code
+
+
+async def compaction_round(nc: Any, http: httpx.AsyncClient, params: Params
+                           ) -> CompactionRun:
+    """A session with some history; N queries without compaction; a compaction whose
+    summary takes 5 s and, as soon as it has started, N more queries; then a query
+    every 100 ms until the compaction's result arrives."""
+    sid = await new_session(http, "You are a benchmark assistant.")
+    twin = await new_session(http, "You are a benchmark assistant.")
+    watch = CompactionWatch(sid)
+    subs = [await nc.subscribe(subjects.COMPACTION_EVENT, cb=watch.on_message),
+            await nc.subscribe(subjects.COMPACTION_RESULT, cb=watch.on_message)]
+    await nc.flush()
+
+    async def twin_query(content: str) -> float:
+        _, seconds, response = await timed_ask(http, twin, content)
+        if response.status_code != 200:
+            raise RuntimeError(f"twin session query: HTTP {response.status_code}")
+        return seconds
+
+    try:
+        for index in range(params.compaction_history_turns):
+            for session in (sid, twin):
+                await ask_ok(http, session, f"history turn {index}: "
+                             + filler_text(200, index))
+        baseline, twin_baseline = [], []
+        for index in range(params.compaction_queries):
+            _, seconds, response = await timed_ask(http, sid, f"baseline {index}")
+            if response.status_code != 200:
+                raise RuntimeError(f"baseline query: HTTP {response.status_code}")
+            baseline.append(seconds)
+            twin_baseline.append(await twin_query(f"baseline {index}"))
+        posted = time.perf_counter()
+        response = await http.post(f"/api/sessions/{sid}/compact")
+        if response.status_code != 202:
+            raise RuntimeError(f"compact: HTTP {response.status_code} {response.text}")
+        await watch.wait(lambda: watch.started_at is not None or watch.result is not None,
+                         15.0)
+        during, twin_during = [], []
+        for index in range(params.compaction_queries):
+            start, seconds, response = await timed_ask(http, sid, f"during {index}")
+            during.append((start, seconds, *query_outcome(response)))
+            twin_during.append(await twin_query(f"during {index}"))
+        after = []
+        while watch.result is None and time.perf_counter() - posted < 60:
+            start, seconds, response = await timed_ask(http, sid, "until done")
+            after.append((start, seconds, *query_outcome(response)))
+            await asyncio.sleep(0.1)
+        await watch.wait(lambda: watch.result is not None, 60.0)
+    finally:
+        for sub in subs:
+            await sub.unsubscribe()
+    return CompactionRun(baseline, during, after, posted, watch.started_at, watch.result_at,
+                         watch.result, twin_baseline, twin_during)
+
+
+async def compaction_rounds(env: Env, params: Params, rounds: int) -> list[CompactionRun]:
+    nc = await nats.connect(env.nats_url)
+    try:
+        async with http_client(env, 4) as http:
+            return [await compaction_round(nc, http, params) for _ in range(rounds)]
+    finally:
+        await nc.close()
+
+
+def compaction_env(params: Params, mode: str) -> dict[str, str]:
+    return {
+        "COMPACTION_MODEL": SUMMARISER,
+        "COMPACTION_TAIL_TURNS": str(params.compaction_tail_turns),
+        "COMPACTION_MODE": mode,
+        "BLOCKING_QUERY_WAIT_S": "10",
+        "SUMMARY_TIMEOUT_S": "60",
+    }
+
+
+def measure_compaction(params: Params, mode: str, rounds: int) -> list[CompactionRun]:
+    flags = ("--model-latency", f"{SUMMARISER}={SUMMARY_LATENCY_S * 1000:.0f}")
+    with running_env(flags, compaction_env(params, mode)) as env:
+        return asyncio.run(compaction_rounds(env, params, rounds))
+
+
+def describe_run(run: CompactionRun) -> dict[str, Any]:
+    if run.result is None or run.result_at is None:
+        return {"result_status": None}
+    first_start = run.during[0][0]
+    overlapping = sum(1 for start, seconds, _, _ in run.during
+                      if start + seconds <= run.result_at)
+    return {
+        "result_status": run.result.get("status"),
+        "result_error": run.result.get("error"),
+        "tokens_before": run.result.get("tokens_before"),
+        "tokens_after": run.result.get("tokens_after"),
+        "compaction_started_after_post_s": None if run.started_at is None
+        else run.started_at - run.compact_posted,
+        "compaction_result_after_post_s": run.result_at - run.compact_posted,
+        "result_after_first_measured_query_s": run.result_at - first_start,
+        "measured_queries_finished_before_result": overlapping,
+        "baseline": summary_ms(run.baseline),
+        "during_compaction": summary_ms([s for _, s, _, _ in run.during]),
+        "during_ms": [round(s * 1000, 2) for _, s, _, _ in run.during],
+        "twin_baseline": summary_ms(run.twin_baseline),
+        "twin_during_compaction": summary_ms(run.twin_during),
+        "queries_until_done": len(run.after),
+        "queries_until_done_latency": summary_ms([s for _, s, _, _ in run.after])
+        if run.after else {},
+    }
+
+
+def check_background(run: CompactionRun, info: dict[str, Any]) -> None:
+    """The measured queries really ran during a compaction that completed."""
+    if info["result_status"] != "completed":
+        raise RuntimeError(f"background compaction did not complete: {run.result}")
+    if info["result_after_first_measured_query_s"] <= 0:
+        raise RuntimeError("the compaction finished before the measured queries started")
+    failed = [(status, code) for _, _, status, code in run.during if status != 200]
+    if failed:
+        raise RuntimeError(f"queries failed during the background compaction: {failed}")
+
+
+def row_compaction(bench: Bench) -> Row:
+    params = bench.params
+    runs = measure_compaction(params, "background", params.compaction_rounds)
+    rounds = [describe_run(run) for run in runs]
+    for run, info in zip(runs, rounds, strict=True):
+        check_background(run, info)
+    base = summary_ms([s for run in runs for s in run.baseline])
+    during = summary_ms([s for run in runs for _, s, _, _ in run.during])
+    p50_ratio = during["p50_ms"] / base["p50_ms"]
+    p99_ratio = during["p99_ms"] / base["p99_ms"]
+    overlapped = sum(info["measured_queries_finished_before_result"] for info in rounds)
+    twin_base = summary_ms([s for run in runs for s in run.twin_baseline])
+    twin_during = summary_ms([s for run in runs for s in run.twin_during])
+    twin_p50_ratio = twin_during["p50_ms"] / twin_base["p50_ms"]
+    twin_p99_ratio = twin_during["p99_ms"] / twin_base["p99_ms"]
+
+    (blocking,) = measure_compaction(params, "blocking", 1)
+    blocked = [*blocking.during, *blocking.after]
+    rejected = sum(1 for _, _, status, _ in blocked if status != 200)
+    delayed = sum(1 for _, seconds, status, _ in blocked if status == 200 and seconds > DELAYED_S)
+    blocking_max_s = max(seconds for _, seconds, _, _ in blocked)
+    return Row(
+        name="compaction_latency", value=max(p50_ratio, p99_ratio),
+        unit="× no compaction (worse of p50, p99)", target=Target("<=", COMPACTION_MAX_RATIO),
+        detail=f"background: p50 {during['p50_ms']:.1f} vs {base['p50_ms']:.1f} ms "
+               f"(×{p50_ratio:.2f}), p99 {during['p99_ms']:.1f} vs {base['p99_ms']:.1f} ms "
+               f"(×{p99_ratio:.2f}), {overlapped}/{during['n']} done before the "
+               f"{SUMMARY_LATENCY_S:g} s summaries ended ({len(runs)} compaction(s)); "
+               f"twin session without compaction, same moments: p50 ×{twin_p50_ratio:.2f}, "
+               f"p99 ×{twin_p99_ratio:.2f}; "
+               f"blocking: {rejected} rejected, {delayed} delayed > {DELAYED_S:g} s "
+               f"of {len(blocked)}, max {blocking_max_s:.2f} s",
+        raw={
+            "p50_ratio": p50_ratio,
+            "p99_ratio": p99_ratio,
+            "baseline": base,
+            "during_compaction": during,
+            "background_rounds": rounds,
+            "twin": {
+                "p50_ratio": twin_p50_ratio,
+                "p99_ratio": twin_p99_ratio,
+                "baseline": twin_base,
+                "during_compaction": twin_during,
+                "compacting_vs_twin_p50_ratio": during["p50_ms"] / twin_during["p50_ms"],
+                "compacting_vs_twin_p99_ratio": during["p99_ms"] / twin_during["p99_ms"],
+            },
+            "summary_latency_s": SUMMARY_LATENCY_S,
+            "history_turns": params.compaction_history_turns,
+            "queries_per_phase": params.compaction_queries,
+            "tail_turns": params.compaction_tail_turns,
+            "blocking": {
+                "query_wait_s": 10,
+                "queries": len(blocked),
+                "rejected": rejected,
+                "rejected_codes": sorted({code for _, _, status, code in blocked
+                                          if status != 200}),
+                "delayed": delayed,
+                "delayed_threshold_s": DELAYED_S,
+                "max_latency_s": blocking_max_s,
+                **describe_run(blocking),
+            },
+        },
+    )
+
+
+# --------------------------------------------------------------------------- 6. splice_128k
+
+
+def big_history(messages: int, target_chars: int) -> Conversation:
+    """`messages` messages of about `target_chars` characters as sent: turns of user +
+    assistant, every other one with a tool call and its result in between."""
+
+    def build(scale: float) -> list[ChatMessage]:
+        out: list[ChatMessage] = []
+        turn = 0
+        while len(out) < messages:
+            out.append(ChatMessage(role="user", content=f"request {turn}: "
+                                   + filler_text(round(450 * scale), turn)))
+            if turn % 2 == 0 and len(out) + 3 <= messages:
+                call = ToolCall(name="read_file", arguments={"path": f"src/module_{turn}.py"})
+                out.append(ChatMessage(role="assistant", content="Let me look at the file.",
+                                       tool_calls=(call,)))
+                out.append(ChatMessage(role="tool", tool_name="read_file",
+                                       content=filler_text(round(2800 * scale), turn + 1)))
+            if len(out) < messages:
+                out.append(ChatMessage(role="assistant", content=f"answer {turn}: "
+                                       + filler_text(round(1950 * scale), turn + 2)))
+            turn += 1
+        return out
+
+    first = build(1.0)
+    scaled = build(target_chars / history_chars(first))
+    return Conversation(messages=tuple(scaled))
+
+
+def as_read_back(conversation: Conversation, extra_turns: int) -> Conversation:
+    """The history as the splice finds it: read back from the store (equal, not the same
+    objects) with the turns answered while the summary was being written."""
+    copy = Conversation.model_validate_json(conversation.model_dump_json())
+    for index in range(extra_turns):
+        copy = copy.apply(HistoryEntry.of_turn((
+            ChatMessage(role="user", content=f"meanwhile {index}"),
+            ChatMessage(role="assistant", content=f"Echo: meanwhile {index}"))))
+    return copy
+
+
+def splice_once(snapshot: Conversation, current: Conversation, system: str, summary: str,
+                tail_turns: int) -> tuple[float, float, int, int]:
+    """(splice seconds, serialise seconds, rollup JSON bytes, chars sent after)."""
+    started = time.perf_counter()
+    plan = plan_compaction(snapshot, tail_turns)
+    if plan is None:
+        raise RuntimeError("nothing to compact in the benchmark history")
+    rollup = splice(current, plan, summary)
+    after = Conversation(summary=rollup.summary, messages=rollup.messages,
+                         compactions=rollup.compactions)
+    chars = sent_chars(render_messages(system, after))
+    spliced = time.perf_counter()
+    data = HistoryEntry.of_snapshot(rollup).model_dump_json().encode()
+    serialised = time.perf_counter()
+    return spliced - started, serialised - spliced, len(data), chars
+
+
+def row_splice(bench: Bench) -> Row:
+    params = bench.params
+    conversation = big_history(params.splice_messages, params.splice_chars)
+    system = "You are a careful coding assistant. " * 10
+    summary = "Goal: refactor the parser.\n" + filler_text(3900, 3)
+    tail = 4  # the generator's default COMPACTION_TAIL_TURNS
+    splice_s: list[float] = []
+    serialise_s: list[float] = []
+    rollup_bytes = chars_after = 0
+    current = as_read_back(conversation, MEANWHILE_TURNS)
+    for _ in range(params.splice_reps):
+        one, two, rollup_bytes, chars_after = splice_once(conversation, current, system,
+                                                          summary, tail)
+        splice_s.append(one)
+        serialise_s.append(two)
+    # For contrast: the pure work on the whole 128k history that a compaction
+    # also does (its token estimate before), and a rollup that kept everything.
+    render_full_s: list[float] = []
+    for _ in range(params.splice_reps):
+        started = time.perf_counter()
+        sent_chars(render_messages(system, conversation))
+        render_full_s.append(time.perf_counter() - started)
+    started = time.perf_counter()
+    whole = HistoryEntry.of_turn(conversation.messages).model_dump_json().encode()
+    whole_s = time.perf_counter() - started
+    chars_before = sent_chars(render_messages(system, conversation))
+    splice_stats = summary_ms(splice_s)
+    serialise_stats = summary_ms(serialise_s)
+    return Row(
+        name="splice_128k", value=splice_stats["p50_ms"], unit="ms (p50)", target=None,
+        detail=f"plan+splice+render {splice_stats['p50_ms']:.2f} ms p50 "
+               f"({len(conversation.messages)} msgs, {chars_before:,} chars ≈ "
+               f"{chars_before // 4:,} tokens); rollup JSON {serialise_stats['p50_ms']:.3f} ms, "
+               f"{rollup_bytes:,} B",
+        raw={
+            "splice": splice_stats,
+            "serialise_rollup": serialise_stats,
+            "rollup_json_bytes": rollup_bytes,
+            "render_full_history": summary_ms(render_full_s),
+            "whole_history_json_bytes": len(whole),
+            "whole_history_serialise_ms": whole_s * 1000,
+            "messages": len(conversation.messages),
+            "tool_results": sum(1 for m in conversation.messages if m.role == "tool"),
+            "history_chars_sent": chars_before,
+            "approx_tokens_at_4_cpt": chars_before // 4,
+            "chars_sent_after": chars_after,
+            "tail_turns": tail,
+            "turns_appended_during_summary": MEANWHILE_TURNS,
+            "summary_chars": len(summary),
+            "repetitions": params.splice_reps,
+        },
+    )
+
+
+# --------------------------------------------------------------------------- 7. estimate_error
+
+ESTIMATE_SYSTEM = "You are a patient gardening assistant. Answer briefly and concretely."
+ESTIMATE_SCRIPT = (
+    "Hello! Can you help me plan a small vegetable garden?",
+    "I have about 20 square metres, partly shaded in the afternoon, clay soil. " * 4,
+    "!long 1200 Tell me everything about growing tomatoes there.",
+    "ok",
+    "Here are my notes from last year: " + filler_text(1500, 11),
+    "!long 400 And peppers?",
+)
+
+
+@dataclass(frozen=True)
+class EstimatePoint:
+    turn: int
+    estimate: int
+    actual: int
+
+    @property
+    def error_pct(self) -> float:
+        return (self.estimate - self.actual) / self.actual * 100
+
+
+def fit_check_estimate(system: str, conversation: Conversation, content: str,
+                       calibration: Calibration) -> tuple[int, int]:
+    """(tokens, chars) of the next prompt as the generator's fit check estimates it."""
+    prompt = render_messages(system, conversation, [ChatMessage(role="user", content=content)])
+    chars = sent_chars(prompt)
+    return estimate_tokens(chars, calibration), chars
+
+
+def estimate_points_offline(cpt: float, script: Sequence[str]) -> list[EstimatePoint]:
+    """The generator's estimate/calibrate loop emulated in-process, with the stand-in's
+    tokenizer and reply rules as the provider."""
+    conversation = Conversation()
+    calibration = Calibration()
+    points: list[EstimatePoint] = []
+    previous: list[dict[str, Any]] = []
+    for turn, content in enumerate(script, 1):
+        user = ChatMessage(role="user", content=content)
+        prompt = render_messages(ESTIMATE_SYSTEM, conversation, [user])
+        estimate = estimate_tokens(sent_chars(prompt), calibration)
+        actual = count_prompt_tokens(prompt, None, cpt)
+        if calibration.reports:
+            points.append(EstimatePoint(turn, estimate, actual))
+        # As the generator does: a count that may cover only what a prompt cache
+        # did not hold teaches nothing.
+        calibration = calibrate(calibration, actual, sent_chars(prompt), NUM_CTX,
+                                reused_chars=reusable_chars(previous, prompt))
+        answer = ChatMessage(role="assistant", content=echo_reply(prompt))
+        conversation = conversation.apply(HistoryEntry.of_turn((user, answer)))
+        previous = prompt
+    return points
+
+
+class ReportWatch:
+    """response.generation reports, per session, in order."""
+
+    def __init__(self) -> None:
+        self._queues: dict[str, asyncio.Queue[GenerationReport]] = {}
+
+    def queue(self, sid: str) -> asyncio.Queue[GenerationReport]:
+        return self._queues.setdefault(sid, asyncio.Queue())
+
+    async def on_message(self, msg: Any) -> None:
+        report = Envelope[GenerationReport].model_validate_json(msg.data).payload
+        self.queue(report.session_id).put_nowait(report)
+
+
+async def estimate_points_live(env: Env, http: httpx.AsyncClient, watch: ReportWatch,
+                               cpt: float, script: Sequence[str]
+                               ) -> tuple[list[EstimatePoint], dict[str, Any]]:
+    """A session through the real system at `cpt` characters per token. Before each turn
+    after the first: the generator's fit-check estimate of that turn's exact prompt, from
+    the previous turn's provider report (pure functions); after it, the provider's count."""
+    await configure_stub(env.stub_url, chars_per_token=cpt)
+    sid = await new_session(http, ESTIMATE_SYSTEM)
+    reports = watch.queue(sid)
+    calibration = Calibration()
+    pending: tuple[int, int] | None = None  # estimate, chars of the next prompt
+    points: list[EstimatePoint] = []
+    chars_mismatches = 0
+    gateway_deltas: list[int] = []
+    for turn, content in enumerate(script, 1):
+        reply = await ask_ok(http, sid, content)
+        report = await asyncio.wait_for(reports.get(), 15.0)
+        actual = int(reply["prompt_tokens"])
+        if report.prompt_tokens != actual:
+            raise RuntimeError(f"report {report.prompt_tokens} != reply {actual} tokens")
+        if pending is not None:
+            points.append(EstimatePoint(turn, pending[0], actual))
+            chars_mismatches += int(pending[1] != report.sent_chars)
+        calibration = calibrate(calibration, report.prompt_tokens, report.sent_chars,
+                                report.num_ctx, reused_chars=report.reused_chars)
+        # The report comes after the generator stored its calibration: the gateway's
+        # token_count is current now.
+        session = (await http.get(f"/api/sessions/{sid}")).json()
+        conversation = Conversation(
+            summary=session["summary"], compactions=session["compactions"],
+            messages=tuple(ChatMessage.model_validate(m) for m in session["messages"]))
+        if report.next_prompt_chars is not None:
+            own = estimate_tokens(report.next_prompt_chars, calibration)
+            gateway_deltas.append(int(session["token_count"]) - own)
+        pending = None
+        if turn < len(script):
+            pending = fit_check_estimate(ESTIMATE_SYSTEM, conversation, script[turn],
+                                         calibration)
+    return points, {"sent_chars_mismatches": chars_mismatches,
+                    "gateway_token_count_minus_pure": gateway_deltas}
+
+
+async def estimate_live(env: Env, script: Sequence[str]) -> dict[float, Any]:
+    watch = ReportWatch()
+    nc = await nats.connect(env.nats_url)
+    results: dict[float, Any] = {}
+    try:
+        await nc.subscribe(subjects.RESPONSE_GENERATION, cb=watch.on_message)
+        await nc.flush()
+        async with http_client(env, 4) as http:
+            for cpt in CHARS_PER_TOKEN:
+                results[cpt] = await estimate_points_live(env, http, watch, cpt, script)
+    finally:
+        await configure_stub(env.stub_url, chars_per_token=4.0)
+        await nc.close()
+    return results
+
+
+def row_estimate(bench: Bench) -> Row:
+    script = ESTIMATE_SCRIPT[: bench.params.estimate_turns]
+    offline = {cpt: estimate_points_offline(cpt, script) for cpt in CHARS_PER_TOKEN}
+    if bench.in_process:
+        mode = "in-process (stand-in tokenizer, no services)"
+        points = offline
+        checks: dict[str, Any] = {}
+    else:
+        mode = "live (gateway, generator, stand-in)"
+        live = asyncio.run(estimate_live(bench.plain(), script))
+        points = {cpt: live[cpt][0] for cpt in CHARS_PER_TOKEN}
+        checks = {str(cpt): live[cpt][1] for cpt in CHARS_PER_TOKEN}
+    # The error of largest size per chars/token, with its sign (+ over-estimates).
+    signed = {cpt: max((p.error_pct for p in pts), key=abs) for cpt, pts in points.items()}
+    per_cpt = {cpt: abs(err) for cpt, err in signed.items()}
+    worst = max(per_cpt.values())
+    return Row(
+        name="estimate_error", value=worst, unit="% max |error|",
+        target=Target("<=", ESTIMATE_MAX_ERROR_PCT),
+        detail="worst per chars/token: " + ", ".join(f"{cpt:g}: {err:+.1f}%"
+                                                     for cpt, err in signed.items())
+               + f" ({len(script) - 1} estimates each, {mode.split(' ')[0]})",
+        raw={
+            "mode": mode,
+            "max_abs_error_pct_by_cpt": {str(c): e for c, e in per_cpt.items()},
+            "worst_signed_error_pct_by_cpt": {str(c): e for c, e in signed.items()},
+            "max_underestimate_pct": -min(min(p.error_pct for p in pts) for pts in points.values()),
+            "max_overestimate_pct": max(max(p.error_pct for p in pts) for pts in points.values()),
+            "points_by_cpt": {str(c): [{"turn": p.turn, "estimate": p.estimate,
+                                        "actual": p.actual, "error_pct": p.error_pct}
+                                       for p in pts] for c, pts in points.items()},
+            "offline_max_abs_error_pct_by_cpt": {
+                str(c): max(abs(p.error_pct) for p in pts) for c, pts in offline.items()},
+            "checks_by_cpt": checks,
+            "turns": len(script),
+        },
+    )
+
+
+# --------------------------------------------------------------------------- driver
+
+
+RowFunction = Callable[["Bench"], Row]
+ROW_FUNCTIONS: dict[str, RowFunction] = {
+    "nats_rtt": row_nats_rtt,
+    "turn_overhead": row_turn_overhead,
+    "throughput_1_generator": row_throughput_1,
+    "throughput_2_generators": row_throughput_2,
+    "compaction_latency": row_compaction,
+    "splice_128k": row_splice,
+    "estimate_error": row_estimate,
+}
+
+
+class Bench:
+    def __init__(self, params: Params, in_process: bool) -> None:
+        self.params = params
+        self.in_process = in_process
+        self.rtt_p50_s: float | None = None
+        self._plain: Env | None = None
+        self._plain_stack = contextlib.ExitStack()
+
+    def plain(self) -> Env:
+        """The system with default settings, started on first use."""
+        if self._plain is None:
+            self._plain = self._plain_stack.enter_context(running_env())
+        return self._plain
+
+    def close_plain(self) -> None:
+        self._plain = None
+        self._plain_stack.close()
+
+    def run(self, name: str) -> Row:
+        if self.in_process and name in NEEDS_PROCESSES:
+            return Row(name=name, value=None, unit="", target=None, detail="skipped",
+                       skipped="needs processes (--in-process)")
+        if name == "compaction_latency":
+            self.close_plain()  # it starts systems of its own
+        started = time.perf_counter()
+        load = os.getloadavg()[0]
+        # The driver's own garbage collector must not land in a timed query: a full
+        # collection here took 260 ms once the earlier rows had left their cycles
+        # behind. Collect before the row, none during it (like timeit).
+        gc.collect()
+        gc.disable()
+        try:
+            row = ROW_FUNCTIONS[name](self)
+        except Exception as err:
+            print(f"{name}: {type(err).__name__}: {err}", file=sys.stderr)
+            return Row(name=name, value=None, unit="", target=None, detail="error",
+                       error=f"{type(err).__name__}: {err}")
+        finally:
+            gc.enable()
+        row.raw["row_seconds"] = time.perf_counter() - started
+        # Other work on the machine shows here: a busy machine makes every figure noisier.
+        row.raw["load_average_1m_before"] = load
+        return row
+
+
+def nats_server_version() -> str | None:
+    try:
+        out = subprocess.run([nats_server_binary(), "--version"], capture_output=True,
+                             text=True, timeout=10, check=False)
+    except (OSError, RuntimeError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def machine_info() -> dict[str, Any]:
+    return {
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "implementation": platform.python_implementation(),
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "processor": platform.processor() or None,
+        "nats_server": nats_server_version(),
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+    }
+
+
+def finite(value: Any) -> Any:
+    """The same structure with NaN and infinities as null, which JSON has no words for."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite(v) for v in value]
+    return value
+
+
+def table(rows: Sequence[Row]) -> str:
+    header = ("row", "value", "unit", "target", "ok", "detail")
+    lines = []
+    for row in rows:
+        if row.error is not None:
+            ok, value = "ERROR", "—"
+        elif row.skipped is not None:
+            ok, value = "skipped", "—"
+        else:
+            ok = {True: "✓", False: "✗", None: "—"}[row.meets_target]
+            value = "—" if row.value is None else format_number(row.value)
+        detail = row.error or row.skipped or row.detail
+        lines.append((row.name, value, row.unit, row.target.text() if row.target else "—",
+                      ok, detail))
+    widths = [max(len(str(line[i])) for line in (header, *lines)) for i in range(5)]
+
+    def fmt(cells: Sequence[str]) -> str:
+        first = "  ".join(str(c).ljust(w) for c, w in zip(cells[:5], widths, strict=True))
+        return f"{first}  {cells[5]}"
+
+    rule = "-" * (sum(widths) + 2 * 5 + 20)
+    return "\n".join([fmt(header), rule, *(fmt(line) for line in lines)])
+
+
+def parse_rows(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in ROWS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown row(s) {unknown or text!r}; known: {', '.join(ROWS)}")
+    return names
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions (< 60 s)")
+    parser.add_argument("--json", default=JSON_DEFAULT, metavar="PATH",
+                        help=f"where to write the results (default {JSON_DEFAULT})")
+    parser.add_argument("--rows", type=parse_rows, default=list(ROWS),
+                        metavar="A,B", help="only these rows: " + ", ".join(ROWS))
+    parser.add_argument("--in-process", action="store_true",
+                        help="start no process: skip the rows that need NATS or the "
+                             "services; estimate_error is emulated in-process")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    wanted = set(args.rows)
+    params = params_for(args.quick)
+    bench = Bench(params, args.in_process)
+    started = time.perf_counter()
+    timestamp = datetime.now(UTC).isoformat(timespec="seconds")
+    results: dict[str, Row] = {}
+    try:
+        for name in RUN_ORDER:
+            if name in wanted:
+                print(f"running {name} ...", file=sys.stderr, flush=True)
+                results[name] = bench.run(name)
+    finally:
+        bench.close_plain()
+    rows = [results[name] for name in ROWS if name in results]
+    duration = time.perf_counter() - started
+    document = {
+        "timestamp": timestamp,
+        "duration_s": duration,
+        "quick": args.quick,
+        "in_process": args.in_process,
+        "machine": machine_info(),
+        "rows": [row.as_json() for row in rows],
+    }
+    Path(args.json).write_text(json.dumps(finite(document), indent=2, allow_nan=False) + "\n")
+    print(table(rows))
+    print(f"\n{len(rows)} row(s) in {duration:.1f} s on {os.cpu_count()} cores, "
+          f"Python {platform.python_version()}; JSON written to {args.json}")
+    return 1 if any(row.error is not None for row in rows) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,52 @@
+"""Smoke test of scripts/bench.py: the rows that need no process run in-process and
+land in the JSON as numbers. Nothing here asserts a timing: speed is measured by
+the benchmark itself, not by tests."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from scripts.bench import main
+
+
+def test_pure_rows_write_numeric_results(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    code = main(["--quick", "--in-process", "--rows", "splice_128k,estimate_error",
+                 "--json", str(out)])
+    assert code == 0
+    document = json.loads(out.read_text())
+    assert document["quick"] is True
+    assert document["machine"]["cpu_count"] >= 1
+    assert document["machine"]["python"]
+    assert document["timestamp"]
+
+    rows = {row["name"]: row for row in document["rows"]}
+    assert set(rows) == {"splice_128k", "estimate_error"}
+    for row in rows.values():
+        assert row["error"] is None and row["skipped"] is None
+        assert isinstance(row["value"], int | float) and math.isfinite(row["value"])
+        assert row["unit"]
+        assert row["meets_target"] in (True, False, None)
+
+    splice = rows["splice_128k"]["raw"]
+    assert splice["messages"] == 400
+    assert splice["history_chars_sent"] > 400_000
+    assert splice["rollup_json_bytes"] > 0
+    assert splice["splice"]["n"] > 0
+
+    estimate = rows["estimate_error"]
+    assert estimate["target"] == {"op": "<=", "value": 5.0}
+    assert estimate["raw"]["mode"].startswith("in-process")
+    by_cpt = estimate["raw"]["max_abs_error_pct_by_cpt"]
+    assert set(by_cpt) == {"2.5", "3.0", "4.0", "5.0", "6.0", "8.0"}
+    assert all(isinstance(v, int | float) and math.isfinite(v) for v in by_cpt.values())
+
+
+def test_rows_that_need_processes_are_skipped_in_process(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    assert main(["--quick", "--in-process", "--rows", "nats_rtt", "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["name"] == "nats_rtt"
+    assert row["value"] is None and row["skipped"]
