@@ -31,9 +31,9 @@ def main() -> int:
     children: list[subprocess.Popen[bytes]] = []
     try:
         if not env.get("NATS_URL"):
-            port = int(env.get("NATS_PORT", "4222"))
-            children.append(start_nats(port))
-            env["NATS_URL"] = f"nats://127.0.0.1:{port}"
+            nats_port = int(env.get("NATS_PORT", "4222"))
+            children.append(start_nats(nats_port))
+            env["NATS_URL"] = f"nats://127.0.0.1:{nats_port}"
         env["OLLAMA_HOST"] = env.get("OLLAMA_HOST", "http://127.0.0.1:11434")
         if not answers(env["OLLAMA_HOST"]):
             children.append(start_stub(env["OLLAMA_HOST"]))

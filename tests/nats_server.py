@@ -101,7 +101,7 @@ def docker_nats() -> Iterator[str]:
 
 def docker_engine_answers() -> bool:
     try:
-        import docker
+        import docker  # type: ignore[import-untyped]
 
         docker.from_env(timeout=3).ping()
         return True
