@@ -7,6 +7,7 @@ queues and durable consumers start empty."""
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 from collections.abc import AsyncIterator, Iterator
 
@@ -222,3 +223,33 @@ async def test_a_retried_publish_of_a_query_is_stored_and_answered_once(
     await nc.drain()
     assert await history(http, sid) == [("user", "only once"),
                                         ("assistant", "Echo: only once (turn 1)")]
+
+
+async def test_a_streamed_answer_cut_by_a_killed_generator_restarts_cleanly(
+    system: System, stub: str, http: httpx.AsyncClient, private_nats: NatsServer
+) -> None:
+    configure(stub, ms_per_token=15)
+    system.start()
+    add_generator(system, "gen-a")
+    sid = await create(http)
+    events: list[tuple[str, dict[str, object]]] = []
+    killed = False
+    async with http.stream("POST", f"/api/sessions/{sid}/messages",
+                           json={"content": "!long 600 stream it"},
+                           headers={"Accept": "text/event-stream"}) as response:
+        name = ""
+        async for line in response.aiter_lines():
+            if line.startswith("event: "):
+                name = line[7:]
+            elif line.startswith("data: "):
+                events.append((name, json.loads(line[6:])))
+                if name == "token" and len(events) == 5 and not killed:
+                    system["gen-a"].kill()
+                    killed = True
+                    add_generator(system, "gen-b")
+    names = [n for n, _ in events]
+    assert names.count("restart") == 1 and names[-1] == "done"
+    after_restart = events[names.index("restart") + 1:-1]
+    streamed = "".join(str(d["text"]) for _, d in after_restart)
+    assert streamed == events[-1][1]["reply"]
+    assert [r for r, _ in await history(http, sid)] == ["user", "assistant"]

@@ -166,7 +166,7 @@ def test_script_uses_every_endpoint(js: str) -> None:
 
 
 def test_script_handles_every_event_type(js: str) -> None:
-    for name in (*LIVE_EVENT_TYPES, "token", "done", "error"):
+    for name in (*LIVE_EVENT_TYPES, "token", "restart", "done", "error"):
         assert f'"{name}"' in js, name
 
 

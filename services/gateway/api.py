@@ -179,12 +179,18 @@ class Api:
     async def _stream_answer(self, sid: str, content: str) -> AsyncIterator[str]:
         with self._replies.expect(new_id()) as (correlation_id, queue):
             await self._submit(sid, content, correlation_id, stream=True)
+            next_index = 0
             try:
                 async for event in events_until_reply(queue, self._settings.reply_timeout_s):
                     if isinstance(event, Reply):
                         yield sse("error" if event.error else "done", self._reply_body(event))
-                    else:
-                        yield sse("token", {"text": event.text, "index": event.index})
+                        continue
+                    if event.index < next_index:
+                        # The query was redelivered (its generator died mid-answer)
+                        # and the answer starts over: drop what was shown.
+                        yield sse("restart", {"reason": "the answer is being generated again"})
+                    next_index = event.index + 1
+                    yield sse("token", {"text": event.text, "index": event.index})
             except TimeoutError:
                 yield sse("error", {"error": {"code": "timeout", "message": "no answer in time"}})
 

@@ -474,6 +474,11 @@ function pendingAnswer() {
       status.textContent = "writing…";
       if (stick) scrollToEnd(true);
     },
+    restart() {
+      // The generator died mid-answer and another one starts it over.
+      text.textContent = "";
+      status.textContent = "generating again…";
+    },
     done(body) {
       if (typeof body.reply === "string") text.textContent = body.reply;
       status.textContent = `prompt ${fmt(body.prompt_tokens)} · completion ${fmt(body.completion_tokens)} tokens`;
@@ -584,6 +589,8 @@ async function readAnswerStream(body, answer) {
     }
     if (frame.event === "token") {
       if (typeof data.text === "string") answer.append(data.text);
+    } else if (frame.event === "restart") {
+      answer.restart();
     } else if (frame.event === "done") {
       outcome = "done";
       answer.done(data);
