@@ -66,11 +66,14 @@ class GenerationReport(Payload):
     prompt_tokens: int | None = Field(default=None, ge=0)
     completion_tokens: int | None = Field(default=None, ge=0)
     sent_chars: int = Field(ge=0)
+    # Messages in the prompt: the provider charges framing per message.
+    sent_messages: int = Field(default=0, ge=0)
     num_ctx: int = Field(gt=0)
     duration_ms: float = Field(default=0.0, ge=0)
     # What the next call would send without a new user message, in characters,
     # and how many of those lie before the live zone (what compaction could free).
     next_prompt_chars: int | None = Field(default=None, ge=0)
+    next_prompt_messages: int = Field(default=0, ge=0)
     compactable_chars: int | None = Field(default=None, ge=0)
     # The same for the smaller live zones of the tighter and emergency levels.
     compactable_chars_by_level: dict[Level, int] = Field(default_factory=dict)

@@ -1038,7 +1038,7 @@ def fit_check_estimate(system: str, conversation: Conversation, content: str,
     """(tokens, chars) of the next prompt as the generator's fit check estimates it."""
     prompt = render_messages(system, conversation, [ChatMessage(role="user", content=content)])
     chars = sent_chars(prompt)
-    return estimate_tokens(chars, calibration), chars
+    return estimate_tokens(chars, calibration, len(prompt)), chars
 
 
 def estimate_points_offline(cpt: float, script: Sequence[str]) -> list[EstimatePoint]:
@@ -1051,14 +1051,15 @@ def estimate_points_offline(cpt: float, script: Sequence[str]) -> list[EstimateP
     for turn, content in enumerate(script, 1):
         user = ChatMessage(role="user", content=content)
         prompt = render_messages(ESTIMATE_SYSTEM, conversation, [user])
-        estimate = estimate_tokens(sent_chars(prompt), calibration)
+        estimate = estimate_tokens(sent_chars(prompt), calibration, len(prompt))
         actual = count_prompt_tokens(prompt, None, cpt)
         if calibration.reports:
             points.append(EstimatePoint(turn, estimate, actual))
         # As the generator does: a count that may cover only what a prompt cache
         # did not hold teaches nothing.
         calibration = calibrate(calibration, actual, sent_chars(prompt), NUM_CTX,
-                                reused_chars=reusable_chars(previous, prompt))
+                                reused_chars=reusable_chars(previous, prompt),
+                                messages=len(prompt))
         answer = ChatMessage(role="assistant", content=echo_reply(prompt))
         conversation = conversation.apply(HistoryEntry.of_turn((user, answer)))
         previous = prompt
@@ -1103,7 +1104,8 @@ async def estimate_points_live(env: Env, http: httpx.AsyncClient, watch: ReportW
             points.append(EstimatePoint(turn, pending[0], actual))
             chars_mismatches += int(pending[1] != report.sent_chars)
         calibration = calibrate(calibration, report.prompt_tokens, report.sent_chars,
-                                report.num_ctx, reused_chars=report.reused_chars)
+                                report.num_ctx, reused_chars=report.reused_chars,
+                                messages=report.sent_messages)
         # The report comes after the generator stored its calibration: the gateway's
         # token_count is current now.
         session = (await http.get(f"/api/sessions/{sid}")).json()
@@ -1111,7 +1113,8 @@ async def estimate_points_live(env: Env, http: httpx.AsyncClient, watch: ReportW
             summary=session["summary"], compactions=session["compactions"],
             messages=tuple(ChatMessage.model_validate(m) for m in session["messages"]))
         if report.next_prompt_chars is not None:
-            own = estimate_tokens(report.next_prompt_chars, calibration)
+            own = estimate_tokens(report.next_prompt_chars, calibration,
+                                  report.next_prompt_messages)
             gateway_deltas.append(int(session["token_count"]) - own)
         pending = None
         if turn < len(script):

@@ -102,7 +102,8 @@ class Decider:
     async def _consider(self, env: Envelope[GenerationReport]) -> None:
         report, sid = env.payload, env.payload.session_id
         cal = calibrate(self._calibration.get(sid, Calibration()), report.prompt_tokens,
-                        report.sent_chars, report.num_ctx, reused_chars=report.reused_chars)
+                        report.sent_chars, report.num_ctx, reused_chars=report.reused_chars,
+                        messages=report.sent_messages)
         self._calibration[sid] = cal
         if not report.auto_compact:
             return
@@ -122,7 +123,8 @@ class Decider:
 
     def _decide(self, sid: str, report: GenerationReport, cal: Calibration) -> Decision:
         limit = prompt_budget(report.num_ctx, self.settings.output_headroom)
-        upcoming = estimate_tokens(report.next_prompt_chars or report.sent_chars, cal)
+        upcoming = estimate_tokens(report.next_prompt_chars or report.sent_chars, cal,
+                                   report.next_prompt_messages)
         level = level_for(upcoming, limit, self.policy())
         # What a compaction at that level could free: its own, smaller live zone.
         freeable = report.compactable_chars or 0

@@ -1,15 +1,30 @@
 """Token estimates calibrated on the provider's own counts.
 
-The estimate is characters times a tokens-per-character ratio taken from the
-provider's last trustworthy report; before any such report a conservative
-fallback over-estimates, so an uncalibrated session compacts early rather than
+The estimate is the text's characters times a tokens-per-character ratio
+taken from the provider's last trustworthy report, plus a few tokens of
+framing per message; before any such report a conservative fallback
+over-estimates, so an uncalibrated session compacts early rather than
 overflows.
+
+Framing is counted in tokens, not characters, because that is how chat
+templates add it (a role header and an end marker per message, whatever the
+text's density). Counting it in characters would make the ratio learnt on a
+short, framing-heavy prompt too high for the longer prompts that follow. Pass
+the number of messages to use it; with 0 the whole prompt is charged at the
+ratio, framing and all.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
+
+from services.core.prompt import MESSAGE_OVERHEAD_CHARS, sent_chars
+
+# Tokens a chat template adds around each message (Llama 3 and ChatML add 4-5).
+FRAMING_TOKENS_PER_MESSAGE = 4
 
 # 2.5 characters per token is denser than almost any real text, so the
 # fallback over-estimates until the provider's first usable count arrives.
@@ -47,6 +62,7 @@ def calibrate(
     num_ctx: int,
     *,
     reused_chars: int = 0,
+    messages: int = 0,
 ) -> Calibration:
     """Fold one provider report into the calibration; untrustworthy ones change nothing.
 
@@ -56,7 +72,7 @@ def calibrate(
     result) looks plausible and would make every later estimate too low.
     """
     ratio = _sample(reported_prompt_tokens, sent_chars, num_ctx, reused_chars,
-                    previous.tokens_per_char)
+                    previous.tokens_per_char, messages)
     if ratio is None:
         return previous
     # The latest sample wins, no averaging: consecutive prompts share almost
@@ -67,8 +83,9 @@ def calibrate(
 
 
 def _sample(reported: int | None, sent_chars: int, num_ctx: int, reused_chars: int,
-            known: float | None) -> float | None:
-    """Tokens per character this report shows, or None when it shows nothing reliable."""
+            known: float | None, messages: int) -> float | None:
+    """Tokens per character of text this report shows, or None when it shows
+    nothing reliable."""
     if reported is None or reported <= 0 or sent_chars <= 0:
         return None
     if reported >= TRUNCATION_FRACTION * num_ctx:
@@ -78,14 +95,27 @@ def _sample(reported: int | None, sent_chars: int, num_ctx: int, reused_chars: i
     fresh = sent_chars - reused_chars
     # Nothing could come from the cache, or more tokens than MAX_TOKENS_PER_CHAR
     # per fresh character: the count cannot be of the fresh part alone.
-    if reused_chars <= 0 or fresh <= 0 or reported > fresh * MAX_TOKENS_PER_CHAR:
-        return reported / sent_chars
-    if known is not None and _whole_prompt_count(reported, sent_chars, fresh, known):
-        return reported / sent_chars
-    return None  # it may count only the fresh part: nothing reliable to learn
+    whole = reused_chars <= 0 or fresh <= 0 or reported > fresh * MAX_TOKENS_PER_CHAR
+    if not whole and known is not None:
+        expected = _expected(sent_chars, known, messages)
+        whole = _whole_prompt_count(reported, sent_chars, fresh, expected)
+    if not whole:
+        return None  # it may count only the fresh part: nothing reliable to learn
+    text_tokens = reported - FRAMING_TOKENS_PER_MESSAGE * messages
+    if text_tokens <= 0:
+        return None  # less than the framing alone: not a count of this prompt
+    return text_tokens / _text_chars(sent_chars, messages)
 
 
-def _whole_prompt_count(reported: int, sent_chars: int, fresh: int, known: float) -> bool:
+def _text_chars(chars: int, messages: int) -> int:
+    return max(1, chars - MESSAGE_OVERHEAD_CHARS * messages)
+
+
+def _expected(chars: int, ratio: float, messages: int) -> float:
+    return _text_chars(chars, messages) * ratio + FRAMING_TOKENS_PER_MESSAGE * messages
+
+
+def _whole_prompt_count(reported: int, sent_chars: int, fresh: int, expected: float) -> bool:
     """With a ratio already known, a count of the whole prompt lies near
     sent_chars x ratio and a count of the fresh part alone near fresh x ratio.
     Where those are far apart, a count close to the first is a whole count.
@@ -94,13 +124,15 @@ def _whole_prompt_count(reported: int, sent_chars: int, fresh: int, known: float
     the least representative one."""
     if sent_chars < fresh * DISTINGUISHABLE:
         return False
-    return abs(math.log(reported / (sent_chars * known))) <= math.log(WHOLE_COUNT_TOLERANCE)
+    return abs(math.log(reported / expected)) <= math.log(WHOLE_COUNT_TOLERANCE)
 
 
-def estimate_tokens(chars: int, calibration: Calibration) -> int:
-    """Tokens `chars` characters are expected to cost with this provider."""
+def estimate_tokens(chars: int, calibration: Calibration, messages: int = 0) -> int:
+    """Tokens a prompt of `chars` characters (as `prompt.sent_chars` counts them)
+    in `messages` messages is expected to cost with this provider."""
     ratio = calibration.tokens_per_char or FALLBACK_TOKENS_PER_CHAR
-    return math.ceil(chars * ratio)
+    text = max(0, chars - MESSAGE_OVERHEAD_CHARS * messages)
+    return math.ceil(text * ratio) + FRAMING_TOKENS_PER_MESSAGE * messages
 
 
 def budget(num_ctx: int, output_headroom: int) -> int:
@@ -126,3 +158,9 @@ def prompt_budget(num_ctx: int, output_headroom: int | None = None) -> int:
     """The budget for a configured headroom, or for the default one when unset."""
     headroom = default_headroom(num_ctx) if output_headroom is None else output_headroom
     return budget(num_ctx, headroom)
+
+
+def estimate_prompt(messages: Sequence[Mapping[str, Any]], calibration: Calibration,
+                    tools: Sequence[Mapping[str, Any]] = ()) -> int:
+    """Tokens these rendered messages (and tools) are expected to cost."""
+    return estimate_tokens(sent_chars(messages, tools), calibration, len(messages))

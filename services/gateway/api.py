@@ -20,8 +20,8 @@ from schemas import subjects
 from schemas.envelope import new_id
 from schemas.messages import MAX_CONTENT_CHARS, CompactionRequest, Query, Reply, StateChange
 from schemas.session import MAX_SYSTEM_PROMPT_CHARS, SessionRecord
-from services.core.prompt import render_messages, sent_chars
-from services.core.tokens import Calibration, estimate_tokens, prompt_budget
+from services.core.prompt import render_messages
+from services.core.tokens import Calibration, estimate_prompt, prompt_budget
 from services.gateway.live import LiveFeed
 from services.gateway.replies import ReplyRouter, events_until_reply
 from services.gateway.settings import GatewaySettings
@@ -142,8 +142,8 @@ class Api:
         record = await self._record(session_id_of(request))
         sid = record.session_id
         view = await self._history.read(sid)
-        prompt = render_messages(record.system, view.conversation)
-        tokens = estimate_tokens(sent_chars(prompt), Calibration(record.tokens_per_char))
+        tokens = estimate_prompt(render_messages(record.system, view.conversation),
+                                 Calibration(record.tokens_per_char))
         return JSONResponse({
             "session_id": sid,
             "system": record.system,

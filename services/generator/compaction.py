@@ -28,7 +28,7 @@ from schemas.messages import CompactionEvent, CompactionRequest, CompactionResul
 from schemas.session import SessionRecord
 from services.core.boundary import tail_turns_for
 from services.core.decision import Level as CoreLevel
-from services.core.prompt import render_messages, sent_chars
+from services.core.prompt import render_messages
 from services.core.splice import (
     CompactionPlan,
     SpliceConflict,
@@ -39,7 +39,7 @@ from services.core.splice import (
 from services.core.splice import first_user_request as first_request_of
 from services.core.state_machine import Action, CompactionMode, IllegalTransition
 from services.core.summary_prompt import summary_messages
-from services.core.tokens import Calibration, estimate_tokens
+from services.core.tokens import Calibration, estimate_prompt
 from services.generator.provider import ChatProvider, ChatRequest, ProviderError
 from services.generator.session_lock import SessionLocks
 from services.generator.settings import GeneratorSettings
@@ -236,8 +236,8 @@ class Compactor:
 
     def tokens(self, record: SessionRecord, conversation: Conversation) -> int:
         """Calibrated estimate of the prompt this conversation makes (not chars/4)."""
-        chars = sent_chars(render_messages(record.system, conversation))
-        return estimate_tokens(chars, Calibration(record.tokens_per_char))
+        return estimate_prompt(render_messages(record.system, conversation),
+                               Calibration(record.tokens_per_char))
 
     @contextlib.asynccontextmanager
     async def _exclusive_if_blocking(self, sid: str) -> AsyncIterator[None]:

@@ -32,7 +32,7 @@ from services.core.boundary import choose_boundary, tail_turns_for
 from services.core.decision import Level, check_fit
 from services.core.prompt import render_messages, reusable_chars, sent_chars
 from services.core.state_machine import Action
-from services.core.tokens import Calibration, calibrate, estimate_tokens, prompt_budget
+from services.core.tokens import Calibration, calibrate, estimate_prompt, prompt_budget
 from services.generator.compaction import CompactionFailed, CompactionSkipped, Compactor
 from services.generator.provider import ChatProvider, ChatRequest, ChatResult, ProviderError
 from services.generator.settings import GeneratorSettings
@@ -140,9 +140,8 @@ class TurnRunner:
                       completion_tokens=result.completion_tokens)
 
         async def follow_up() -> None:
-            sent = sent_chars(prompt, tools)
-            await self._recalibrate(turn.record, result, sent, turn.reused_chars)
-            await self._report(turn, result, sent, tools, started)
+            await self._recalibrate(turn, result, prompt, tools)
+            await self._report(turn, result, prompt, tools, started)
 
         return reply, follow_up
 
@@ -194,7 +193,7 @@ class TurnRunner:
         return self._settings.compaction_threshold > 0 and record.auto_compact
 
     def _estimate(self, record: SessionRecord, prompt: Messages, tools: Messages) -> int:
-        return estimate_tokens(sent_chars(prompt, tools), Calibration(record.tokens_per_char))
+        return estimate_prompt(prompt, Calibration(record.tokens_per_char), tools)
 
     def _fits(self, record: SessionRecord, prompt: Messages, tools: Messages) -> bool:
         return check_fit(self._estimate(record, prompt, tools), self.budget()).fits
@@ -233,19 +232,22 @@ class TurnRunner:
             raise TurnError("empty_reply", f"the model returned an empty reply{where}")
         return result
 
-    async def _recalibrate(self, record: SessionRecord, result: ChatResult, sent: int,
-                           reused: int) -> None:
+    async def _recalibrate(self, turn: Turn, result: ChatResult, prompt: Messages,
+                           tools: Messages) -> None:
+        record = turn.record
         previous = Calibration(record.tokens_per_char)
-        updated = calibrate(previous, result.prompt_tokens, sent, self._settings.num_ctx,
-                            reused_chars=reused)
+        updated = calibrate(previous, result.prompt_tokens, sent_chars(prompt, tools),
+                            self._settings.num_ctx, reused_chars=turn.reused_chars,
+                            messages=len(prompt))
         ratio = updated.tokens_per_char
         if ratio is not None and (previous.tokens_per_char is None
                                   or abs(ratio / previous.tokens_per_char - 1) > 0.005):
             await self._sessions.put(record.model_copy(update={"tokens_per_char": ratio}))
 
-    async def _report(self, turn: Turn, result: ChatResult, sent: int, tools: Messages,
+    async def _report(self, turn: Turn, result: ChatResult, prompt: Messages, tools: Messages,
                       started: float) -> None:
         conversation = turn.view.conversation
+        next_prompt = render_messages(turn.record.system, conversation)
         compactable = {level.value: self._compactable_chars(conversation, level)
                        for level in Level}
         report = GenerationReport(
@@ -253,10 +255,12 @@ class TurnRunner:
             model=turn.record.model or self._settings.model,
             prompt_tokens=result.prompt_tokens,
             completion_tokens=result.completion_tokens,
-            sent_chars=sent,
+            sent_chars=sent_chars(prompt, tools),
+            sent_messages=len(prompt),
             num_ctx=self._settings.num_ctx,
             duration_ms=(time.monotonic() - started) * 1000,
-            next_prompt_chars=sent_chars(render_messages(turn.record.system, conversation), tools),
+            next_prompt_chars=sent_chars(next_prompt, tools),
+            next_prompt_messages=len(next_prompt),
             compactable_chars=compactable[Level.gentle.value],
             compactable_chars_by_level=compactable,
             reused_chars=turn.reused_chars,
@@ -265,7 +269,6 @@ class TurnRunner:
         await self._bus.js_publish(subjects.RESPONSE_GENERATION, report,
                                    correlation_id=turn.env.correlation_id, session_id=turn.sid,
                                    message_id=f"{turn.query_id}:generation")
-
 
     def _compactable_chars(self, conversation: Conversation, level: Level) -> int:
         """Characters before the live zone of `level`: what a compaction could free."""

@@ -370,7 +370,7 @@ class Simulation:
     def call_model(self, pending: list[ChatMessage], reply: ChatMessage) -> bool:
         """The generator's pre-send guard, the call itself, then the decider."""
         messages, chars = self.render(pending)
-        estimate = estimate_tokens(chars, self.s.calibration)
+        estimate = estimate_tokens(chars, self.s.calibration, len(messages))
         if not check_fit(estimate, self.sc.budget).fits:
             true = self.provider.true_tokens(messages)
             self.check_not_premature(true, "generator emergency", EMERGENCY_FRACTION, GUARD_SLACK)
@@ -378,7 +378,7 @@ class Simulation:
             self.stats.guard_excess = min(self.stats.guard_excess, excess)
             self.emergency_compaction()
             messages, chars = self.render(pending)
-            estimate = estimate_tokens(chars, self.s.calibration)
+            estimate = estimate_tokens(chars, self.s.calibration, len(messages))
             if not check_fit(estimate, self.sc.budget).fits:
                 return False  # not sent, and the turn's messages are never appended
         self.send(messages, chars, estimate)
@@ -403,7 +403,7 @@ class Simulation:
         reused = reusable_chars(self.s.previous_prompt, messages, previous_tools=TOOLS,
                                 tools=TOOLS)
         self.s.calibration = calibrate(self.s.calibration, reported, chars, sc.num_ctx,
-                                       reused_chars=reused)
+                                       reused_chars=reused, messages=len(messages))
         self.s.previous_prompt = messages
         self.s.now += self.rng.uniform(2.0, 25.0)
 
@@ -485,8 +485,8 @@ class Simulation:
         """compaction.result reaches the decider."""
         tokens_after = None
         if ok:
-            _, chars = self.render(())
-            tokens_after = estimate_tokens(chars, self.s.calibration)
+            rendered, chars = self.render(())
+            tokens_after = estimate_tokens(chars, self.s.calibration, len(rendered))
         self.s.memory = on_result(self.s.memory, tokens_after, self.s.now)
         self.s.completed_since_fire = True
 
@@ -494,15 +494,15 @@ class Simulation:
 
     def decider_step(self, next_pending: Sequence[ChatMessage]) -> None:
         sc, s = self.sc, self.s
-        _, chars = self.render(next_pending)
-        estimate = estimate_tokens(chars, s.calibration)
+        rendered, chars = self.render(next_pending)
+        estimate = estimate_tokens(chars, s.calibration, len(rendered))
         level = level_for(estimate, sc.budget, sc.policy)
         compactable = 0
         if level is not None:
             tail = tail_turns_for(level, sc.tail_turns)
             boundary = choose_boundary(s.history.messages, tail)
-            compactable = estimate_tokens(history_chars(s.history.messages[:boundary]),
-                                          s.calibration)
+            zone = s.history.messages[:boundary]
+            compactable = estimate_tokens(history_chars(zone), s.calibration, len(zone))
         obs = Observation(estimate, sc.budget, compactable, s.now)
         decision, s.memory = decide(obs, s.memory, sc.policy)
         if not decision.fire:
