@@ -70,8 +70,10 @@ class SessionStates:
 
     async def _announce(self, sid: str, before: SessionState, after: SessionState,
                         action: Action, correlation_id: str | None) -> None:
-        log.info("state_changed", session_id=sid, from_state=before.visible.value,
-                 to_state=after.visible.value, action=action.value)
+        # Debug, not info: the transition is published on NATS anyway, and four
+        # log lines a turn cost real CPU at a few hundred turns a second.
+        log.debug("state_changed", session_id=sid, from_state=before.visible.value,
+                  to_state=after.visible.value, action=action.value)
         await self._bus.publish(
             subjects.state(sid),
             StateChange(session_id=sid, from_state=before.visible.value,

@@ -66,7 +66,8 @@ STREAMS = (
         description="Each session's latest generator state",
         subjects=[f"{s.STATE_PREFIX}.*"],
         retention=RetentionPolicy.LIMITS,
-        storage=StorageType.FILE,
+        # Several writes a turn, worthless after a restart: memory, not disk.
+        storage=StorageType.MEMORY,
         max_msgs_per_subject=1,
         discard=DiscardPolicy.OLD,
         allow_direct=True,
