@@ -347,3 +347,20 @@ async def test_without_a_summary_old_tool_output_is_elided_instead(
     tool_output = after["messages"][2]
     assert tool_output["role"] == "tool" and "elided" in tool_output["content"]
     assert len(tool_output["content"]) < len(before["messages"][2]["content"])
+
+
+async def test_a_summary_that_takes_too_long_is_abandoned(
+    private_nats: NatsServer, stub: str, http_for: Any, start: Callable[..., System]
+) -> None:
+    system = start(COMPACTION_THRESHOLD="0", COMPACTION_MODEL="summariser",
+                   SUMMARY_TIMEOUT_S="0.5")
+    http = http_for(system)
+    sid = await create(http)
+    await chat(http, sid, 4, filler=50)
+    before = await session(http, sid)
+    async with watching(private_nats.url, *EVENTS) as watcher:
+        await http.post(f"/api/sessions/{sid}/compact")
+        result = await next_result(watcher, sid)
+    assert result["status"] == "failed"
+    assert result["error"].startswith("summariser failed: no summary within 0.5 s")
+    assert (await session(http, sid))["messages"] == before["messages"]

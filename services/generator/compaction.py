@@ -41,7 +41,7 @@ from services.core.state_machine import Action, CompactionMode, IllegalTransitio
 from services.core.summary_prompt import summary_messages
 from services.core.tokens import Calibration, estimate_prompt
 from services.generator.provider import ChatProvider, ChatRequest, ProviderError
-from services.generator.session_lock import SessionLocks
+from services.generator.session_lock import LockTimeout, SessionLocks
 from services.generator.settings import GeneratorSettings
 from services.generator.states import SessionStates
 from services.shared.bus import Bus
@@ -154,6 +154,11 @@ class Compactor:
             return self._failed(job, str(err))
         except IllegalTransition:
             return self._skipped(job, "session is busy (blocking mode compacts only when idle)")
+        except LockTimeout as err:
+            return self._skipped(job, f"session is busy: {err}")
+        except Exception as err:  # every start ends in exactly one result, whatever happens
+            log.exception("compaction_crashed")
+            return self._failed(job, f"compaction failed: {type(err).__name__}: {err}")
         finally:
             self._running.discard(sid)
 
