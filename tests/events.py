@@ -64,3 +64,13 @@ async def turns_finished(watcher: Watcher, sid: str, turns: int,
 def transitions(watcher: Watcher, sid: str) -> list[tuple[str, str, str]]:
     return [(p["from_state"], p["to_state"], p["action"])
             for p in watcher.payloads("generator.state") if p["session_id"] == sid]
+
+
+async def server_sent_events(response: Any) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+    """(event name, decoded data) for each event of an httpx streaming response."""
+    name = ""
+    async for line in response.aiter_lines():
+        if line.startswith("event: "):
+            name = line[7:]
+        elif line.startswith("data: "):
+            yield name, json.loads(line[6:])

@@ -7,7 +7,6 @@ queues and durable consumers start empty."""
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
 from collections.abc import AsyncIterator, Iterator
 
@@ -18,7 +17,7 @@ import pytest
 from schemas import subjects
 from schemas.messages import Query
 from services.shared.bus import Bus
-from tests.events import Watcher, transitions, turns_finished, watching
+from tests.events import Watcher, server_sent_events, transitions, turns_finished, watching
 from tests.nats_server import NatsServer
 from tests.stub_server import running_stub
 from tests.system import System
@@ -237,16 +236,12 @@ async def test_a_streamed_answer_cut_by_a_killed_generator_restarts_cleanly(
     async with http.stream("POST", f"/api/sessions/{sid}/messages",
                            json={"content": "!long 600 stream it"},
                            headers={"Accept": "text/event-stream"}) as response:
-        name = ""
-        async for line in response.aiter_lines():
-            if line.startswith("event: "):
-                name = line[7:]
-            elif line.startswith("data: "):
-                events.append((name, json.loads(line[6:])))
-                if name == "token" and len(events) == 5 and not killed:
-                    system["gen-a"].kill()
-                    killed = True
-                    add_generator(system, "gen-b")
+        async for name, data in server_sent_events(response):
+            events.append((name, data))
+            if name == "token" and len(events) == 5 and not killed:
+                system["gen-a"].kill()
+                killed = True
+                add_generator(system, "gen-b")
     names = [n for n, _ in events]
     assert names.count("restart") == 1 and names[-1] == "done"
     after_restart = events[names.index("restart") + 1:-1]

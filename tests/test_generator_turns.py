@@ -16,7 +16,7 @@ from schemas.history import ToolCall
 from schemas.messages import ToolOutcome
 from services.generator.toolbox import TOOL_LIST_SUBJECT, Toolbox
 from services.shared.bus import Bus
-from tests.events import transitions, turns_finished, watching
+from tests.events import server_sent_events, transitions, turns_finished, watching
 from tests.nats_server import NatsServer, free_port
 from tests.stub_server import running_stub
 from tests.system import System, ask, new_session, running_system
@@ -106,12 +106,7 @@ async def test_answers_stream_as_server_sent_events(http: httpx.AsyncClient) -> 
                            json={"content": "stream this please"},
                            headers={"Accept": "text/event-stream"}) as response:
         assert response.headers["content-type"].startswith("text/event-stream")
-        name = ""
-        async for line in response.aiter_lines():
-            if line.startswith("event: "):
-                name = line[7:]
-            elif line.startswith("data: "):
-                events.append((name, json.loads(line[6:])))
+        events = [event async for event in server_sent_events(response)]
     names = [n for n, _ in events]
     assert names[-1] == "done" and names.count("done") == 1
     assert names.count("token") >= 3
