@@ -58,6 +58,10 @@ class OllamaProvider:
     async def chat(self, request: ChatRequest, on_token: OnToken | None = None) -> ChatResult:
         try:
             async with asyncio.timeout(self._timeout_s):
+                if on_token is None:
+                    # Nobody watches the tokens: one response costs far less CPU
+                    # than parsing a chunk per word.
+                    return await self._whole(request)
                 return await self._stream(request, on_token)
         except TimeoutError as err:
             raise ProviderError(
@@ -72,7 +76,26 @@ class OllamaProvider:
                 "unreachable", f"Ollama at {self._host} is unreachable: {err}"
             ) from err
 
-    async def _stream(self, request: ChatRequest, on_token: OnToken | None) -> ChatResult:
+    async def _whole(self, request: ChatRequest) -> ChatResult:
+        response = await self._client.chat(
+            model=request.model,
+            messages=request.messages,
+            tools=list(request.tools) or None,
+            stream=False,
+            options={"num_ctx": request.num_ctx},
+        )
+        message = response.message
+        return ChatResult(
+            content=message.content or "",
+            tool_calls=tuple(ToolCall(name=c.function.name,
+                                      arguments=dict(c.function.arguments or {}))
+                             for c in message.tool_calls or ()),
+            thinking=message.thinking or "",
+            prompt_tokens=response.prompt_eval_count,
+            completion_tokens=response.eval_count,
+        )
+
+    async def _stream(self, request: ChatRequest, on_token: OnToken) -> ChatResult:
         content: list[str] = []
         thinking: list[str] = []
         calls: list[ToolCall] = []
@@ -89,8 +112,7 @@ class OllamaProvider:
             message = part.message
             if message.content:
                 content.append(message.content)
-                if on_token is not None:
-                    await on_token(message.content)
+                await on_token(message.content)
             if message.thinking:
                 thinking.append(message.thinking)
             for call in message.tool_calls or ():

@@ -224,12 +224,14 @@ class Generator:
         return follow_up
 
     async def _send_reply(self, msg: Msg, env: Envelope[Query], reply: Reply) -> None:
+        # Acknowledge first, synchronously: the stream must have dropped this
+        # query before the caller, holding the reply, can send the next one,
+        # which checks for earlier pending queries. (The turn is stored by now;
+        # a crash in between costs the caller this reply, never the turn.)
+        await msg.ack_sync()
         sid = env.payload.session_id
         await self._bus.publish(subjects.reply(sid), reply,
                                 correlation_id=env.correlation_id, session_id=sid)
-        # Synchronous: the stream must have dropped this query before the
-        # session's next one checks for earlier pending queries.
-        await msg.ack_sync()
         self._answered += 1
 
     async def _unexpected(self, msg: Msg, env: Envelope[Query], err: Exception) -> None:
