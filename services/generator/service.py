@@ -4,8 +4,9 @@ many sessions at once and each session's queries strictly in order.
 Ordering holds across processes without any coordinator: a work-queue stream
 deletes a query when it is acknowledged, so the oldest query still in the
 stream for a session is the next one to answer. A process holding a later
-query of that session (under the session lock) hands it back with a short
-delay, and whoever holds the earlier one answers it first.
+query of that session hands it back with a short delay, and whoever holds the
+earlier one answers it first; the session lock then keeps the two from ever
+overlapping.
 """
 
 from __future__ import annotations
