@@ -133,8 +133,7 @@ class TurnRunner:
         result, prompt, tools = await self._tool_loop(turn)
         answer = ChatMessage(role="assistant", content=result.content, query_id=query_id)
         await self._states.apply(sid, Action.publish, env.correlation_id)
-        turn.view = await self._history.append(sid, turn.view, [*turn.messages, answer],
-                                               msg_id=query_id)
+        turn.view = await self._history.append(sid, turn.view, [*turn.messages, answer])
         reply = Reply(session_id=sid, query_id=query_id, reply=result.content,
                       prompt_tokens=result.prompt_tokens,
                       completion_tokens=result.completion_tokens)

@@ -14,6 +14,7 @@ costs one "last message" lookup when nothing changed behind our back.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -43,15 +44,20 @@ EMPTY = HistoryView(Conversation(), 0)
 
 
 class HistoryStore:
-    def __init__(self, js: JetStreamContext) -> None:
+    def __init__(self, js: JetStreamContext, cached_sessions: int = 512) -> None:
         self._js = js
-        self._cache: dict[str, HistoryView] = {}
+        # Least recently used first; bounded so a long-lived process serving
+        # many sessions keeps only the active ones in memory.
+        self._cache: OrderedDict[str, HistoryView] = OrderedDict()
+        self._cached_sessions = cached_sessions
 
     async def read(self, sid: str) -> HistoryView:
         subject = subjects.history(sid)
         last = await self._last_seq(subject)
         cached = self._cache.get(sid, EMPTY)
         if last == cached.last_seq:
+            if sid in self._cache:
+                self._cache.move_to_end(sid)
             return cached
         start = cached if last > cached.last_seq else EMPTY
         view = await self._read_after(subject, start)
@@ -59,13 +65,16 @@ class HistoryStore:
         return view
 
     async def append(
-        self, sid: str, view: HistoryView, messages: Sequence[ChatMessage], msg_id: str
+        self, sid: str, view: HistoryView, messages: Sequence[ChatMessage]
     ) -> HistoryView:
-        """Append one turn's messages after `view`, in one write; `msg_id` makes a
-        retried append (same view, same turn) a no-op."""
+        """Append one turn's messages after `view`, in one write.
+
+        No `Nats-Msg-Id` here: the server checks the expected sequence before
+        duplicates, so a retry whose first attempt was stored fails as a
+        conflict either way. What makes a retried turn harmless is its query
+        id on every message: the redelivered query finds its stored answer."""
         entry = HistoryEntry.of_turn(tuple(messages))
-        seq = await self._write(sid, entry, view.last_seq,
-                                {"Nats-Msg-Id": f"{msg_id}:{view.last_seq}"})
+        seq = await self._write(sid, entry, view.last_seq, {})
         view = HistoryView(view.conversation.apply(entry), seq)
         self._remember(sid, view)
         return view
@@ -117,3 +126,6 @@ class HistoryStore:
 
     def _remember(self, sid: str, view: HistoryView) -> None:
         self._cache[sid] = view
+        self._cache.move_to_end(sid)
+        while len(self._cache) > self._cached_sessions:
+            self._cache.popitem(last=False)

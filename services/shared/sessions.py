@@ -20,10 +20,11 @@ class SessionStore:
     is harmless, a round trip on every turn is not.
     """
 
-    def __init__(self, kv: KeyValue, cached: bool = True) -> None:
+    def __init__(self, kv: KeyValue, cached: bool = True, cached_sessions: int = 10_000) -> None:
         self._kv = kv
         self._cached = cached
         self._cache: dict[str, SessionRecord] = {}
+        self._cached_sessions = cached_sessions
 
     async def create(self, record: SessionRecord) -> None:
         await self._kv.create(record.session_id, record.model_dump_json().encode())
@@ -32,8 +33,7 @@ class SessionStore:
         if self._cached and sid in self._cache:
             return self._cache[sid]
         record = await self._load(sid)
-        if self._cached:
-            self._cache[sid] = record
+        self._remember(record)
         return record
 
     async def _load(self, sid: str) -> SessionRecord:
@@ -47,5 +47,11 @@ class SessionStore:
 
     async def put(self, record: SessionRecord) -> None:
         await self._kv.put(record.session_id, record.model_dump_json().encode())
-        if self._cached:
-            self._cache[record.session_id] = record
+        self._remember(record)
+
+    def _remember(self, record: SessionRecord) -> None:
+        if not self._cached:
+            return
+        if len(self._cache) >= self._cached_sessions:
+            self._cache.clear()  # crude but bounded; records reload in one round trip
+        self._cache[record.session_id] = record

@@ -1,0 +1,87 @@
+"""A session's history on a real HISTORY stream: compare-and-swap appends,
+rollup splices, idempotent retries, and a bounded cache."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+from nats.aio.client import Client as NATS
+
+from schemas import subjects
+from schemas.history import ChatMessage, Snapshot
+from services.shared.history_store import HistoryConflict, HistoryStore
+from services.shared.jetstream import ensure_layout
+
+
+def turn(i: int) -> list[ChatMessage]:
+    return [ChatMessage(role="user", content=f"q{i}", query_id=f"q{i}"),
+            ChatMessage(role="assistant", content=f"a{i}", query_id=f"q{i}")]
+
+
+@pytest.fixture
+async def store(nc: NATS) -> HistoryStore:
+    await ensure_layout(nc.jetstream())
+    return HistoryStore(nc.jetstream(), cached_sessions=2)
+
+
+def new_sid() -> str:
+    return uuid.uuid4().hex
+
+
+async def test_a_turn_is_one_write_and_reads_back(store: HistoryStore, nc: NATS) -> None:
+    sid = new_sid()
+    view = await store.read(sid)
+    assert view.last_seq == 0 and view.conversation.messages == ()
+    view = await store.append(sid, view, turn(1))
+    info = await nc.jetstream().stream_info(subjects.HISTORY_STREAM,
+                                            subjects_filter=subjects.history(sid))
+    assert info.state.subjects == {subjects.history(sid): 1}
+    fresh = HistoryStore(nc.jetstream())
+    assert (await fresh.read(sid)).conversation.messages == tuple(turn(1))
+
+
+async def test_a_stale_view_cannot_write(store: HistoryStore) -> None:
+    sid = new_sid()
+    stale = await store.read(sid)
+    await store.append(sid, stale, turn(1))
+    with pytest.raises(HistoryConflict):
+        await store.append(sid, stale, turn(2))
+    assert [m.content for m in (await store.read(sid)).conversation.messages] == ["q1", "a1"]
+
+
+async def test_a_retried_append_is_refused_and_the_turn_stored_once(
+    store: HistoryStore, nc: NATS
+) -> None:
+    sid = new_sid()
+    view = await store.read(sid)
+    await store.append(sid, view, turn(1))
+    with pytest.raises(HistoryConflict):  # the first attempt's ack was "lost"
+        await store.append(sid, view, turn(1))
+    assert len((await HistoryStore(nc.jetstream()).read(sid)).conversation.messages) == 2
+
+
+async def test_a_splice_replaces_everything_before_it(store: HistoryStore, nc: NATS) -> None:
+    sid = new_sid()
+    view = await store.read(sid)
+    for i in range(3):
+        view = await store.append(sid, view, turn(i))
+    spliced = await store.splice(sid, view, Snapshot(summary="notes", messages=tuple(turn(2)),
+                                                     compactions=1))
+    info = await nc.jetstream().stream_info(subjects.HISTORY_STREAM,
+                                            subjects_filter=subjects.history(sid))
+    assert info.state.subjects == {subjects.history(sid): 1}
+    reread = await HistoryStore(nc.jetstream()).read(sid)
+    assert reread.conversation == spliced.conversation
+    assert reread.conversation.summary == "notes" and reread.conversation.compactions == 1
+    with pytest.raises(HistoryConflict):  # a splice over an old view is refused too
+        await store.splice(sid, view, Snapshot(summary="x", compactions=1))
+
+
+async def test_the_cache_is_bounded_and_a_miss_reads_the_stream(store: HistoryStore) -> None:
+    sids = [new_sid() for _ in range(4)]
+    for i, sid in enumerate(sids):
+        await store.append(sid, await store.read(sid), turn(i))
+    assert len(store._cache) == 2
+    for i, sid in enumerate(sids):
+        assert (await store.read(sid)).conversation.messages == tuple(turn(i))
