@@ -77,19 +77,11 @@ class OllamaProvider:
             ) from err
 
     async def _whole(self, request: ChatRequest) -> ChatResult:
-        response = await self._client.chat(
-            model=request.model,
-            messages=request.messages,
-            tools=list(request.tools) or None,
-            stream=False,
-            options={"num_ctx": request.num_ctx},
-        )
+        response = await self._send(request, stream=False)
         message = response.message
         return ChatResult(
             content=message.content or "",
-            tool_calls=tuple(ToolCall(name=c.function.name,
-                                      arguments=dict(c.function.arguments or {}))
-                             for c in message.tool_calls or ()),
+            tool_calls=_tool_calls(message),
             thinking=message.thinking or "",
             prompt_tokens=response.prompt_eval_count,
             completion_tokens=response.eval_count,
@@ -99,32 +91,37 @@ class OllamaProvider:
         content: list[str] = []
         thinking: list[str] = []
         calls: list[ToolCall] = []
-        prompt_tokens: int | None = None
-        completion_tokens: int | None = None
-        stream = await self._client.chat(
-            model=request.model,
-            messages=request.messages,
-            tools=list(request.tools) or None,
-            stream=True,
-            options={"num_ctx": request.num_ctx},
-        )
-        async for part in stream:
+        final: ollama.ChatResponse | None = None
+        async for part in await self._send(request, stream=True):
             message = part.message
             if message.content:
                 content.append(message.content)
                 await on_token(message.content)
             if message.thinking:
                 thinking.append(message.thinking)
-            for call in message.tool_calls or ():
-                calls.append(ToolCall(name=call.function.name,
-                                      arguments=dict(call.function.arguments or {})))
+            calls.extend(_tool_calls(message))
             if part.done:
-                prompt_tokens = part.prompt_eval_count
-                completion_tokens = part.eval_count
+                final = part  # the last part carries the counts
         return ChatResult(
             content="".join(content),
             tool_calls=tuple(calls),
             thinking="".join(thinking),
-            prompt_tokens=prompt_tokens,
-            completion_tokens=completion_tokens,
+            prompt_tokens=final.prompt_eval_count if final else None,
+            completion_tokens=final.eval_count if final else None,
         )
+
+    async def _send(self, request: ChatRequest, stream: bool) -> Any:
+        # One call for both shapes; the client's overloads want a literal `stream`.
+        chat: Any = self._client.chat
+        return await chat(
+            model=request.model,
+            messages=request.messages,
+            tools=list(request.tools) or None,
+            stream=stream,
+            options={"num_ctx": request.num_ctx},
+        )
+
+
+def _tool_calls(message: ollama.Message) -> tuple[ToolCall, ...]:
+    return tuple(ToolCall(name=call.function.name, arguments=dict(call.function.arguments or {}))
+                 for call in message.tool_calls or ())
