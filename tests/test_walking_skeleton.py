@@ -186,3 +186,14 @@ def test_history_survives_restarting_every_service(nats_url: str, stub_url: str)
         assert after["messages"] == before["messages"]
         assert after["system"] == "Remember me."
         assert ask(client, sid, "third").json()["reply"] == "Echo: third (turn 3)"
+
+
+def test_sessions_are_listed_newest_first(client: httpx.Client) -> None:
+    first, second = new_session(client), new_session(client, model="other")
+    listed = client.get("/api/sessions", params={"limit": 500}).json()["sessions"]
+    ids = [s["session_id"] for s in listed]
+    assert ids.index(second) < ids.index(first)
+    assert next(s for s in listed if s["session_id"] == second)["model"] == "other"
+    assert len(client.get("/api/sessions", params={"limit": 1}).json()["sessions"]) == 1
+    bad = client.get("/api/sessions", params={"limit": "lots"})
+    assert bad.status_code == 400 and bad.json()["error"]["field"] == "limit"

@@ -30,6 +30,8 @@ from services.shared.history_store import HistoryStore
 from services.shared.sessions import SessionNotFound, SessionStore
 
 STATIC = Path(__file__).parent / "static"
+DEFAULT_LISTED = 50
+MAX_LISTED = 500
 
 # Generator error codes -> HTTP status.
 ERROR_STATUS = {
@@ -116,6 +118,7 @@ class Api:
             Route("/", self.index),
             Route("/healthz", self.healthz),
             Route("/api/sessions", self.create_session, methods=["POST"]),
+            Route("/api/sessions", self.list_sessions, methods=["GET"]),
             Route("/api/sessions/{session_id}", self.get_session, methods=["GET"]),
             Route("/api/sessions/{session_id}/messages", self.post_message, methods=["POST"]),
             Route("/api/sessions/{session_id}/compact", self.compact, methods=["POST"]),
@@ -137,6 +140,17 @@ class Api:
                                model=body.model, auto_compact=body.auto_compact)
         await self._sessions.create(record)
         return JSONResponse({"session_id": record.session_id}, status_code=201)
+
+    async def list_sessions(self, request: Request) -> Response:
+        raw = request.query_params.get("limit", str(DEFAULT_LISTED))
+        if not raw.isdigit() or not 1 <= int(raw) <= MAX_LISTED:
+            return error(400, "invalid_field", f"limit: a whole number from 1 to {MAX_LISTED}",
+                         field="limit")
+        records = await self._sessions.newest(int(raw))
+        return JSONResponse({"sessions": [
+            {"session_id": r.session_id, "created_at": r.created_at.isoformat(),
+             "model": r.model or self._settings.model, "auto_compact": r.auto_compact}
+            for r in records]})
 
     async def get_session(self, request: Request) -> Response:
         record = await self._record(session_id_of(request))

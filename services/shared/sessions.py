@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from nats.js.errors import KeyNotFoundError
+import asyncio
+
+from nats.js.errors import KeyNotFoundError, NoKeysError
 from nats.js.kv import KeyValue
 
 from schemas.session import SessionRecord
@@ -44,6 +46,22 @@ class SessionStore:
         if entry.value is None:
             raise SessionNotFound(sid)
         return SessionRecord.model_validate_json(entry.value)
+
+    async def newest(self, limit: int) -> list[SessionRecord]:
+        """Up to `limit` sessions, newest first."""
+        try:
+            keys = await self._kv.keys()
+        except NoKeysError:
+            return []
+        records = await asyncio.gather(*(self._load_or_none(k) for k in keys))
+        found = [r for r in records if r is not None]
+        return sorted(found, key=lambda r: r.created_at, reverse=True)[:limit]
+
+    async def _load_or_none(self, sid: str) -> SessionRecord | None:
+        try:
+            return await self._load(sid)
+        except SessionNotFound:
+            return None
 
     async def put(self, record: SessionRecord) -> None:
         await self._kv.put(record.session_id, record.model_dump_json().encode())

@@ -237,6 +237,28 @@ function rememberSession(id, label) {
   renderSessionPicker();
 }
 
+// Sessions created elsewhere (another browser, the API) join the picker.
+async function mergeServerSessions() {
+  let body;
+  try {
+    const response = await fetch("/api/sessions?limit=50");
+    if (!response.ok) return;
+    body = await response.json();
+  } catch {
+    return; // the picker keeps what this browser knows
+  }
+  const list = knownSessions();
+  let added = false;
+  for (const s of body.sessions ?? []) {
+    if (!isValidSessionId(s.session_id) || list.some((k) => k.id === s.session_id)) continue;
+    list.push({ id: s.session_id, label: "", created: s.created_at });
+    added = true;
+  }
+  if (!added) return;
+  saveKnownSessions(list);
+  renderSessionPicker();
+}
+
 function forgetSession(id) {
   saveKnownSessions(knownSessions().filter((s) => s.id !== id));
   renderSessionPicker();
@@ -915,6 +937,7 @@ function start() {
   });
 
   renderSessionPicker();
+  mergeServerSessions();
   renderGauge();
   let stored = null;
   try {
