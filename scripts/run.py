@@ -20,7 +20,7 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-DATA = ROOT / ".data"
+DATA = Path(os.environ.get("DATA_DIR", ROOT / ".data"))
 SERVICES = ("services.generator", "services.compaction_decider", "services.tools",
             "services.gateway")
 STUB_PORT = int(os.environ.get("OLLAMA_STUB_PORT", "11435"))
