@@ -1,27 +1,15 @@
-"""Which payload travels on which subject, and JSON Schema for each of them."""
+"""Every payload, and the JSON Schema of each one in its envelope.
+
+Which payload travels on which subject is the table in ARCHITECTURE.md.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
 from schemas import messages as m
-from schemas import subjects as s
 from schemas.envelope import Envelope
 from schemas.history import HistoryEntry
-
-# Subject (or prefix of per-session subjects) -> payload model.
-BY_SUBJECT: dict[str, type[m.Payload]] = {
-    s.RESPONSE_GENERATION: m.GenerationReport,
-    s.COMPACTION_REQUEST: m.CompactionRequest,
-    s.COMPACTION_RESULT: m.CompactionResult,
-    s.COMPACTION_EVENT: m.CompactionEvent,
-    s.QUERY_PREFIX: m.Query,
-    s.REPLY_PREFIX: m.Reply,
-    s.TOKEN_PREFIX: m.Token,
-    s.STATE_PREFIX: m.StateChange,
-    s.TOOL_PREFIX: m.ToolInvocation,
-    s.ERROR_SUBJECT: m.ErrorReport,
-}
 
 PAYLOADS: tuple[type[m.Payload], ...] = (
     m.Query,

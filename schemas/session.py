@@ -24,3 +24,7 @@ class SessionRecord(BaseModel):
     # The provider's own tokens-per-character from its last usable report.
     tokens_per_char: float | None = Field(default=None, gt=0)
     compactions: int = Field(default=0, ge=0)
+
+    def model_or(self, default: str) -> str:
+        """The session's model, or the service's configured one when it named none."""
+        return self.model or default

@@ -88,7 +88,3 @@ def tool(name: str) -> str:
         raise InvalidSubjectToken("tool name must be lower-case letters, digits or '_'")
     return f"{TOOL_PREFIX}.{name}"
 
-
-def session_of(subject: str) -> str:
-    """The session id in the last token of a per-session subject."""
-    return session_id(subject.rsplit(".", 1)[-1])

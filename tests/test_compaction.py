@@ -39,31 +39,24 @@ def stub() -> Iterator[str]:
 
 
 @pytest.fixture
-def start(private_nats: NatsServer, stub: str) -> Iterator[Callable[..., System]]:
-    """Start the system with settings of the test's own; always stopped after."""
+async def start(private_nats: NatsServer, stub: str
+                ) -> AsyncIterator[Callable[..., httpx.AsyncClient]]:
+    """Start the system with settings of the test's own and hand back an HTTP
+    client on it; everything is stopped after, even when the test fails."""
     systems: list[System] = []
-
-    def starter(**env: str) -> System:
-        systems.append(System(private_nats.url, stub, {**SMALL_WINDOW, **env},
-                              services=("generator", "decider", "gateway")))
-        return systems[-1].start()
-
-    yield starter
-    for system in systems:
-        system.stop()
-
-
-@pytest.fixture
-async def http_for() -> AsyncIterator[Callable[[System], httpx.AsyncClient]]:
     clients: list[httpx.AsyncClient] = []
 
-    def make(system: System) -> httpx.AsyncClient:
-        clients.append(httpx.AsyncClient(base_url=system.base_url, timeout=60))
+    def starter(**env: str) -> httpx.AsyncClient:
+        systems.append(System(private_nats.url, stub, {**SMALL_WINDOW, **env},
+                              services=("generator", "decider", "gateway")).start())
+        clients.append(httpx.AsyncClient(base_url=systems[-1].base_url, timeout=60))
         return clients[-1]
 
-    yield make
+    yield starter
     for client in clients:
         await client.aclose()
+    for system in systems:
+        system.stop()
 
 
 async def create(http: httpx.AsyncClient, **body: object) -> str:
@@ -102,10 +95,9 @@ async def next_result(watcher: Watcher, sid: str, count: int = 1) -> dict[str, A
 
 
 async def test_manual_compaction_keeps_the_tail_and_stacks_summaries(
-    private_nats: NatsServer, stub: str, http_for: Any, start: Callable[..., System]
+    private_nats: NatsServer, stub: str, start: Callable[..., httpx.AsyncClient]
 ) -> None:
-    system = start(COMPACTION_THRESHOLD="0")
-    http = http_for(system)
+    http = start(COMPACTION_THRESHOLD="0")
     sid = await create(http)
     await http.post(f"/api/sessions/{sid}/messages", json={"content": "Please build a parser."})
     await chat(http, sid, 4, filler=100)
@@ -143,10 +135,9 @@ async def test_manual_compaction_keeps_the_tail_and_stacks_summaries(
 
 
 async def test_compaction_with_nothing_to_compact_says_why(
-    private_nats: NatsServer, stub: str, http_for: Any, start: Callable[..., System]
+    private_nats: NatsServer, stub: str, start: Callable[..., httpx.AsyncClient]
 ) -> None:
-    system = start()
-    http = http_for(system)
+    http = start()
     empty, short = await create(http), await create(http)
     await chat(http, short, 2)
     async with watching(private_nats.url, *EVENTS) as watcher:
@@ -161,10 +152,9 @@ async def test_compaction_with_nothing_to_compact_says_why(
 
 
 async def test_the_session_keeps_answering_while_its_summary_is_written(
-    private_nats: NatsServer, stub: str, http_for: Any, start: Callable[..., System]
+    private_nats: NatsServer, stub: str, start: Callable[..., httpx.AsyncClient]
 ) -> None:
-    system = start(COMPACTION_MODEL="summariser", COMPACTION_THRESHOLD="0")
-    http = http_for(system)
+    http = start(COMPACTION_MODEL="summariser", COMPACTION_THRESHOLD="0")
     sid = await create(http)
     await chat(http, sid, 5, filler=100)
     async with watching(private_nats.url, *EVENTS) as watcher:
@@ -184,11 +174,10 @@ async def test_the_session_keeps_answering_while_its_summary_is_written(
 
 
 async def test_blocking_mode_refuses_queries_during_a_compaction(
-    private_nats: NatsServer, stub: str, http_for: Any, start: Callable[..., System]
+    private_nats: NatsServer, stub: str, start: Callable[..., httpx.AsyncClient]
 ) -> None:
-    system = start(COMPACTION_MODEL="summariser", COMPACTION_THRESHOLD="0",
+    http = start(COMPACTION_MODEL="summariser", COMPACTION_THRESHOLD="0",
                    COMPACTION_MODE="blocking", BLOCKING_QUERY_WAIT_S="0")
-    http = http_for(system)
     sid = await create(http)
     await chat(http, sid, 5, filler=100)
     async with watching(private_nats.url, *EVENTS) as watcher:
@@ -210,11 +199,10 @@ async def test_blocking_mode_refuses_queries_during_a_compaction(
     ("empty-content", "summariser failed: it returned an empty summary"),
 ])
 async def test_a_failed_summary_is_never_spliced(
-    private_nats: NatsServer, stub: str, http_for: Any,
-    start: Callable[..., System], quirk: str, error: str
+    private_nats: NatsServer, stub: str, start: Callable[..., httpx.AsyncClient], quirk: str,
+    error: str
 ) -> None:
-    system = start(COMPACTION_THRESHOLD="0")
-    http = http_for(system)
+    http = start(COMPACTION_THRESHOLD="0")
     sid = await create(http)
     await chat(http, sid, 4, filler=50)
     before = await session(http, sid)
@@ -231,10 +219,9 @@ async def test_a_failed_summary_is_never_spliced(
 
 
 async def test_the_decider_compacts_in_time_and_nothing_ever_overflows(
-    private_nats: NatsServer, stub: str, http_for: Any, start: Callable[..., System]
+    private_nats: NatsServer, stub: str, start: Callable[..., httpx.AsyncClient]
 ) -> None:
-    system = start()
-    http = http_for(system)
+    http = start()
     sid = await create(http)
     async with watching(private_nats.url, *EVENTS) as watcher:
         replies = await chat(http, sid, 30)
@@ -262,12 +249,10 @@ async def test_the_decider_compacts_in_time_and_nothing_ever_overflows(
     ({}, {"auto_compact": False}),
 ])
 async def test_without_automatic_compaction_an_oversized_prompt_is_refused(
-    private_nats: NatsServer, stub: str, http_for: Any,
-    start: Callable[..., System], env: dict[str, str],
-    body: dict[str, object]
+    private_nats: NatsServer, stub: str, start: Callable[..., httpx.AsyncClient],
+    env: dict[str, str], body: dict[str, object]
 ) -> None:
-    system = start(**env)
-    http = http_for(system)
+    http = start(**env)
     sid = await create(http, **body)
     async with watching(private_nats.url, *EVENTS) as watcher:
         replies = await chat(http, sid, 12, filler=600)
@@ -287,10 +272,9 @@ async def test_without_automatic_compaction_an_oversized_prompt_is_refused(
 
 
 async def test_a_message_larger_than_the_window_is_refused_before_sending(
-    private_nats: NatsServer, stub: str, http_for: Any, start: Callable[..., System]
+    private_nats: NatsServer, stub: str, start: Callable[..., httpx.AsyncClient]
 ) -> None:
-    system = start()
-    http = http_for(system)
+    http = start()
     sid = await create(http)
     await chat(http, sid, 2)
     sent_before = (await stub_stats(stub))["requests"]
@@ -324,11 +308,10 @@ async def serve_a_verbose_tool(nats_url: str) -> Any:
 
 
 async def test_without_a_summary_old_tool_output_is_elided_instead(
-    private_nats: NatsServer, stub: str, http_for: Any, start: Callable[..., System]
+    private_nats: NatsServer, stub: str, start: Callable[..., httpx.AsyncClient]
 ) -> None:
     tools = await serve_a_verbose_tool(private_nats.url)
-    system = start(COMPACTION_THRESHOLD="0", NUM_CTX="8192")
-    http = http_for(system)
+    http = start(COMPACTION_THRESHOLD="0", NUM_CTX="8192")
     sid = await create(http)
     await http.post(f"/api/sessions/{sid}/messages", json={"content": "!tool dump"})
     await chat(http, sid, 3, filler=10)
@@ -350,11 +333,10 @@ async def test_without_a_summary_old_tool_output_is_elided_instead(
 
 
 async def test_a_summary_that_takes_too_long_is_abandoned(
-    private_nats: NatsServer, stub: str, http_for: Any, start: Callable[..., System]
+    private_nats: NatsServer, stub: str, start: Callable[..., httpx.AsyncClient]
 ) -> None:
-    system = start(COMPACTION_THRESHOLD="0", COMPACTION_MODEL="summariser",
+    http = start(COMPACTION_THRESHOLD="0", COMPACTION_MODEL="summariser",
                    SUMMARY_TIMEOUT_S="0.5")
-    http = http_for(system)
     sid = await create(http)
     await chat(http, sid, 4, filler=50)
     before = await session(http, sid)

@@ -53,6 +53,13 @@ def add_generator(system: System, name: str) -> None:
     system.add(name, "services.generator", {"GENERATOR_ID": name}).start()
 
 
+def launch(system: System, *generators: str) -> None:
+    """The gateway, then one generator process per name."""
+    system.start()
+    for name in generators:
+        add_generator(system, name)
+
+
 async def create(http: httpx.AsyncClient) -> str:
     return str((await http.post("/api/sessions", json={})).json()["session_id"])
 
@@ -92,8 +99,7 @@ async def test_one_process_answers_many_sessions_at_once(
     system: System, stub: str, http: httpx.AsyncClient, private_nats: NatsServer
 ) -> None:
     configure(stub, model_latency={"stub-model": 400})
-    system.start()
-    add_generator(system, "gen-a")
+    launch(system, "gen-a")
     sids = [await create(http) for _ in range(16)]
     async with watching(private_nats.url, STATES) as watcher:
         replies = await asyncio.gather(*(say(http, sid, "hello") for sid in sids))
@@ -105,8 +111,7 @@ async def test_queries_of_one_session_are_answered_one_after_the_other_in_order(
     system: System, stub: str, http: httpx.AsyncClient, private_nats: NatsServer
 ) -> None:
     configure(stub, model_latency={"stub-model": 150})
-    system.start()
-    add_generator(system, "gen-a")
+    launch(system, "gen-a")
     sid = await create(http)
     async with watching(private_nats.url, STATES) as watcher:
         replies = await in_order(http, sid, ["one", "two", "three", "four"])
@@ -122,9 +127,7 @@ async def test_two_generator_processes_share_sessions_and_never_interleave_one(
     system: System, stub: str, http: httpx.AsyncClient, private_nats: NatsServer
 ) -> None:
     configure(stub, model_latency={"stub-model": 100})
-    system.start()
-    add_generator(system, "gen-a")
-    add_generator(system, "gen-b")
+    launch(system, "gen-a", "gen-b")
     sids = [await create(http) for _ in range(10)]
     words = ["alpha", "beta", "gamma"]
     async with watching(private_nats.url, STATES) as watcher:
@@ -159,8 +162,7 @@ async def test_a_generator_killed_mid_answer_loses_nothing_and_doubles_nothing(
     system: System, stub: str, http: httpx.AsyncClient, private_nats: NatsServer
 ) -> None:
     configure(stub, ms_per_token=15)
-    system.start()
-    add_generator(system, "gen-a")
+    launch(system, "gen-a")
     sid = await create(http)
     await say(http, sid, "warm up")
     async with watching(private_nats.url, STATES) as watcher:
@@ -182,9 +184,7 @@ async def test_a_frozen_holder_past_its_lease_cannot_write(
     system: System, stub: str, http: httpx.AsyncClient, private_nats: NatsServer
 ) -> None:
     configure(stub, model_latency={"stub-model": 1500})
-    system.start()
-    add_generator(system, "gen-a")
-    add_generator(system, "gen-b")
+    launch(system, "gen-a", "gen-b")
     sid = await create(http)
     async with watching(private_nats.url, STATES) as watcher:
         pending = asyncio.create_task(say(http, sid, "freeze me"))
@@ -206,8 +206,7 @@ async def test_a_frozen_holder_past_its_lease_cannot_write(
 async def test_a_retried_publish_of_a_query_is_stored_and_answered_once(
     system: System, http: httpx.AsyncClient, private_nats: NatsServer
 ) -> None:
-    system.start()
-    add_generator(system, "gen-a")
+    launch(system, "gen-a")
     sid = await create(http)
     nc = await nats.connect(private_nats.url)
     bus = Bus(nc, "gateway")
@@ -228,8 +227,7 @@ async def test_a_streamed_answer_cut_by_a_killed_generator_restarts_cleanly(
     system: System, stub: str, http: httpx.AsyncClient, private_nats: NatsServer
 ) -> None:
     configure(stub, ms_per_token=15)
-    system.start()
-    add_generator(system, "gen-a")
+    launch(system, "gen-a")
     sid = await create(http)
     events: list[tuple[str, dict[str, object]]] = []
     killed = False

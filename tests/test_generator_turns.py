@@ -193,7 +193,9 @@ async def test_tool_failures_reach_the_model_as_clear_errors(private_nats: NatsS
     toolbox = Toolbox(Bus(nc, "generator"), timeout_s=0.3)
 
     async def run(name: str) -> str:
-        return (await toolbox.run(ToolCall(name=name), "q1", "c1")).content
+        outcome = await toolbox.run(ToolCall(name=name), "q1", "c1")
+        assert outcome.timed_out == (name == "slow")
+        return outcome.message.content
 
     assert await run("nosuch") == "error: unknown tool 'nosuch'"
     assert await run("slow") == "error: tool 'slow' timed out after 0.3 s"

@@ -149,7 +149,7 @@ class Api:
         records = await self._sessions.newest(int(raw))
         return JSONResponse({"sessions": [
             {"session_id": r.session_id, "created_at": r.created_at.isoformat(),
-             "model": r.model or self._settings.model, "auto_compact": r.auto_compact}
+             "model": r.model_or(self._settings.model), "auto_compact": r.auto_compact}
             for r in records]})
 
     async def get_session(self, request: Request) -> Response:
@@ -161,7 +161,7 @@ class Api:
         return JSONResponse({
             "session_id": sid,
             "system": record.system,
-            "model": record.model or self._settings.model,
+            "model": record.model_or(self._settings.model),
             "auto_compact": record.auto_compact,
             "summary": view.conversation.summary,
             "compactions": view.conversation.compactions,

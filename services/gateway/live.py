@@ -8,6 +8,7 @@ import contextlib
 import json
 from collections.abc import AsyncIterator
 
+from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
@@ -26,14 +27,14 @@ QUEUE_LIMIT = 1000
 
 
 class LiveFeed:
-    def __init__(self, nc: object) -> None:
+    def __init__(self, nc: NATS) -> None:
         self._nc = nc
         self._listeners: set[asyncio.Queue[tuple[str, dict[str, object]]]] = set()
         self._subs: list[Subscription] = []
 
     async def start(self) -> None:
         for subject in WATCHED:
-            self._subs.append(await self._nc.subscribe(subject, cb=self._on_message))  # type: ignore[attr-defined]
+            self._subs.append(await self._nc.subscribe(subject, cb=self._on_message))
 
     async def stop(self) -> None:
         for sub in self._subs:

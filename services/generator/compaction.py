@@ -108,8 +108,7 @@ class Compactor:
         job = Job(request.session_id, request.level, request.auto, request.reason,
                   request.instructions, env.correlation_id)
         result = await self._attempt(job)
-        await self._bus.publish(subjects.COMPACTION_RESULT, result,
-                                correlation_id=job.correlation_id, session_id=job.session_id)
+        await self._publish(job, result)
         log.info("compaction_finished", status=result.status, error=result.error,
                  tokens_before=result.tokens_before, tokens_after=result.tokens_after)
         return result
@@ -125,11 +124,11 @@ class Compactor:
         try:
             written = await self._write_summary(record, plan, job)
             spliced, before = await self._splice(record, view, plan, written)
-        except (CompactionSkipped, CompactionFailed) as err:
-            status = "skipped" if isinstance(err, CompactionSkipped) else "failed"
-            await self._publish(job, CompactionResult(
-                session_id=job.session_id, status=status, error=str(err),
-                tokens_before=before, auto=True, level=job.level))
+        except CompactionSkipped as err:
+            await self._publish(job, self._skipped(job, str(err), before))
+            raise
+        except CompactionFailed as err:
+            await self._publish(job, self._failed(job, str(err), before))
             raise
         await self._publish(job, self._completed(job, record, before, spliced, written))
         return spliced
@@ -200,7 +199,7 @@ class Compactor:
         messages = summary_messages(plan.snapshot.summary, plan.to_compact,
                                     first_request_of(plan.snapshot), job.instructions)
         request = ChatRequest(
-            model=self._settings.compaction_model or record.model or self._settings.model,
+            model=self._settings.compaction_model or record.model_or(self._settings.model),
             messages=messages, num_ctx=self._settings.num_ctx,
         )
         try:
@@ -286,11 +285,11 @@ class Compactor:
         )
 
     @staticmethod
-    def _skipped(job: Job, reason: str) -> CompactionResult:
+    def _skipped(job: Job, reason: str, tokens_before: int | None = None) -> CompactionResult:
         return CompactionResult(session_id=job.session_id, status="skipped", error=reason,
-                                auto=job.auto, level=job.level)
+                                tokens_before=tokens_before, auto=job.auto, level=job.level)
 
     @staticmethod
-    def _failed(job: Job, error: str) -> CompactionResult:
+    def _failed(job: Job, error: str, tokens_before: int | None = None) -> CompactionResult:
         return CompactionResult(session_id=job.session_id, status="failed", error=error,
-                                auto=job.auto, level=job.level)
+                                tokens_before=tokens_before, auto=job.auto, level=job.level)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
 import structlog
@@ -72,30 +72,25 @@ class Generator:
 
     async def start(self) -> None:
         await self._live.start()
+        self._loops = [
+            await self._pull(f"{subjects.QUERY_PREFIX}.*", subjects.QUERIES_STREAM,
+                             QUERY_CONSUMER, self._spawn_query),
+            await self._pull(subjects.COMPACTION_REQUEST, subjects.COMPACTIONS_STREAM,
+                             COMPACTION_CONSUMER, self._spawn_compaction),
+        ]
+        for loop in self._loops:
+            loop.start()
+
+    async def _pull(self, subject: str, stream: str, durable: str,
+                    on_message: Callable[[Msg], Awaitable[None]]) -> PullLoop:
+        """A loop on a durable consumer shared by every generator process."""
         sub = await self._bus.js.pull_subscribe(
-            f"{subjects.QUERY_PREFIX}.*",
-            durable=QUERY_CONSUMER,
-            stream=subjects.QUERIES_STREAM,
-            config=ConsumerConfig(
-                ack_policy=AckPolicy.EXPLICIT,
-                ack_wait=self._settings.query_ack_wait_s,
-                max_ack_pending=10_000,
-            ),
-        )
-        compactions = await self._bus.js.pull_subscribe(
-            subjects.COMPACTION_REQUEST,
-            durable=COMPACTION_CONSUMER,
-            stream=subjects.COMPACTIONS_STREAM,
+            subject, durable=durable, stream=stream,
             config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT,
                                   ack_wait=self._settings.query_ack_wait_s,
                                   max_ack_pending=10_000),
         )
-        self._loops = [
-            PullLoop(sub, self._spawn_query, QUERY_CONSUMER, self._capacity),
-            PullLoop(compactions, self._spawn_compaction, COMPACTION_CONSUMER, self._capacity),
-        ]
-        for loop in self._loops:
-            loop.start()
+        return PullLoop(sub, on_message, durable, self._capacity)
 
     async def stop(self) -> None:
         await self._live.stop()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
@@ -25,6 +26,12 @@ from services.shared.bus import Bus, decode
 TOOL_LIST_SUBJECT = "tool.list"
 DEFINITIONS_TTL_S = 30.0
 log = structlog.get_logger()
+
+
+@dataclass(frozen=True)
+class ToolRun:
+    message: ChatMessage
+    timed_out: bool
 
 
 class Toolbox:
@@ -47,11 +54,19 @@ class Toolbox:
         self._fetched_at = time.monotonic()
         return self._definitions
 
-    async def run(self, call: ToolCall, query_id: str, correlation_id: str) -> ChatMessage:
-        content = await self._call(call, correlation_id)
-        return ChatMessage(role="tool", content=content, tool_name=call.name, query_id=query_id)
+    async def run(self, call: ToolCall, query_id: str, correlation_id: str) -> ToolRun:
+        try:
+            content = await self._call(call, correlation_id)
+            timed_out = False
+        except NatsTimeout:
+            content = f"error: tool '{call.name}' timed out after {self._timeout_s:g} s"
+            timed_out = True
+        message = ChatMessage(role="tool", content=content, tool_name=call.name,
+                              query_id=query_id)
+        return ToolRun(message, timed_out)
 
     async def _call(self, call: ToolCall, correlation_id: str) -> str:
+        """The tool's output, or the error text the model gets; raises on timeout."""
         known = {d.get("function", {}).get("name") for d in await self.definitions()}
         if call.name not in known:
             return f"error: unknown tool '{call.name}'"
@@ -64,7 +79,7 @@ class Toolbox:
                                              timeout=self._timeout_s)
             outcome = decode(msg.data, ToolOutcome, subject).payload
         except NatsTimeout:
-            return f"error: tool '{call.name}' timed out after {self._timeout_s:g} s"
+            raise  # `run` reports it, and the turn records a tool timeout
         except NoRespondersError:
             return f"error: tool '{call.name}' is not available right now"
         except (ValidationError, Exception) as err:  # a broken tool must not break the turn

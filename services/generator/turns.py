@@ -139,8 +139,9 @@ class TurnRunner:
                       completion_tokens=result.completion_tokens)
 
         async def follow_up() -> None:
-            await self._recalibrate(turn, result, prompt, tools)
-            await self._report(turn, result, prompt, tools, started)
+            sent = sent_chars(prompt, tools)
+            await self._recalibrate(turn, result, sent, len(prompt))
+            await self._report(turn, result, sent, len(prompt), tools, started)
 
         return reply, follow_up
 
@@ -209,17 +210,16 @@ class TurnRunner:
         sid = env.payload.session_id
         await self._states.apply(sid, Action.dispatch_tool, env.correlation_id)
         await self._states.apply(sid, Action.await_result, env.correlation_id)
-        results = [await self._toolbox.run(call, env.message_id, env.correlation_id)
-                   for call in result.tool_calls]
-        timed_out = any(r.content.startswith("error:") and "timed out" in r.content
-                        for r in results)
+        runs = [await self._toolbox.run(call, env.message_id, env.correlation_id)
+                for call in result.tool_calls]
+        timed_out = any(run.timed_out for run in runs)
         await self._states.apply(sid, Action.tool_timeout if timed_out else Action.tool_result,
                                  env.correlation_id)
-        return results
+        return [run.message for run in runs]
 
     async def _call_model(self, env: Envelope[Query], record: SessionRecord, prompt: Messages,
                           tools: Messages) -> ChatResult:
-        request = ChatRequest(model=record.model or self._settings.model, messages=prompt,
+        request = ChatRequest(model=record.model_or(self._settings.model), messages=prompt,
                               num_ctx=self._settings.num_ctx, tools=tools)
         streamer = _TokenStreamer(self._bus, env) if env.payload.stream else None
         try:
@@ -231,31 +231,30 @@ class TurnRunner:
             raise TurnError("empty_reply", f"the model returned an empty reply{where}")
         return result
 
-    async def _recalibrate(self, turn: Turn, result: ChatResult, prompt: Messages,
-                           tools: Messages) -> None:
+    async def _recalibrate(self, turn: Turn, result: ChatResult, sent: int,
+                           messages: int) -> None:
         record = turn.record
         previous = Calibration(record.tokens_per_char)
-        updated = calibrate(previous, result.prompt_tokens, sent_chars(prompt, tools),
-                            self._settings.num_ctx, reused_chars=turn.reused_chars,
-                            messages=len(prompt))
+        updated = calibrate(previous, result.prompt_tokens, sent, self._settings.num_ctx,
+                            reused_chars=turn.reused_chars, messages=messages)
         ratio = updated.tokens_per_char
         if ratio is not None and (previous.tokens_per_char is None
                                   or abs(ratio / previous.tokens_per_char - 1) > 0.005):
             await self._sessions.put(record.model_copy(update={"tokens_per_char": ratio}))
 
-    async def _report(self, turn: Turn, result: ChatResult, prompt: Messages, tools: Messages,
-                      started: float) -> None:
+    async def _report(self, turn: Turn, result: ChatResult, sent: int, messages: int,
+                      tools: Messages, started: float) -> None:
         conversation = turn.view.conversation
         next_prompt = render_messages(turn.record.system, conversation)
         compactable = {level.value: self._compactable_chars(conversation, level)
                        for level in Level}
         report = GenerationReport(
             session_id=turn.sid,
-            model=turn.record.model or self._settings.model,
+            model=turn.record.model_or(self._settings.model),
             prompt_tokens=result.prompt_tokens,
             completion_tokens=result.completion_tokens,
-            sent_chars=sent_chars(prompt, tools),
-            sent_messages=len(prompt),
+            sent_chars=sent,
+            sent_messages=messages,
             num_ctx=self._settings.num_ctx,
             duration_ms=(time.monotonic() - started) * 1000,
             next_prompt_chars=sent_chars(next_prompt, tools),

@@ -170,14 +170,6 @@ class Bus:
         ack = await self.js.publish(subject, _encode(env), timeout=timeout_s, headers=headers)
         return env, ack
 
-    async def respond(self, msg: Msg, payload: Payload, *, correlation_id: str | None = None,
-                      session_id: str | None = None) -> None:
-        if not msg.reply:
-            return
-        env = self.envelope(msg.subject, payload, correlation_id=correlation_id,
-                            session_id=session_id)
-        await self.nc.publish(msg.reply, _encode(env), headers=headers_for(env))
-
     async def decode_or_report(self, msg: Msg, payload_type: type[P]) -> Envelope[P] | None:
         """The validated message, or None after reporting it as malformed."""
         try:
