@@ -650,9 +650,14 @@ class Generation:
 
 
 async def _sleep_ns(seconds: float) -> int:
+    """Sleep at least `seconds` (uvloop's millisecond timers may wake a little
+    early) and return how long it was."""
     started = time.perf_counter_ns()
     if seconds > 0:
         await asyncio.sleep(seconds)
+        short = started + int(seconds * 1e9) - time.perf_counter_ns()
+        if short > 0:
+            await asyncio.sleep(short / 1e9 + 0.001)
     return time.perf_counter_ns() - started
 
 

@@ -1,5 +1,8 @@
 """The page's live view: generator states, compaction events and generation
-reports, fanned out from NATS to every open `/api/events` stream."""
+reports, fanned out from NATS to every open `/api/events` stream.
+
+The gateway subscribes only while at least one page listens: otherwise every
+turn's state transitions would cross into this process for nobody."""
 
 from __future__ import annotations
 
@@ -31,15 +34,32 @@ class LiveFeed:
         self._nc = nc
         self._listeners: set[asyncio.Queue[tuple[str, dict[str, object]]]] = set()
         self._subs: list[Subscription] = []
+        # Listeners come and go concurrently; subscribing is not atomic.
+        self._subscribing = asyncio.Lock()
+        self._cleanups: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
-        for subject in WATCHED:
-            self._subs.append(await self._nc.subscribe(subject, cb=self._on_message))
+        pass  # subscriptions follow the listeners
 
     async def stop(self) -> None:
-        for sub in self._subs:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
+        self._listeners.clear()
+        await self._unsubscribe()
+
+    async def _subscribe(self) -> None:
+        async with self._subscribing:
+            if not self._subs:
+                self._subs = [await self._nc.subscribe(subject, cb=self._on_message)
+                              for subject in WATCHED]
+            await self._nc.flush()  # events from here on reach the new listener
+
+    async def _unsubscribe(self) -> None:
+        async with self._subscribing:
+            if self._listeners:
+                return  # somebody arrived meanwhile
+            subs, self._subs = self._subs, []
+            for sub in subs:
+                with contextlib.suppress(Exception):
+                    await sub.unsubscribe()
 
     async def _on_message(self, msg: Msg) -> None:
         try:
@@ -56,6 +76,7 @@ class LiveFeed:
         queue: asyncio.Queue[tuple[str, dict[str, object]]] = asyncio.Queue()
         self._listeners.add(queue)
         try:
+            await self._subscribe()
             yield ": connected\n\n"
             while True:
                 try:
@@ -69,3 +90,9 @@ class LiveFeed:
                 yield f"event: {envelope.get('message_type', 'message')}\ndata: {data}\n\n"
         finally:
             self._listeners.discard(queue)
+            if not self._listeners:
+                # A task of its own: this generator may be closing under a
+                # cancellation that would cut the unsubscribing short.
+                task = asyncio.create_task(self._unsubscribe())
+                self._cleanups.add(task)
+                task.add_done_callback(self._cleanups.discard)

@@ -13,6 +13,7 @@ from typing import Any, Protocol
 
 import httpx
 import ollama
+from httpx_aiohttp import AiohttpTransport
 
 from schemas.history import ToolCall
 
@@ -50,10 +51,16 @@ class ChatProvider(Protocol):
 
 
 class OllamaProvider:
-    def __init__(self, host: str, timeout_s: float) -> None:
+    def __init__(self, host: str, timeout_s: float, connections: int = 64) -> None:
         self._host = host
         self._timeout_s = timeout_s
-        self._client = ollama.AsyncClient(host=host, timeout=timeout_s)
+        # aiohttp under the ollama client's httpx: with one kept-alive
+        # connection per session answered at once, httpx's own pool scans
+        # every idle connection on every request; aiohttp's does not.
+        limits = httpx.Limits(max_connections=connections,
+                              max_keepalive_connections=connections)
+        self._client = ollama.AsyncClient(host=host, timeout=timeout_s,
+                                          transport=AiohttpTransport(limits=limits))
 
     async def chat(self, request: ChatRequest, on_token: OnToken | None = None) -> ChatResult:
         try:

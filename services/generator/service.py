@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
@@ -27,7 +28,7 @@ from schemas.messages import CompactionRequest, Query, Reply
 from services.core.state_machine import Action, CompactionMode
 from services.generator.compaction import Compactor
 from services.generator.provider import ChatProvider, OllamaProvider
-from services.generator.session_lock import LockTimeout, SessionLocks
+from services.generator.session_lock import Lease, LockTimeout, SessionLocks
 from services.generator.settings import GeneratorSettings
 from services.generator.states import SessionStates
 from services.generator.toolbox import Toolbox
@@ -46,7 +47,29 @@ COMPACTION_CONSUMER = "generator-compactions"
 MAX_DELIVERIES = 3
 # How long a later query of a session waits before it is offered again.
 OUT_OF_ORDER_DELAY_S = 0.02
+# Stream sequences of the queries answered last, kept for the ordering check.
+REMEMBERED_ANSWERS = 4096
 log = structlog.get_logger()
+
+
+class AnsweredQueries:
+    """Stream sequences of queries this process acknowledged lately: the
+    server drops an acknowledged query from the work queue a moment after
+    the acknowledgement, and the session's next query must not wait for it."""
+
+    def __init__(self, size: int = REMEMBERED_ANSWERS) -> None:
+        self._recent: OrderedDict[int, None] = OrderedDict()
+        self._size = size
+        self.count = 0
+
+    def remember(self, stream_seq: int) -> None:
+        self._recent[stream_seq] = None
+        if len(self._recent) > self._size:
+            self._recent.popitem(last=False)
+        self.count += 1
+
+    def __contains__(self, stream_seq: object) -> bool:
+        return stream_seq in self._recent
 
 
 class Generator:
@@ -68,7 +91,7 @@ class Generator:
         self._local_order: dict[str, asyncio.Lock] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._loops: list[PullLoop] = []
-        self._answered = 0
+        self._answered = AnsweredQueries()
 
     async def start(self) -> None:
         await self._live.start()
@@ -106,7 +129,7 @@ class Generator:
         return {
             "generator_id": self._settings.generator_id,
             "active_sessions": self._states.busy_sessions(),
-            "answered": self._answered,
+            "answered": self._answered.count,
             "model": self._settings.model,
             "num_ctx": self._settings.num_ctx,
         }
@@ -163,7 +186,11 @@ class Generator:
         async with self._working_on(msg, sid, env.correlation_id, query_id=env.message_id):
             order = self._local_order.setdefault(sid, asyncio.Lock())
             async with order:
-                follow_up = await self._answer_in_order(msg, env)
+                try:
+                    follow_up = await self._answer_in_order(msg, env)
+                except Exception as err:  # e.g. NATS away while taking the lock
+                    await self._unexpected(msg, env, err)
+                    follow_up = None
             if not order.locked():
                 self._local_order.pop(sid, None)
             if follow_up is not None:  # outside the session's locks
@@ -176,14 +203,13 @@ class Generator:
         blocked = self._compactor.blocking and (
             self._compactor.running(sid) or await self._locks.purpose_of(sid) == "compaction")
         wait = self._settings.blocking_query_wait_s if blocked else None
-        # No query can join the stream ahead of this one, so the ordering check
-        # need not wait for the lock.
-        if await self._earlier_query_pending(sid, msg):
+        earlier_pending, taken = await self._first_try(sid, msg)
+        if earlier_pending:
             await msg.nak(delay=OUT_OF_ORDER_DELAY_S)
             return None
         try:
-            async with self._locks.hold(sid, "query", wait_s=wait):
-                return await self._answer(msg, env)
+            async with self._locks.hold(sid, "query", wait_s=wait, taken=taken) as lease:
+                return await self._answer(msg, env, lease)
         except LockTimeout:
             if blocked:
                 await self._send_reply(msg, env, self._error_reply(env, TurnError(
@@ -194,13 +220,31 @@ class Generator:
             await msg.nak(delay=1.0)
             return None
 
-    async def _answer(self, msg: Msg, env: Envelope[Query]) -> FollowUp | None:
+    async def _first_try(self, sid: str, msg: Msg) -> tuple[bool, Lease | None]:
+        """Whether an earlier query of the session is still pending, and the
+        session's lock if it is free right now: asked together, since each is a
+        round trip. (No query can join the stream ahead of this one, so the
+        ordering check need not wait for the lock.)"""
+        pending, taken = await asyncio.gather(
+            self._earlier_query_pending(sid, msg), self._locks.try_acquire(sid, "query"),
+            return_exceptions=True)
+        if isinstance(taken, BaseException):
+            raise taken
+        if pending is False:
+            return False, taken
+        if taken is not None:  # not ours to use yet
+            await self._locks.release(taken)
+        if isinstance(pending, BaseException):
+            raise pending
+        return True, None
+
+    async def _answer(self, msg: Msg, env: Envelope[Query], lease: Lease) -> FollowUp | None:
         sid = env.payload.session_id
         await self._states.apply(sid, Action.receive, env.correlation_id)
         follow_up = None
         try:
             record = await self._sessions.get(sid)
-            reply, follow_up = await self._turns.run(env, record)
+            reply, follow_up = await self._turns.run(env, record, lease)
         except HistoryConflict:
             # Our view is stale (we lost the lease while frozen): let the query come
             # back; the redelivery sees what was written and never answers twice.
@@ -220,15 +264,16 @@ class Generator:
         return follow_up
 
     async def _send_reply(self, msg: Msg, env: Envelope[Query], reply: Reply) -> None:
-        # Acknowledge first, synchronously: the stream must have dropped this
-        # query before the caller, holding the reply, can send the next one,
-        # which checks for earlier pending queries. (The turn is stored by now;
-        # a crash in between costs the caller this reply, never the turn.)
-        await msg.ack_sync()
+        # Acknowledge before replying. The server drops the query a moment
+        # later; until then the ordering check of the session's next query
+        # skips it as answered. (The turn is stored by now; a crash in between
+        # costs the caller this reply, never the turn, and a redelivery finds
+        # the stored answer.)
+        await msg.ack()
+        self._answered.remember(msg.metadata.sequence.stream)
         sid = env.payload.session_id
         await self._bus.publish(subjects.reply(sid), reply,
                                 correlation_id=env.correlation_id, session_id=sid)
-        self._answered += 1
 
     async def _unexpected(self, msg: Msg, env: Envelope[Query], err: Exception) -> None:
         """A bug or a broken connection: retry a few times, then tell the caller."""
@@ -253,14 +298,21 @@ class Generator:
         return Reply(session_id=sid, query_id=env.message_id, error=text, error_code=code)
 
     async def _earlier_query_pending(self, sid: str, msg: Msg) -> bool:
-        try:
-            oldest = await self._bus.js.get_msg(
-                subjects.QUERIES_STREAM, seq=1, subject=subjects.query(sid), next=True,
-                direct=True,
-            )
-        except NotFoundError:
-            return False
-        return int(oldest.seq or 0) < msg.metadata.sequence.stream
+        ours, start = msg.metadata.sequence.stream, 1
+        while True:
+            try:
+                oldest = await self._bus.js.get_msg(
+                    subjects.QUERIES_STREAM, seq=start, subject=subjects.query(sid), next=True,
+                    direct=True,
+                )
+            except NotFoundError:
+                return False
+            seq = int(oldest.seq or 0)
+            if seq >= ours:
+                return False
+            if seq not in self._answered:
+                return True
+            start = seq + 1  # acknowledged here, not yet dropped by the server
 
     async def _keep_in_progress(self, msg: Msg) -> None:
         while True:
@@ -273,5 +325,6 @@ async def build(bus: Bus, settings: GeneratorSettings) -> Generator:
     sessions = SessionStore(await sessions_bucket(bus.js))
     locks = SessionLocks(await locks_bucket(bus.js, settings.lock_lease_s),
                          settings.generator_id, settings.lock_lease_s, settings.lock_wait_s)
-    provider = OllamaProvider(settings.ollama_host, settings.ollama_timeout_s)
+    provider = OllamaProvider(settings.ollama_host, settings.ollama_timeout_s,
+                              connections=settings.max_concurrent_sessions)
     return Generator(bus, settings, provider, sessions, locks)

@@ -52,6 +52,9 @@ class Lease:
     session_id: str
     purpose: Purpose
     revision: int
+    # Taken over this process's own free marker: nobody else has held the
+    # session since we let it go, so what we know of its history is current.
+    resumed: bool = False
     lost: bool = field(default=False)
 
 
@@ -65,16 +68,21 @@ class SessionLocks:
         self._freed_at: dict[str, int] = {}
 
     @contextlib.asynccontextmanager
-    async def hold(self, sid: str, purpose: Purpose, wait_s: float | None = None
-                   ) -> AsyncIterator[Lease]:
-        lease = await self.acquire(sid, purpose, wait_s)
-        renewer = asyncio.create_task(self._keep_renewed(lease))
+    async def hold(self, sid: str, purpose: Purpose, wait_s: float | None = None,
+                   taken: Lease | None = None) -> AsyncIterator[Lease]:
+        """Hold the session's lock, renewed, for the block; `taken` is a lease
+        already won by `try_acquire`."""
+        lease = taken or await self.acquire(sid, purpose, wait_s)
+        done = asyncio.Event()
+        renewer = asyncio.create_task(self._keep_renewed(lease, done))
         try:
             yield lease
         finally:
-            renewer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await renewer
+            # Stopped, not cancelled: a renewal cut off in flight may be stored
+            # while its new revision is lost, and the release would then fail
+            # and leave the session locked for a whole lease.
+            done.set()
+            await renewer
             await self.release(lease)
 
     async def acquire(self, sid: str, purpose: Purpose, wait_s: float | None = None) -> Lease:
@@ -82,25 +90,41 @@ class SessionLocks:
         deadline = time.monotonic() + wait_s
         delay = 0.005
         while True:
-            revision = await self._try_take(sid, self._value(purpose))
-            if revision is not None:
-                log.debug("lock_acquired", session_id=sid, purpose=purpose, revision=revision)
-                return Lease(sid, purpose, revision)
+            lease = await self.try_acquire(sid, purpose)
+            if lease is not None:
+                return lease
             if time.monotonic() >= deadline:
                 raise LockTimeout(f"session {sid} stayed locked for {wait_s:g} s")
             await asyncio.sleep(delay * random.uniform(0.5, 1.5))
             delay = min(delay * 2, MAX_POLL_S)
 
-    async def _try_take(self, sid: str, value: bytes) -> int | None:
-        """The new revision if the session was free, else None."""
+    async def try_acquire(self, sid: str, purpose: Purpose) -> Lease | None:
+        """The lease if the session is free right now, else None; never waits."""
+        value = self._value(purpose)
         freed_at = self._freed_at.pop(sid, None)
         if freed_at is not None:
             with contextlib.suppress(KeyWrongLastSequenceError):
-                return await self._kv.update(sid, value, last=freed_at)
+                revision = await self._kv.update(sid, value, last=freed_at)
+                return self._won(sid, purpose, revision, resumed=True)
+        taken = await self._take_over(sid, value)
+        return None if taken is None else self._won(sid, purpose, taken, resumed=False)
+
+    def _won(self, sid: str, purpose: Purpose, revision: int, resumed: bool) -> Lease:
+        log.debug("lock_acquired", session_id=sid, purpose=purpose, revision=revision,
+                  resumed=resumed)
+        return Lease(sid, purpose, revision, resumed)
+
+    async def _take_over(self, sid: str, value: bytes) -> int | None:
+        """Create the key, or replace someone else's free marker: the new
+        revision, or None when the session is held."""
         try:
             return await self._kv.create(sid, value)
         except KeyWrongLastSequenceError:
             pass
+        except KeyNotFoundError:
+            # nats-py's create looks the key up again after a conflict; the
+            # free marker may expire in between. The session is free: retry.
+            return await self._take_over(sid, value)
         try:
             entry = await self._kv.get(sid)
         except KeyNotFoundError:
@@ -137,9 +161,12 @@ class SessionLocks:
             self._freed_at.clear()
         self._freed_at[lease.session_id] = freed_at
 
-    async def _keep_renewed(self, lease: Lease) -> None:
+    async def _keep_renewed(self, lease: Lease, done: asyncio.Event) -> None:
         while True:
-            await asyncio.sleep(self._lease_s / 3)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(done.wait(), self._lease_s / 3)
+            if done.is_set():
+                return
             try:
                 lease.revision = await self._kv.update(
                     lease.session_id, self._value(lease.purpose), last=lease.revision
@@ -148,6 +175,8 @@ class SessionLocks:
                 lease.lost = True
                 log.error("lock_lost", session_id=lease.session_id, purpose=lease.purpose)
                 return
+            except Exception as err:  # NATS briefly away: try again next period
+                log.warning("lock_renewal_failed", session_id=lease.session_id, error=str(err))
 
     def _value(self, purpose: Purpose) -> bytes:
         return json.dumps(

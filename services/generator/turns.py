@@ -35,6 +35,7 @@ from services.core.state_machine import Action
 from services.core.tokens import Calibration, calibrate, estimate_prompt, prompt_budget
 from services.generator.compaction import CompactionFailed, CompactionSkipped, Compactor
 from services.generator.provider import ChatProvider, ChatRequest, ChatResult, ProviderError
+from services.generator.session_lock import Lease
 from services.generator.settings import GeneratorSettings
 from services.generator.states import SessionStates
 from services.generator.toolbox import Toolbox
@@ -115,13 +116,13 @@ class TurnRunner:
     def budget(self) -> int:
         return prompt_budget(self._settings.num_ctx, self._settings.output_headroom)
 
-    async def run(self, env: Envelope[Query], record: SessionRecord
+    async def run(self, env: Envelope[Query], record: SessionRecord, lease: Lease
                   ) -> tuple[Reply, FollowUp | None]:
         """Answer the query and store the turn. Returns the reply and the
         bookkeeping (calibration, `response.generation`) that neither the caller
         nor the session's next query need wait for."""
         sid, query_id = env.payload.session_id, env.message_id
-        view = await self._history.read(sid)
+        view = await self._history.read(sid, current=lease.resumed)
         done = previous_answer(view.conversation, query_id)
         if done is not None:
             log.info("query_already_answered")

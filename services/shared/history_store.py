@@ -9,7 +9,8 @@ splice is one message with `Nats-Rollup: sub`, which atomically replaces the
 subject's earlier messages.
 
 Reads keep a per-session cache keyed by the last sequence seen, so a turn
-costs one "last message" lookup when nothing changed behind our back.
+costs one "last message" lookup when nothing changed behind our back, and
+none when the caller knows nobody else can have written.
 """
 
 from __future__ import annotations
@@ -51,7 +52,14 @@ class HistoryStore:
         self._cache: OrderedDict[str, HistoryView] = OrderedDict()
         self._cached_sessions = cached_sessions
 
-    async def read(self, sid: str) -> HistoryView:
+    async def read(self, sid: str, current: bool = False) -> HistoryView:
+        """The session's history. `current`: the caller knows nobody else has
+        written it since this process did (it took the lock back from itself),
+        so a cached view is returned without asking the server; were that
+        wrong, the next append's compare-and-swap would still refuse it."""
+        if current and sid in self._cache:
+            self._cache.move_to_end(sid)
+            return self._cache[sid]
         subject = subjects.history(sid)
         last = await self._last_seq(subject)
         cached = self._cache.get(sid, EMPTY)

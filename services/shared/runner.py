@@ -108,5 +108,19 @@ def _stop_on_signals() -> asyncio.Event:
 
 
 def main(coro: Awaitable[None]) -> None:
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(coro)  # type: ignore[arg-type]
+    with (contextlib.suppress(KeyboardInterrupt),
+          asyncio.Runner(loop_factory=_loop_factory()) as runner):
+        runner.run(coro)  # type: ignore[arg-type]
+
+
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop where it is installed: it roughly halves the CPU that moving
+    messages costs (scripts/bench.py shows it); else asyncio's own loop."""
+    import os
+    if os.environ.get("DIAG_NO_UVLOOP"):
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
