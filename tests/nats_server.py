@@ -64,6 +64,11 @@ class NatsServer:
                 self._proc.wait()
         self._proc = None
 
+    def signal(self, sig: int) -> None:
+        """SIGSTOP / SIGCONT: a server that stops answering for a while."""
+        assert self._proc is not None
+        self._proc.send_signal(sig)
+
     def restart(self) -> None:
         self.stop()
         self.start()

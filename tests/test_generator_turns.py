@@ -14,6 +14,7 @@ from nats.aio.msg import Msg
 from schemas import subjects
 from schemas.history import ToolCall
 from schemas.messages import ToolOutcome
+from services.generator.service import AnsweredQueries
 from services.generator.toolbox import TOOL_LIST_SUBJECT, Toolbox
 from services.shared.bus import Bus
 from tests.events import server_sent_events, transitions, turns_finished, watching
@@ -202,3 +203,11 @@ async def test_tool_failures_reach_the_model_as_clear_errors(private_nats: NatsS
     assert await run("broken") == "error: tool 'broken' failed: ValueError: boom"
     assert await run("absent") == "error: tool 'absent' is not available right now"
     await nc.drain()
+
+
+def test_answered_queries_are_remembered_up_to_a_bound() -> None:
+    answered = AnsweredQueries(size=3)
+    for seq in (10, 11, 12, 13):
+        answered.remember(seq)
+    assert 10 not in answered and all(seq in answered for seq in (11, 12, 13))
+    assert answered.count == 4

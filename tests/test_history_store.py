@@ -85,3 +85,19 @@ async def test_the_cache_is_bounded_and_a_miss_reads_the_stream(store: HistorySt
     assert len(store._cache) == 2
     for i, sid in enumerate(sids):
         assert (await store.read(sid)).conversation.messages == tuple(turn(i))
+
+
+async def test_a_caller_that_knows_its_view_is_current_skips_the_server(
+    store: HistoryStore, nc: NATS,
+) -> None:
+    """`current=True` (the lock came back from ourselves) returns the cached view
+    as is; a write nobody told us of shows only in a plain read, and the
+    compare-and-swap still refuses an append on the stale view."""
+    sid = new_sid()
+    mine = await store.append(sid, await store.read(sid), turn(1))
+    behind_our_back = HistoryStore(nc.jetstream())
+    await behind_our_back.append(sid, await behind_our_back.read(sid), turn(2))
+    assert await store.read(sid, current=True) == mine
+    with pytest.raises(HistoryConflict):
+        await store.append(sid, mine, turn(3))
+    assert len((await store.read(sid)).conversation.messages) == 4

@@ -3,27 +3,32 @@
 from __future__ import annotations
 
 import asyncio
+import signal
 import uuid
 
+import nats
 import pytest
 from nats.aio.client import Client as NATS
+from nats.js.api import KeyValueConfig, StorageType
 
 from schemas import subjects
 from services.generator.session_lock import LockTimeout, SessionLocks
 from services.shared.jetstream import locks_bucket
+from tests.nats_server import NatsServer
 
 LEASE_S = 1.0
 
 
+async def new_locks(nc: NATS) -> SessionLocks:
+    bucket = f"locks_test_{uuid.uuid4().hex[:8]}"
+    kv = await nc.jetstream().create_key_value(KeyValueConfig(
+        bucket=bucket, history=1, ttl=LEASE_S, storage=StorageType.FILE))
+    return SessionLocks(kv, "holder-a", LEASE_S, wait_s=0.3)
+
+
 @pytest.fixture
 async def locks(nc: NATS) -> SessionLocks:
-    js = nc.jetstream()
-    bucket = f"locks_test_{uuid.uuid4().hex[:8]}"
-    from nats.js.api import KeyValueConfig, StorageType
-
-    kv = await js.create_key_value(KeyValueConfig(bucket=bucket, history=1, ttl=LEASE_S,
-                                                  storage=StorageType.FILE))
-    return SessionLocks(kv, "holder-a", LEASE_S, wait_s=0.3)
+    return await new_locks(nc)
 
 
 def other_holder(locks: SessionLocks, wait_s: float = 0.3) -> SessionLocks:
@@ -93,3 +98,57 @@ async def test_the_product_bucket_expires_keys_by_lease(nc: NATS) -> None:
     assert status.bucket == subjects.LOCKS_BUCKET
     assert status.ttl == 5.0
     assert status.history == 1
+
+
+async def test_try_acquire_never_waits(locks: SessionLocks) -> None:
+    held = await locks.acquire("s1", "query")
+    assert await other_holder(locks).try_acquire("s1", "query") is None
+    await locks.release(held)
+    assert await other_holder(locks).try_acquire("s1", "query") is not None
+
+
+async def test_a_lock_taken_back_from_ourselves_is_resumed(locks: SessionLocks) -> None:
+    """`resumed` tells the holder that nobody else held the session since its
+    own release, so its cached view of the history is current."""
+    first = await locks.acquire("s1", "query")
+    assert not first.resumed
+    await locks.release(first)
+    again = await locks.acquire("s1", "query")
+    assert again.resumed
+    await locks.release(again)
+    theirs = await other_holder(locks).acquire("s1", "query")
+    assert not theirs.resumed
+    await other_holder(locks).release(theirs)
+    after_them = await locks.acquire("s1", "query")
+    assert not after_them.resumed  # our free marker is gone: they held it meanwhile
+    await locks.release(after_them)
+
+
+async def test_a_renewal_in_flight_when_the_holder_finishes_does_not_strand_the_lock(
+    private_nats: NatsServer,
+) -> None:
+    """The renewal is sent to a server that is not answering (SIGSTOP) and the
+    holder finishes meanwhile. Cancelling that renewal would lose its new
+    revision while the server still stores it; the release would then be
+    refused and the session stay locked for a whole lease."""
+    client = await nats.connect(private_nats.url)
+    try:
+        locks = await new_locks(client)
+
+        async def hold_past_one_renewal() -> None:
+            async with locks.hold("s1", "query"):
+                await asyncio.sleep(LEASE_S / 3 + 0.15)  # the renewal went out at lease/3
+
+        holder = asyncio.create_task(hold_past_one_renewal())
+        await asyncio.sleep(LEASE_S / 3 - 0.1)
+        private_nats.signal(signal.SIGSTOP)
+        try:
+            await asyncio.sleep(0.4)
+        finally:
+            private_nats.signal(signal.SIGCONT)
+        await asyncio.wait_for(holder, 10)
+        assert await locks.purpose_of("s1") is None  # released, not stranded
+        taken = await other_holder(locks).try_acquire("s1", "query")
+        assert taken is not None
+    finally:
+        await client.close()

@@ -38,6 +38,10 @@ class LiveFeed:
         self._subscribing = asyncio.Lock()
         self._cleanups: set[asyncio.Task[None]] = set()
 
+    @property
+    def subscribed(self) -> bool:
+        return bool(self._subs)
+
     async def start(self) -> None:
         pass  # subscriptions follow the listeners
 

@@ -114,11 +114,8 @@ def main(coro: Awaitable[None]) -> None:
 
 
 def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
-    """uvloop where it is installed: it roughly halves the CPU that moving
-    messages costs (scripts/bench.py shows it); else asyncio's own loop."""
-    import os
-    if os.environ.get("DIAG_NO_UVLOOP"):
-        return None
+    """uvloop where it is installed (less CPU per message moved); else
+    asyncio's own loop."""
     try:
         import uvloop
     except ImportError:
