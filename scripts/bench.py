@@ -7,7 +7,7 @@
 
 Everything runs on this machine and is started here: a private nats-server,
 the Ollama stand-in (scripts/ollama_stub.py) and the services as real
-subprocesses (the classes of tests/system.py), driven over HTTP with httpx and
+subprocesses (the classes of tests/system.py), driven over HTTP with aiohttp and
 over NATS with nats-py. Figures are ratios measured in the same run (turn
 overhead in NATS round trips, throughput as a share of the ideal, latency during
 a compaction against latency without one), so they mean the same on a slow
@@ -40,6 +40,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import aiohttp
 import httpx
 import nats
 import ollama
@@ -261,12 +262,44 @@ def running_env(stub_flags: Sequence[str] = (), env: dict[str, str] | None = Non
                 process.log_path.unlink(missing_ok=True)
 
 
-def http_client(env: Env, connections: int = 32) -> httpx.AsyncClient:
-    return httpx.AsyncClient(
-        base_url=env.base_url, timeout=120.0,
-        limits=httpx.Limits(max_connections=connections,
-                            max_keepalive_connections=connections),
-    )
+@dataclass(frozen=True)
+class Answer:
+    """An HTTP response, read whole."""
+
+    status_code: int
+    text: str
+
+    def json(self) -> Any:
+        return json.loads(self.text)
+
+
+class Http:
+    """The driver's HTTP client: aiohttp, whose CPU per request is a fraction of
+    httpx's. The driver shares the machine's cores with what it measures, so
+    every millisecond it spends is one the services do not get."""
+
+    def __init__(self, base_url: str, connections: int) -> None:
+        self._session = aiohttp.ClientSession(
+            base_url=base_url, timeout=aiohttp.ClientTimeout(total=120.0),
+            connector=aiohttp.TCPConnector(limit=connections))
+
+    async def __aenter__(self) -> Http:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._session.close()
+
+    async def get(self, path: str) -> Answer:
+        async with self._session.get(path) as response:
+            return Answer(response.status, await response.text())
+
+    async def post(self, path: str, json: Any = None) -> Answer:
+        async with self._session.post(path, json=json) as response:
+            return Answer(response.status, await response.text())
+
+
+def http_client(env: Env, connections: int = 32) -> Http:
+    return Http(env.base_url, connections)
 
 
 async def configure_stub(stub_url: str, **config: Any) -> None:
@@ -274,18 +307,18 @@ async def configure_stub(stub_url: str, **config: Any) -> None:
         (await client.post(f"{stub_url}/_stub/config", json=config)).raise_for_status()
 
 
-async def new_session(http: httpx.AsyncClient, system: str = "") -> str:
+async def new_session(http: Http, system: str = "") -> str:
     response = await http.post("/api/sessions", json={"system": system})
     if response.status_code != 201:
         raise RuntimeError(f"creating a session: HTTP {response.status_code} {response.text}")
     return str(response.json()["session_id"])
 
 
-async def ask(http: httpx.AsyncClient, sid: str, content: str) -> httpx.Response:
+async def ask(http: Http, sid: str, content: str) -> Answer:
     return await http.post(f"/api/sessions/{sid}/messages", json={"content": content})
 
 
-async def ask_ok(http: httpx.AsyncClient, sid: str, content: str) -> dict[str, Any]:
+async def ask_ok(http: Http, sid: str, content: str) -> dict[str, Any]:
     response = await ask(http, sid, content)
     if response.status_code != 200:
         raise RuntimeError(f"query failed: HTTP {response.status_code} {response.text}")
@@ -293,8 +326,8 @@ async def ask_ok(http: httpx.AsyncClient, sid: str, content: str) -> dict[str, A
     return body
 
 
-async def timed_ask(http: httpx.AsyncClient, sid: str, content: str
-                    ) -> tuple[float, float, httpx.Response]:
+async def timed_ask(http: Http, sid: str, content: str
+                    ) -> tuple[float, float, Answer]:
     """(start, seconds, response) of one query, start on the perf_counter clock."""
     started = time.perf_counter()
     response = await ask(http, sid, content)
@@ -346,11 +379,6 @@ def cpu_per_unit(before: dict[str, float], after: dict[str, float], units: int,
         "cores_busy": total / wall_s,
         "cores": os.cpu_count(),
     }
-
-
-def started_generations(log: str) -> int:
-    """Turns a generator began, from its JSON log (one state_changed line per transition)."""
-    return sum(1 for line in log.splitlines() if '"start_generation"' in line)
 
 
 # --------------------------------------------------------------------------- 1. nats_rtt
@@ -494,14 +522,14 @@ def row_turn_overhead(bench: Bench) -> Row:
 # --------------------------------------------------------------------------- 3-4. throughput
 
 
-async def closed_loop(post: Callable[[httpx.AsyncClient, int], Awaitable[httpx.Response]],
-                      clients: Sequence[httpx.AsyncClient], queries: int) -> dict[str, Any]:
+async def closed_loop(post: Callable[[Http, int], Awaitable[Answer]],
+                      clients: Sequence[Http], queries: int) -> dict[str, Any]:
     """Every client sends `queries` requests one after the other, all clients at once;
     latencies of the 200s, failures, wall time and the CPU of every process."""
     latencies: list[float] = []
     failures: list[str] = []
 
-    async def one_user(client: httpx.AsyncClient) -> None:
+    async def one_user(client: Http) -> None:
         for index in range(queries):
             started = time.perf_counter()
             response = await post(client, index)
@@ -520,19 +548,28 @@ async def closed_loop(post: Callable[[httpx.AsyncClient, int], Awaitable[httpx.R
 
 class GeneratorProbe:
     """What the generators themselves saw during a run: each turn's own duration (from
-    `response.generation`) and how often the QUERIES consumer delivered a query again."""
+    `response.generation`), how many turns each generator began (from its published
+    state transitions) and how often the QUERIES consumer delivered a query again."""
 
     def __init__(self) -> None:
         self.turn_ms: list[float] = []
+        self.turns_by_generator: dict[str, int] = {}
         self.deliveries = 0
         self.new_queries = 0
 
     async def on_report(self, msg: Any) -> None:
         self.turn_ms.append(float(json.loads(msg.data)["payload"]["duration_ms"]))
 
+    async def on_state(self, msg: Any) -> None:
+        change = json.loads(msg.data)["payload"]
+        if change["action"] == "start_generation":
+            generator = change["generator_id"]
+            self.turns_by_generator[generator] = self.turns_by_generator.get(generator, 0) + 1
+
     def summary(self) -> dict[str, Any]:
         turn = summary_ms([ms / 1000 for ms in self.turn_ms]) if self.turn_ms else {}
         return {"generator_turn": turn, "query_deliveries": self.deliveries,
+                "turns_by_generator": self.turns_by_generator,
                 "queries": self.new_queries,
                 "query_redeliveries": self.deliveries - self.new_queries}
 
@@ -545,6 +582,7 @@ async def generator_probe(nats_url: str) -> AsyncIterator[GeneratorProbe]:
     try:
         before = await js.consumer_info(subjects.QUERIES_STREAM, QUERY_CONSUMER)
         await nc.subscribe(subjects.RESPONSE_GENERATION, cb=probe.on_report)
+        await nc.subscribe(f"{subjects.STATE_PREFIX}.*", cb=probe.on_state)
         await nc.flush()
         yield probe
         await asyncio.sleep(0.2)  # the last reports follow the last replies
@@ -558,9 +596,7 @@ async def generator_probe(nats_url: str) -> AsyncIterator[GeneratorProbe]:
 async def throughput(env: Env, sessions: int, queries: int) -> dict[str, Any]:
     """`sessions` users at once, each sending `queries` queries one after the other.
 
-    Each user has a client (and keep-alive connection) of its own, like a browser:
-    one httpx pool shared by 64 busy connections costs ~9 ms of CPU per request and
-    caps this driver near 80 requests/s on two cores, far below what is measured."""
+    Each user has a client (and keep-alive connection) of its own, like a browser."""
     await configure_stub(env.stub_url, model_latency={MODEL: ANSWER_LATENCY_S * 1000})
     try:
         async with contextlib.AsyncExitStack() as stack:
@@ -576,9 +612,8 @@ async def throughput(env: Env, sessions: int, queries: int) -> dict[str, Any]:
             measured["probe"] = probe.summary()
             # The same load straight at the stand-in: what this driver and the
             # stand-in reach on this machine with nothing in between.
-            direct = [await stack.enter_async_context(
-                httpx.AsyncClient(base_url=env.stub_url, timeout=120.0))
-                for _ in range(sessions)]
+            direct = [await stack.enter_async_context(Http(env.stub_url, 1))
+                      for _ in range(sessions)]
             body = {"model": MODEL, "stream": False, "options": {"num_ctx": NUM_CTX},
                     "messages": [{"role": "user", "content": "question"}]}
             await asyncio.gather(*(c.post("/api/chat", json=body) for c in direct))
@@ -593,10 +628,7 @@ async def throughput(env: Env, sessions: int, queries: int) -> dict[str, Any]:
 def throughput_row(name: str, bench: Bench, generators: int) -> Row:
     env = bench.plain()
     params = bench.params
-    logs = [p for n, p in env.system.processes.items() if n.startswith(("generator", "gen-"))]
-    before = [started_generations(p.log()) for p in logs]
     measured = asyncio.run(throughput(env, params.throughput_sessions, params.throughput_queries))
-    per_generator = [started_generations(p.log()) - b for p, b in zip(logs, before, strict=True)]
     answers = len(measured["latencies"])
     rate = answers / measured["wall_s"]
     ideal = params.throughput_sessions / ANSWER_LATENCY_S
@@ -625,7 +657,6 @@ def throughput_row(name: str, bench: Bench, generators: int) -> Row:
             "queries_per_session": params.throughput_queries,
             "answer_latency_ms": ANSWER_LATENCY_S * 1000,
             "generators": generators,
-            "turns_started_per_generator_with_warmup": per_generator,
             "latency": latency,
             "cpu_per_answer": measured["cpu"],
             "stand_in_alone": {
@@ -705,7 +736,7 @@ class CompactionWatch:
                 await self._changed.wait()
 
 
-def query_outcome(response: httpx.Response) -> tuple[int, str]:
+def query_outcome(response: Answer) -> tuple[int, str]:
     if response.status_code == 200:
         return 200, ""
     try:
@@ -715,7 +746,7 @@ def query_outcome(response: httpx.Response) -> tuple[int, str]:
     return response.status_code, code
 
 
-async def compaction_round(nc: Any, http: httpx.AsyncClient, params: Params
+async def compaction_round(nc: Any, http: Http, params: Params
                            ) -> CompactionRun:
     """A session with some history; N queries without compaction; a compaction whose
     summary takes 5 s and, as soon as it has started, N more queries; then a query
@@ -1080,7 +1111,7 @@ class ReportWatch:
         self.queue(report.session_id).put_nowait(report)
 
 
-async def estimate_points_live(env: Env, http: httpx.AsyncClient, watch: ReportWatch,
+async def estimate_points_live(env: Env, http: Http, watch: ReportWatch,
                                cpt: float, script: Sequence[str]
                                ) -> tuple[list[EstimatePoint], dict[str, Any]]:
     """A session through the real system at `cpt` characters per token. Before each turn
