@@ -41,7 +41,6 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import aiohttp
-import httpx
 import nats
 import ollama
 
@@ -303,8 +302,10 @@ def http_client(env: Env, connections: int = 32) -> Http:
 
 
 async def configure_stub(stub_url: str, **config: Any) -> None:
-    async with httpx.AsyncClient(timeout=10.0) as client:
-        (await client.post(f"{stub_url}/_stub/config", json=config)).raise_for_status()
+    async with Http(stub_url, 1) as client:
+        answer = await client.post("/_stub/config", json=config)
+    if answer.status_code != 200:
+        raise RuntimeError(f"configuring the stand-in: HTTP {answer.status_code} {answer.text}")
 
 
 async def new_session(http: Http, system: str = "") -> str:

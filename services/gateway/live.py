@@ -54,7 +54,7 @@ class LiveFeed:
             if not self._subs:
                 self._subs = [await self._nc.subscribe(subject, cb=self._on_message)
                               for subject in WATCHED]
-            await self._nc.flush()  # events from here on reach the new listener
+                await self._nc.flush()  # events from here on reach the listener
 
     async def _unsubscribe(self) -> None:
         async with self._subscribing:

@@ -208,7 +208,8 @@ class Generator:
             await msg.nak(delay=OUT_OF_ORDER_DELAY_S)
             return None
         try:
-            async with self._locks.hold(sid, "query", wait_s=wait, taken=taken) as lease:
+            async with self._locks.hold(sid, "query", wait_s=wait, taken=taken,
+                                        tried=True) as lease:
                 return await self._answer(msg, env, lease)
         except LockTimeout:
             if blocked:
@@ -230,13 +231,13 @@ class Generator:
             return_exceptions=True)
         if isinstance(taken, BaseException):
             raise taken
-        if pending is False:
-            return False, taken
-        if taken is not None:  # not ours to use yet
-            await self._locks.release(taken)
-        if isinstance(pending, BaseException):
-            raise pending
-        return True, None
+        if pending is not False:  # an earlier query waits, or the check failed
+            if taken is not None:
+                await self._locks.release(taken)  # not ours to use yet
+            if isinstance(pending, BaseException):
+                raise pending
+            return True, None
+        return False, taken
 
     async def _answer(self, msg: Msg, env: Envelope[Query], lease: Lease) -> FollowUp | None:
         sid = env.payload.session_id
