@@ -18,6 +18,9 @@ from httpx_aiohttp import AiohttpTransport
 from schemas.history import ToolCall
 
 OnToken = Callable[[str], Awaitable[None]]
+# Idle connections to the model are closed after this, before servers
+# commonly close them (uvicorn after 5 s).
+IDLE_CONNECTION_S = 2.0
 
 
 class ProviderError(Exception):
@@ -49,6 +52,8 @@ class ChatResult:
 class ChatProvider(Protocol):
     async def chat(self, request: ChatRequest, on_token: OnToken | None = None) -> ChatResult: ...
 
+    async def close(self) -> None: ...
+
 
 class OllamaProvider:
     def __init__(self, host: str, timeout_s: float, connections: int = 64) -> None:
@@ -58,18 +63,15 @@ class OllamaProvider:
         # connection per session answered at once, httpx's own pool scans
         # every idle connection on every request; aiohttp's does not.
         limits = httpx.Limits(max_connections=connections,
-                              max_keepalive_connections=connections)
+                              max_keepalive_connections=connections,
+                              keepalive_expiry=IDLE_CONNECTION_S)
         self._client = ollama.AsyncClient(host=host, timeout=timeout_s,
                                           transport=AiohttpTransport(limits=limits))
 
     async def chat(self, request: ChatRequest, on_token: OnToken | None = None) -> ChatResult:
         try:
             async with asyncio.timeout(self._timeout_s):
-                if on_token is None:
-                    # Nobody watches the tokens: one response costs far less CPU
-                    # than parsing a chunk per word.
-                    return await self._whole(request)
-                return await self._stream(request, on_token)
+                return await self._answer(request, on_token)
         except TimeoutError as err:
             raise ProviderError(
                 "timeout", f"the model did not answer within {self._timeout_s:g} s"
@@ -82,6 +84,35 @@ class OllamaProvider:
             raise ProviderError(
                 "unreachable", f"Ollama at {self._host} is unreachable: {err}"
             ) from err
+
+    async def close(self) -> None:
+        await self._client.close()  # type: ignore[no-untyped-call]
+
+    async def _answer(self, request: ChatRequest, on_token: OnToken | None) -> ChatResult:
+        """One answer; asked again once when the connection fails before any of
+        it arrived: a kept-alive connection the server closed as we picked it
+        up fails that way, and a fresh one does not."""
+        forwarded = False
+
+        async def forward(text: str) -> None:
+            nonlocal forwarded
+            forwarded = True
+            assert on_token is not None
+            await on_token(text)
+
+        try:
+            return await self._once(request, forward if on_token else None)
+        except (httpx.TransportError, ConnectionError):
+            if forwarded:
+                raise
+            return await self._once(request, on_token)
+
+    async def _once(self, request: ChatRequest, on_token: OnToken | None) -> ChatResult:
+        if on_token is None:
+            # Nobody watches the tokens: one response costs far less CPU than
+            # parsing a chunk per word.
+            return await self._whole(request)
+        return await self._stream(request, on_token)
 
     async def _whole(self, request: ChatRequest) -> ChatResult:
         response = await self._send(request, stream=False)

@@ -77,6 +77,7 @@ class Generator:
                  sessions: SessionStore, locks: SessionLocks) -> None:
         self._bus = bus
         self._settings = settings
+        self._provider = provider
         self._live = LiveSettings(bus.js, settings)
         self._history = HistoryStore(bus.js)
         self._sessions = sessions
@@ -121,6 +122,7 @@ class Generator:
             await loop.stop()
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=10)
+        await self._provider.close()
 
     def endpoints(self) -> list[Endpoint]:
         return []
