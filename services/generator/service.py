@@ -210,8 +210,7 @@ class Generator:
             await msg.nak(delay=OUT_OF_ORDER_DELAY_S)
             return None
         try:
-            async with self._locks.hold(sid, "query", wait_s=wait, taken=taken,
-                                        tried=True) as lease:
+            async with self._locks.hold(sid, "query", wait_s=wait, taken=taken) as lease:
                 return await self._answer(msg, env, lease)
         except LockTimeout:
             if blocked:

@@ -69,10 +69,10 @@ class SessionLocks:
 
     @contextlib.asynccontextmanager
     async def hold(self, sid: str, purpose: Purpose, wait_s: float | None = None,
-                   taken: Lease | None = None, tried: bool = False) -> AsyncIterator[Lease]:
-        """Hold the session's lock, renewed, for the block. `tried`: the caller
-        has just called `try_acquire`, which returned `taken`."""
-        lease = taken or await self.acquire(sid, purpose, wait_s, tried=tried)
+                   taken: Lease | None = None) -> AsyncIterator[Lease]:
+        """Hold the session's lock, renewed, for the block; `taken` is a lease
+        already won by `try_acquire`."""
+        lease = taken or await self.acquire(sid, purpose, wait_s)
         done = asyncio.Event()
         renewer = asyncio.create_task(self._keep_renewed(lease, done))
         try:
@@ -85,16 +85,16 @@ class SessionLocks:
             await renewer
             await self.release(lease)
 
-    async def acquire(self, sid: str, purpose: Purpose, wait_s: float | None = None,
-                      tried: bool = False) -> Lease:
-        """Wait for the session's lock. `tried`: a `try_acquire` has just failed,
-        so the first attempt here would only repeat its round trips."""
+    async def acquire(self, sid: str, purpose: Purpose, wait_s: float | None = None) -> Lease:
+        """Wait for the session's lock. The first attempt comes at once, even
+        right after a failed `try_acquire`: a session moving to another
+        generator is usually freed a moment after its reply, and waiting first
+        lowered the two-generator throughput in `scripts/bench.py`."""
         wait_s = self._wait_s if wait_s is None else wait_s
         deadline = time.monotonic() + wait_s
         delay = 0.005
         while True:
-            lease = None if tried else await self.try_acquire(sid, purpose)
-            tried = False
+            lease = await self.try_acquire(sid, purpose)
             if lease is not None:
                 return lease
             if time.monotonic() >= deadline:
