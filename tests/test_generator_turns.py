@@ -4,6 +4,7 @@ transitions, streaming, tool calls, and every way the model can fail."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import AsyncIterator, Iterator
 
 import httpx
@@ -211,3 +212,30 @@ def test_answered_queries_are_remembered_up_to_a_bound() -> None:
         answered.remember(seq)
     assert 10 not in answered and all(seq in answered for seq in (11, 12, 13))
     assert answered.count == 4
+
+
+async def test_bookkeeping_after_a_reply_does_not_hold_the_sessions_slot(
+        private_nats: NatsServer, stub_url: str) -> None:
+    # One slot, and a report that hangs: its stream is gone and a silent
+    # subscriber takes the publish, so the follow-up waits out its timeout.
+    nc = await nats.connect(private_nats.url)
+    env = {"MAX_CONCURRENT_SESSIONS": "1"}
+    services = ("generator", "gateway")
+    with running_system(private_nats.url, stub_url, env, services=services) as system:
+        async with httpx.AsyncClient(base_url=system.base_url, timeout=30) as http:
+            sid = await create(http)
+            await nc.jetstream().delete_stream(subjects.GENERATIONS_STREAM)
+
+            async def silent(msg: Msg) -> None:
+                return None
+
+            await nc.subscribe(subjects.RESPONSE_GENERATION, cb=silent)
+            await nc.flush()
+            assert (await http.post(f"/api/sessions/{sid}/messages",
+                                    json={"content": "one"})).status_code == 200
+            started = time.monotonic()
+            second = await http.post(f"/api/sessions/{sid}/messages", json={"content": "two"})
+            assert second.status_code == 200
+            # Within the report's 5 s publish timeout: the slot was free at once.
+            assert time.monotonic() - started < 3
+    await nc.close()

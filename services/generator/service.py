@@ -91,6 +91,9 @@ class Generator:
                                  self._compactor)
         self._local_order: dict[str, asyncio.Lock] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        # Queries and compactions being worked on; bookkeeping after a reply
+        # does not count, so it never keeps a session's next query waiting.
+        self._busy = 0
         self._loops: list[PullLoop] = []
         self._answered = AnsweredQueries()
 
@@ -137,7 +140,7 @@ class Generator:
         }
 
     def _capacity(self) -> int:
-        return self._settings.max_concurrent_sessions - len(self._tasks)
+        return self._settings.max_concurrent_sessions - self._busy
 
     async def _spawn_query(self, msg: Msg) -> None:
         self._spawn(self._handle(msg))
@@ -169,13 +172,16 @@ class Generator:
         finally:
             heartbeat.cancel()
 
-    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+    def _spawn(self, work: Coroutine[Any, Any, None], busy: bool = True) -> None:
         task = asyncio.create_task(work)
         self._tasks.add(task)
-        task.add_done_callback(self._done)
+        task.add_done_callback(self._tasks.discard)
+        if busy:
+            self._busy += 1
+            task.add_done_callback(self._room_freed)
 
-    def _done(self, task: asyncio.Task[None]) -> None:
-        self._tasks.discard(task)
+    def _room_freed(self, _task: asyncio.Task[None]) -> None:
+        self._busy -= 1
         for loop in self._loops:
             loop.room_freed()
 
@@ -195,8 +201,8 @@ class Generator:
                     follow_up = None
             if not order.locked():
                 self._local_order.pop(sid, None)
-            if follow_up is not None:  # outside the session's locks
-                await follow_up()
+            if follow_up is not None:  # outside the session's locks, and its slot
+                self._spawn(follow_up(), busy=False)
 
     async def _answer_in_order(self, msg: Msg, env: Envelope[Query]) -> FollowUp | None:
         sid = env.payload.session_id

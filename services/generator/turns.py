@@ -17,7 +17,7 @@ that would overflow the window is ever sent.
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,7 +47,7 @@ from services.shared.sessions import SessionStore
 log = structlog.get_logger()
 Messages = list[dict[str, Any]]
 MAX_REMEMBERED_PROMPTS = 10_000
-FollowUp = Callable[[], Awaitable[None]]
+FollowUp = Callable[[], Coroutine[Any, Any, None]]
 
 
 class TurnError(Exception):
