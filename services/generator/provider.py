@@ -149,15 +149,17 @@ class OllamaProvider:
         )
 
     async def _send(self, request: ChatRequest, stream: bool) -> Any:
-        # One call for both shapes; the client's overloads want a literal `stream`.
-        chat: Any = self._client.chat
-        return await chat(
-            model=request.model,
-            messages=request.messages,
-            tools=list(request.tools) or None,
-            stream=stream,
-            options={"num_ctx": request.num_ctx},
-        )
+        """The chat call with the body built here. `AsyncClient.chat` would first
+        validate every message of the prompt into a pydantic model and dump it
+        back to the same JSON: the largest share of the generator's CPU per
+        answer, growing with the history. The client's request method keeps its
+        transport, error mapping and response parsing."""
+        body: dict[str, Any] = {"model": request.model, "messages": request.messages,
+                                "stream": stream, "options": {"num_ctx": request.num_ctx}}
+        if request.tools:
+            body["tools"] = list(request.tools)
+        send: Any = self._client._request
+        return await send(ollama.ChatResponse, "POST", "/api/chat", json=body, stream=stream)
 
 
 def _tool_calls(message: ollama.Message) -> tuple[ToolCall, ...]:
