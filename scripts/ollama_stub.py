@@ -570,10 +570,16 @@ def reported_prompt_count(
     entirely when that suffix is tiny.
     """
     key = normalize_model(request.model)
+    if "cache-count" not in state.config.quirks:
+        # No cache to emulate: skip the fingerprint, the larger part of this
+        # stand-in's CPU per request under load; the first prompt after the
+        # quirk is switched on is counted in full, like a cold cache.
+        state.prompt_cache.pop(key, None)
+        return prompt_tokens
     current = _fingerprint(request.tools, kept)
     previous = state.prompt_cache.get(key)
     state.prompt_cache[key] = current
-    if "cache-count" not in state.config.quirks or previous is None:
+    if previous is None:
         return prompt_tokens
     same_tools = previous[0] == current[0]
     prefix = previous[1]
