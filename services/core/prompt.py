@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from schemas.history import ChatMessage, Conversation
@@ -85,6 +86,46 @@ def sent_chars(
 def history_chars(messages: Sequence[ChatMessage]) -> int:
     """Characters of history messages as they would be sent."""
     return sum(message_chars(message_dict(m)) for m in messages)
+
+
+def running_chars(messages: Sequence[ChatMessage]) -> list[int]:
+    """`out[i]`: characters of `messages[:i]` as sent, for every i in one pass
+    (what any prefix of the history weighs, without rendering it again)."""
+    out = [0]
+    for message in messages:
+        out.append(out[-1] + message_chars(message_dict(message)))
+    return out
+
+
+@dataclass(frozen=True)
+class HistoryWeights:
+    """What a session's next prompt weighs, from one pass over its history."""
+
+    head: int  # the system prompt and the summary
+    summary: int
+    running: list[int]  # running[i]: the first i messages
+    head_messages: int
+
+    @classmethod
+    def of(cls, system: str, conversation: Conversation) -> HistoryWeights:
+        without_messages = Conversation(summary=conversation.summary)
+        head = render_messages(system, without_messages)
+        summary = render_messages("", without_messages)
+        return cls(sent_chars(head), sent_chars(summary),
+                   running_chars(conversation.messages), len(head))
+
+    @property
+    def next_prompt(self) -> int:
+        return self.head + self.running[-1]
+
+    @property
+    def next_prompt_messages(self) -> int:
+        return self.head_messages + len(self.running) - 1
+
+    def compactable(self, boundary: int) -> int:
+        """Characters before `boundary`, the summary included: what a
+        compaction could free."""
+        return self.summary + self.running[boundary]
 
 
 def reusable_chars(

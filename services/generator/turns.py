@@ -30,7 +30,13 @@ from schemas.messages import GenerationReport, Query, Reply, Token
 from schemas.session import SessionRecord
 from services.core.boundary import choose_boundary, tail_turns_for
 from services.core.decision import Level, check_fit
-from services.core.prompt import render_messages, reusable_chars, sent_chars
+from services.core.prompt import (
+    HistoryWeights,
+    render_messages,
+    reusable_chars,
+    sent_chars,
+    tools_chars,
+)
 from services.core.state_machine import Action
 from services.core.tokens import Calibration, calibrate, estimate_prompt, prompt_budget
 from services.generator.compaction import CompactionFailed, CompactionSkipped, Compactor
@@ -77,11 +83,6 @@ class Turn:
     @property
     def query_id(self) -> str:
         return self.env.message_id
-
-
-def replace_messages(conversation: Conversation, messages: list[ChatMessage]) -> Conversation:
-    return Conversation(summary=conversation.summary, messages=tuple(messages),
-                        compactions=conversation.compactions)
 
 
 def previous_answer(conversation: Conversation, query_id: str) -> str | None:
@@ -246,8 +247,8 @@ class TurnRunner:
     async def _report(self, turn: Turn, result: ChatResult, sent: int, messages: int,
                       tools: Messages, started: float) -> None:
         conversation = turn.view.conversation
-        next_prompt = render_messages(turn.record.system, conversation)
-        compactable = {level.value: self._compactable_chars(conversation, level)
+        weights = HistoryWeights.of(turn.record.system, conversation)
+        compactable = {level.value: weights.compactable(self._boundary(conversation, level))
                        for level in Level}
         report = GenerationReport(
             session_id=turn.sid,
@@ -258,8 +259,8 @@ class TurnRunner:
             sent_messages=messages,
             num_ctx=self._settings.num_ctx,
             duration_ms=(time.monotonic() - started) * 1000,
-            next_prompt_chars=sent_chars(next_prompt, tools),
-            next_prompt_messages=len(next_prompt),
+            next_prompt_chars=weights.next_prompt + tools_chars(tools),
+            next_prompt_messages=weights.next_prompt_messages,
             compactable_chars=compactable[Level.gentle.value],
             compactable_chars_by_level=compactable,
             reused_chars=turn.reused_chars,
@@ -269,12 +270,9 @@ class TurnRunner:
                                    correlation_id=turn.env.correlation_id, session_id=turn.sid,
                                    message_id=f"{turn.query_id}:generation")
 
-    def _compactable_chars(self, conversation: Conversation, level: Level) -> int:
-        """Characters before the live zone of `level`: what a compaction could free."""
+    def _boundary(self, conversation: Conversation, level: Level) -> int:
         tail = tail_turns_for(level, self._settings.compaction_tail_turns)
-        boundary = choose_boundary(conversation.messages, tail)
-        before = replace_messages(conversation, list(conversation.messages[:boundary]))
-        return sent_chars(render_messages("", before))
+        return choose_boundary(conversation.messages, tail)
 
 
 class _TokenStreamer:

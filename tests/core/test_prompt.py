@@ -9,10 +9,12 @@ from schemas.history import ChatMessage, Conversation, ToolCall
 from services.core.prompt import (
     MESSAGE_OVERHEAD_CHARS,
     SUMMARY_PREFIX,
+    HistoryWeights,
     history_chars,
     message_dict,
     render_messages,
     reusable_chars,
+    running_chars,
     sent_chars,
 )
 from tests.core import histories
@@ -107,3 +109,27 @@ def test_chars_are_additive_over_messages(
     assert [m["role"] for m in out[len(head):]] == [m.role for m in history]
     if system:
         assert out[0] == {"role": "system", "content": system}
+
+
+@settings(max_examples=60, deadline=None)
+@given(histories())
+def test_running_chars_weigh_every_prefix_of_the_history(
+    history: tuple[ChatMessage, ...],
+) -> None:
+    running = running_chars(history)
+    assert running == [history_chars(history[:i]) for i in range(len(history) + 1)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(histories(), st.text(max_size=30), st.one_of(st.none(), st.text(max_size=30)))
+def test_history_weights_match_the_rendered_prompt(
+    history: tuple[ChatMessage, ...], system: str, summary: str | None
+) -> None:
+    conv = Conversation(summary=summary, messages=history, compactions=int(summary is not None))
+    weights = HistoryWeights.of(system, conv)
+    prompt = render_messages(system, conv)
+    assert weights.next_prompt == sent_chars(prompt)
+    assert weights.next_prompt_messages == len(prompt)
+    for boundary in range(len(history) + 1):
+        before = Conversation(summary=summary, messages=history[:boundary])
+        assert weights.compactable(boundary) == sent_chars(render_messages("", before))
