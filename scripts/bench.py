@@ -42,7 +42,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import aiohttp
 import nats
-import ollama
 
 from schemas import subjects
 from schemas.envelope import Envelope
@@ -52,6 +51,7 @@ from scripts.ollama_stub import count_prompt_tokens, echo_reply, filler_text
 from services.core.prompt import history_chars, render_messages, reusable_chars, sent_chars
 from services.core.splice import plan_compaction, splice
 from services.core.tokens import Calibration, calibrate, estimate_tokens
+from services.generator.provider import ChatRequest, OllamaProvider
 from tests.nats_server import nats_server_binary, running_nats
 from tests.stub_server import running_stub
 from tests.system import System
@@ -438,17 +438,19 @@ def overhead_history(turns: int) -> list[dict[str, Any]]:
 
 async def measure_stub_chat(stub_url: str, calls: int, messages: list[dict[str, Any]],
                             warmup: int = 10) -> list[float]:
-    """The stand-in's own time for one streamed chat call, as the generator makes it."""
-    client = ollama.AsyncClient(host=stub_url)
+    """The stand-in's own time for one chat call, made as the generator makes it
+    for the measured turns (its provider, one whole answer, no token stream)."""
+    provider = OllamaProvider(stub_url, timeout_s=30, connections=1)
+    request = ChatRequest(model=MODEL, messages=messages, num_ctx=NUM_CTX)
     samples: list[float] = []
-    for index in range(warmup + calls):
-        started = time.perf_counter()
-        stream = await client.chat(model=MODEL, messages=messages, stream=True,
-                                   options={"num_ctx": NUM_CTX})
-        async for _part in stream:
-            pass
-        if index >= warmup:
-            samples.append(time.perf_counter() - started)
+    try:
+        for index in range(warmup + calls):
+            started = time.perf_counter()
+            await provider.chat(request)
+            if index >= warmup:
+                samples.append(time.perf_counter() - started)
+    finally:
+        await provider.close()
     return samples
 
 
