@@ -103,7 +103,7 @@ class HistoryWeights:
 
     head: int  # the system prompt and the summary
     summary: int
-    running: list[int]  # running[i]: the first i messages
+    running: tuple[int, ...]  # running[i]: the first i messages
     head_messages: int
 
     @classmethod
@@ -112,7 +112,7 @@ class HistoryWeights:
         head = render_messages(system, without_messages)
         summary = render_messages("", without_messages)
         return cls(sent_chars(head), sent_chars(summary),
-                   running_chars(conversation.messages), len(head))
+                   tuple(running_chars(conversation.messages)), len(head))
 
     @property
     def next_prompt(self) -> int:
