@@ -166,6 +166,11 @@ def test_an_unreachable_model_is_named_as_such(private_nats: NatsServer) -> None
         assert client.get(f"/api/sessions/{sid}").json()["messages"] == []
 
 
+async def never_answer(msg: Msg) -> None:
+    """A subscriber that takes requests and lets them time out."""
+    return None
+
+
 async def tool_responder(nc: nats.aio.client.Client) -> None:
     """Tools of this test's own, answering on real NATS: one slow, one failing."""
     definitions = [{"type": "function", "function": {"name": n, "description": n,
@@ -182,10 +187,7 @@ async def tool_responder(nc: nats.aio.client.Client) -> None:
 
     await nc.subscribe(TOOL_LIST_SUBJECT, cb=listing)
     await nc.subscribe(subjects.tool("broken"), cb=broken)
-    async def silent(msg: Msg) -> None:
-        return None  # a tool that never answers
-
-    await nc.subscribe(subjects.tool("slow"), cb=silent)
+    await nc.subscribe(subjects.tool("slow"), cb=never_answer)
 
 
 async def test_tool_failures_reach_the_model_as_clear_errors(private_nats: NatsServer) -> None:
@@ -225,11 +227,7 @@ async def test_bookkeeping_after_a_reply_does_not_hold_the_sessions_slot(
         async with httpx.AsyncClient(base_url=system.base_url, timeout=30) as http:
             sid = await create(http)
             await nc.jetstream().delete_stream(subjects.GENERATIONS_STREAM)
-
-            async def silent(msg: Msg) -> None:
-                return None
-
-            await nc.subscribe(subjects.RESPONSE_GENERATION, cb=silent)
+            await nc.subscribe(subjects.RESPONSE_GENERATION, cb=never_answer)
             await nc.flush()
             assert (await http.post(f"/api/sessions/{sid}/messages",
                                     json={"content": "one"})).status_code == 200

@@ -85,7 +85,7 @@ def sent_chars(
 
 def history_chars(messages: Sequence[ChatMessage]) -> int:
     """Characters of history messages as they would be sent."""
-    return sum(message_chars(message_dict(m)) for m in messages)
+    return running_chars(messages)[-1]
 
 
 def running_chars(messages: Sequence[ChatMessage]) -> list[int]:
