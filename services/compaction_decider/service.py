@@ -30,7 +30,7 @@ from services.core.decision import (
 )
 from services.core.tokens import Calibration, calibrate, estimate_tokens, prompt_budget
 from services.shared.bus import Bus
-from services.shared.consumer import PullLoop
+from services.shared.consumer import PullLoop, ensure_consumer
 from services.shared.live_config import LiveSettings
 from services.shared.runner import Endpoint
 
@@ -64,13 +64,12 @@ class Decider:
         await self._live.start()
         self._results = await self._bus.nc.subscribe(subjects.COMPACTION_RESULT,
                                                      cb=self._on_result)
-        sub = await self._bus.js.pull_subscribe(
-            subjects.RESPONSE_GENERATION, durable=CONSUMER, stream=subjects.GENERATIONS_STREAM,
-            config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT,
-                                  deliver_policy=DeliverPolicy.NEW, ack_wait=30),
-        )
-        self._loop = PullLoop(sub, self._on_message, CONSUMER)
-        self._loop.start()
+        await ensure_consumer(self._bus.nc, subjects.GENERATIONS_STREAM, ConsumerConfig(
+            durable_name=CONSUMER, filter_subject=subjects.RESPONSE_GENERATION,
+            ack_policy=AckPolicy.EXPLICIT, deliver_policy=DeliverPolicy.NEW, ack_wait=30))
+        self._loop = PullLoop(self._bus.nc, subjects.GENERATIONS_STREAM, CONSUMER,
+                              self._on_message)
+        await self._loop.start()
 
     async def stop(self) -> None:
         await self._live.stop()

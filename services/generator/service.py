@@ -34,7 +34,7 @@ from services.generator.states import SessionStates
 from services.generator.toolbox import Toolbox
 from services.generator.turns import FollowUp, TurnError, TurnRunner
 from services.shared.bus import Bus
-from services.shared.consumer import PullLoop
+from services.shared.consumer import PullLoop, ensure_consumer
 from services.shared.history_store import HistoryConflict, HistoryStore
 from services.shared.jetstream import locks_bucket, sessions_bucket
 from services.shared.live_config import LiveSettings
@@ -106,18 +106,15 @@ class Generator:
                              COMPACTION_CONSUMER, self._spawn_compaction),
         ]
         for loop in self._loops:
-            loop.start()
+            await loop.start()
 
     async def _pull(self, subject: str, stream: str, durable: str,
                     on_message: Callable[[Msg], Awaitable[None]]) -> PullLoop:
         """A loop on a durable consumer shared by every generator process."""
-        sub = await self._bus.js.pull_subscribe(
-            subject, durable=durable, stream=stream,
-            config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT,
-                                  ack_wait=self._settings.query_ack_wait_s,
-                                  max_ack_pending=10_000),
-        )
-        return PullLoop(sub, on_message, durable, self._capacity)
+        await ensure_consumer(self._bus.nc, stream, ConsumerConfig(
+            durable_name=durable, filter_subject=subject, ack_policy=AckPolicy.EXPLICIT,
+            ack_wait=self._settings.query_ack_wait_s, max_ack_pending=10_000))
+        return PullLoop(self._bus.nc, stream, durable, on_message, self._capacity)
 
     async def stop(self) -> None:
         await self._live.stop()

@@ -1,0 +1,199 @@
+"""The pull loop: the credit ledger by deterministic simulation of a server
+that spreads messages over standing requests in any order, then the loop
+itself against a real nats-server."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from dataclasses import dataclass
+
+import nats
+import pytest
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js.api import AckPolicy, ConsumerConfig, RetentionPolicy, StreamConfig
+
+from services.shared.consumer import Credits, PullLoop, ensure_consumer
+from tests.nats_server import NatsServer
+
+# --------------------------------------------------------------------------- the ledger
+
+
+def test_a_fresh_ledger_asks_for_the_whole_room() -> None:
+    credits = Credits()
+    assert credits.wanted(5) == 5
+    credits.asked(5, now=0.0)
+    assert credits.wanted(5) == 0
+    assert credits.wanted(7) == 2
+
+
+def test_deliveries_and_an_expired_request_free_their_credit() -> None:
+    credits = Credits()
+    credits.asked(4, now=0.0)
+    credits.delivered()
+    assert credits.outstanding == 3
+    credits.ended(undelivered=3)
+    assert credits.outstanding == 0
+
+
+def test_the_count_never_goes_below_zero() -> None:
+    credits = Credits()
+    credits.delivered()  # from a request given up for lost
+    credits.ended(undelivered=2)
+    assert credits.outstanding == 0
+
+
+def test_requests_count_as_lost_only_after_the_newest_must_have_ended() -> None:
+    credits = Credits(expires_s=5.0, grace_s=1.0)
+    credits.asked(2, now=0.0)
+    credits.asked(1, now=3.0)
+    assert not credits.lost(now=8.9)  # the newest may still be standing
+    assert credits.lost(now=9.1)
+    credits.reset()
+    assert not credits.lost(now=9.1)
+
+
+def test_a_ledger_at_zero_is_never_lost() -> None:
+    credits = Credits(expires_s=1.0, grace_s=0.0)
+    credits.asked(1, now=0.0)
+    credits.delivered()
+    assert not credits.lost(now=100.0)
+
+
+@dataclass
+class Request:
+    left: int
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_ledger_matches_a_server_that_spreads_messages_over_requests(seed: int) -> None:
+    """Random room, arrivals, deliveries to any standing request, expiries:
+    the ledger always equals what the simulated server still owes."""
+    rng = random.Random(seed)
+    credits, standing, room = Credits(), list[Request](), rng.randint(1, 8)
+    for _ in range(300):
+        step = rng.random()
+        if step < 0.3:
+            ask = credits.wanted(room)
+            if ask:
+                credits.asked(ask, now=0.0)
+                standing.append(Request(ask))
+        elif step < 0.7 and standing:
+            request = rng.choice(standing)  # the server may serve any of them
+            request.left -= 1
+            credits.delivered()
+            if request.left == 0:
+                standing.remove(request)  # filled: ends without a word
+        elif step < 0.8 and standing:
+            expired = standing.pop(rng.randrange(len(standing)))
+            credits.ended(undelivered=expired.left)
+        else:
+            room = rng.randint(0, 8)
+        assert credits.outstanding == sum(r.left for r in standing)
+        assert credits.outstanding <= max(room, credits.outstanding)
+
+
+# --------------------------------------------------------------------------- the loop
+
+STREAM = "PULLTEST"
+
+
+async def fresh_stream(nc: NATS, name: str) -> str:
+    js = nc.jetstream()
+    subject = f"pulltest.{name}"
+    stream = f"{STREAM}_{name}"
+    await js.add_stream(StreamConfig(name=stream, subjects=[subject],
+                                     retention=RetentionPolicy.WORK_QUEUE))
+    await ensure_consumer(nc, stream, ConsumerConfig(
+        durable_name="worker", filter_subject=subject, ack_policy=AckPolicy.EXPLICIT,
+        ack_wait=30))
+    return subject
+
+
+class Holder:
+    """Keeps what it is handed until told to let go: room is what it holds."""
+
+    def __init__(self, room: int) -> None:
+        self.room = room
+        self.held: list[Msg] = []
+        self.seen: list[bytes] = []
+        self.arrived = asyncio.Event()
+
+    def capacity(self) -> int:
+        return self.room - len(self.held)
+
+    async def on_message(self, msg: Msg) -> None:
+        self.held.append(msg)
+        self.seen.append(msg.data)
+        self.arrived.set()
+
+    async def wait_for(self, count: int, timeout_s: float = 10.0) -> None:
+        async with asyncio.timeout(timeout_s):
+            while len(self.seen) < count:
+                self.arrived.clear()
+                await self.arrived.wait()
+
+
+async def test_never_more_in_hand_than_room_and_every_message_once(nc: NATS) -> None:
+    subject = await fresh_stream(nc, "room")
+    holder = Holder(room=3)
+    loop = PullLoop(nc, f"{STREAM}_room", "worker", holder.on_message, holder.capacity)
+    await loop.start()
+    try:
+        for index in range(10):
+            await nc.jetstream().publish(subject, str(index).encode())
+        await holder.wait_for(3)
+        await asyncio.sleep(0.3)  # a loop that over-asks would hand out more by now
+        assert len(holder.seen) == 3
+        while len(holder.seen) < 10:
+            for msg in holder.held:
+                await msg.ack()
+            holder.held.clear()
+            loop.room_freed()
+            await holder.wait_for(min(10, len(holder.seen) + 1))
+        assert sorted(holder.seen, key=int) == [str(i).encode() for i in range(10)]
+    finally:
+        await loop.stop()
+
+
+async def test_the_loop_keeps_pulling_after_its_requests_expire(nc: NATS) -> None:
+    subject = await fresh_stream(nc, "expiry")
+    holder = Holder(room=2)
+    loop = PullLoop(nc, f"{STREAM}_expiry", "worker", holder.on_message, holder.capacity,
+                    expires_s=0.3)
+    await loop.start()
+    try:
+        await asyncio.sleep(1.2)  # several requests end unfilled
+        await nc.jetstream().publish(subject, b"late")
+        await holder.wait_for(1, timeout_s=3.0)
+        assert holder.seen == [b"late"]
+    finally:
+        await loop.stop()
+
+
+async def test_the_loop_pulls_again_after_the_server_restarts(
+        private_nats: NatsServer) -> None:
+    reconnected = asyncio.Event()
+
+    async def on_reconnect() -> None:
+        reconnected.set()
+
+    nc = await nats.connect(private_nats.url, reconnect_time_wait=0.2,
+                            max_reconnect_attempts=-1, reconnected_cb=on_reconnect)
+    try:
+        subject = await fresh_stream(nc, "restart")
+        holder = Holder(room=2)
+        loop = PullLoop(nc, f"{STREAM}_restart", "worker", holder.on_message,
+                        holder.capacity, expires_s=30.0)
+        await loop.start()
+        private_nats.restart()
+        async with asyncio.timeout(10):
+            await reconnected.wait()
+        await nc.jetstream().publish(subject, b"after")
+        # Well inside the 30 s the requests lost with the old connection
+        # would take to expire.
+        await holder.wait_for(1, timeout_s=5.0)
+        await loop.stop()
+    finally:
+        await nc.close()
