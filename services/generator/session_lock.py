@@ -1,8 +1,8 @@
 """The durable per-session lock: one key per session in the `session_locks`
 KV bucket.
 
-Acquire is `create` (succeeds only when the key is absent) or a
-compare-and-swap `update` over a "free" marker; the revision it returns is
+Acquire is a create (a write expecting the key to have no revision yet) or
+a compare-and-swap `update` over a "free" marker; the revision it returns is
 the fencing token. The holder renews by compare-and-swap `update` on that
 revision; the bucket's TTL (history 1) restarts the key's age on every
 renewal, so a holder that dies (SIGKILL) stops renewing and the session frees
@@ -120,19 +120,18 @@ class SessionLocks:
 
     async def _take_over(self, sid: str, value: bytes) -> int | None:
         """Create the key, or replace someone else's free marker: the new
-        revision, or None when the session is held."""
-        try:
-            return await self._kv.create(sid, value)
-        except KeyWrongLastSequenceError:
-            pass
-        except KeyNotFoundError:
-            # nats-py's create looks the key up again after a conflict, and the
-            # free marker may expire in between: free by now, but not taken.
-            return None
-        try:
-            entry = await self._kv.get(sid)
-        except KeyNotFoundError:
-            return None
+        revision, or None when the session is held. The create and the look-up
+        go out together, since a session usually changes hands over a marker."""
+        created, entry = await asyncio.gather(
+            self._kv.update(sid, value, last=0), self._kv.get(sid), return_exceptions=True)
+        if isinstance(created, int):
+            return created
+        if not isinstance(created, KeyWrongLastSequenceError):
+            raise created
+        if isinstance(entry, KeyNotFoundError):
+            return None  # the marker expired after the create: free by now, not taken
+        if isinstance(entry, BaseException):
+            raise entry
         if entry.value != FREE or entry.revision is None:
             return None
         with contextlib.suppress(KeyWrongLastSequenceError):
