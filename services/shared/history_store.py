@@ -15,11 +15,13 @@ none when the caller knows nobody else can have written.
 
 from __future__ import annotations
 
+import asyncio
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from nats.js import JetStreamContext
+from nats.js.api import RawStreamMsg
 from nats.js.errors import APIError, NotFoundError
 
 from schemas import subjects
@@ -61,14 +63,17 @@ class HistoryStore:
             self._cache.move_to_end(sid)
             return self._cache[sid]
         subject = subjects.history(sid)
-        last = await self._last_seq(subject)
         cached = self._cache.get(sid, EMPTY)
+        # Asked together: whether anything changed, and the first of what did.
+        last, first_new = await asyncio.gather(
+            self._last_seq(subject), self._entry_after(subject, cached.last_seq))
         if last == cached.last_seq:
             if sid in self._cache:
                 self._cache.move_to_end(sid)
             return cached
-        start = cached if last > cached.last_seq else EMPTY
-        view = await self._read_after(subject, start)
+        if last < cached.last_seq:  # rewritten below what we have: start over
+            cached, first_new = EMPTY, None
+        view = await self._read_up_to(subject, last, cached, first_new)
         self._remember(sid, view)
         return view
 
@@ -120,17 +125,25 @@ class HistoryStore:
             return 0
         return int(msg.seq or 0)
 
-    async def _read_after(self, subject: str, start: HistoryView) -> HistoryView:
+    async def _entry_after(self, subject: str, seq: int) -> RawStreamMsg | None:
+        try:
+            return await self._js.get_msg(
+                subjects.HISTORY_STREAM, seq=seq + 1, subject=subject, next=True, direct=True)
+        except NotFoundError:
+            return None
+
+    async def _read_up_to(self, subject: str, last: int, start: HistoryView,
+                          first: RawStreamMsg | None) -> HistoryView:
+        """The view at sequence `last`: what `start` lacks, entry by entry. (A
+        write after `last` is for the next read, and the compare-and-swap of
+        our own next write would refuse a view without it.)"""
         conversation, seq = start.conversation, start.last_seq
-        while True:
-            try:
-                msg = await self._js.get_msg(
-                    subjects.HISTORY_STREAM, seq=seq + 1, subject=subject, next=True, direct=True
-                )
-            except NotFoundError:
-                return HistoryView(conversation, seq)
+        msg = first or await self._entry_after(subject, seq)
+        while msg is not None:
             entry = HistoryEntry.model_validate_json(msg.data or b"")
             conversation, seq = conversation.apply(entry), int(msg.seq or seq + 1)
+            msg = await self._entry_after(subject, seq) if seq < last else None
+        return HistoryView(conversation, seq)
 
     def _remember(self, sid: str, view: HistoryView) -> None:
         self._cache[sid] = view
