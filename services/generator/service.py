@@ -101,20 +101,22 @@ class Generator:
         await self._live.start()
         self._loops = [
             await self._pull(f"{subjects.QUERY_PREFIX}.*", subjects.QUERIES_STREAM,
-                             QUERY_CONSUMER, self._spawn_query),
+                             QUERY_CONSUMER, self._spawn_query, self._capacity),
             await self._pull(subjects.COMPACTION_REQUEST, subjects.COMPACTIONS_STREAM,
-                             COMPACTION_CONSUMER, self._spawn_compaction),
+                             COMPACTION_CONSUMER, self._spawn_compaction,
+                             self._compaction_capacity),
         ]
         for loop in self._loops:
             await loop.start()
 
     async def _pull(self, subject: str, stream: str, durable: str,
-                    on_message: Callable[[Msg], Awaitable[None]]) -> PullLoop:
+                    on_message: Callable[[Msg], Awaitable[None]],
+                    capacity: Callable[[], int]) -> PullLoop:
         """A loop on a durable consumer shared by every generator process."""
         await ensure_consumer(self._bus.nc, stream, ConsumerConfig(
             durable_name=durable, filter_subject=subject, ack_policy=AckPolicy.EXPLICIT,
             ack_wait=self._settings.query_ack_wait_s, max_ack_pending=10_000))
-        return PullLoop(self._bus.nc, stream, durable, on_message, self._capacity)
+        return PullLoop(self._bus.nc, stream, durable, on_message, capacity)
 
     async def stop(self) -> None:
         await self._live.stop()
@@ -138,6 +140,15 @@ class Generator:
 
     def _capacity(self) -> int:
         return self._settings.max_concurrent_sessions - self._busy
+
+    def _compaction_capacity(self) -> int:
+        """Compactions and queries share `max_concurrent_sessions`, and each
+        loop keeps requests standing for the room it may fill. Splitting the
+        room exactly would leave one of them a standing share it may never
+        use (with one slot, nothing at all for the other); so both see all of
+        it, and compactions, rare and handed over at once, keep one request
+        standing: at most one compaction beyond the setting."""
+        return min(1, self._capacity())
 
     async def _spawn_query(self, msg: Msg) -> None:
         self._spawn(self._handle(msg))
