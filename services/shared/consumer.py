@@ -170,7 +170,9 @@ class PullLoop:
         if status is None:
             self._credits.delivered()
             await self._on_message(msg)
-            if self._credits.wanted(self._capacity()):  # handled inline: room again
+            # A handler that finished inline left room; ask once half of it
+            # is free rather than once per message.
+            if self._credits.outstanding <= self._capacity() // 2:
                 self._wake.set()
             return
         # The request ended (expired, or the server gave up on it): what it did
