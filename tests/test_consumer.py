@@ -197,3 +197,24 @@ async def test_the_loop_pulls_again_after_the_server_restarts(
         await loop.stop()
     finally:
         await nc.close()
+
+
+async def test_stopping_hands_over_what_has_already_arrived(nc: NATS) -> None:
+    subject = await fresh_stream(nc, "stop")
+    gate, seen = asyncio.Event(), list[bytes]()
+
+    async def slow_inline(msg: Msg) -> None:
+        await gate.wait()  # a handler still busy when the stop comes
+        seen.append(msg.data)
+        await msg.ack()
+
+    loop = PullLoop(nc, f"{STREAM}_stop", "worker", slow_inline, lambda: 2)
+    await loop.start()
+    for data in (b"first", b"second"):
+        await nc.jetstream().publish(subject, data)
+    await asyncio.sleep(0.3)  # both delivered: one in the handler, one waiting
+    stopping = asyncio.create_task(loop.stop())
+    await asyncio.sleep(0.1)
+    gate.set()
+    await stopping
+    assert seen == [b"first", b"second"]

@@ -42,6 +42,8 @@ REQUEST_EXPIRES_S = 5.0
 END_GRACE_S = 1.0
 # How often the loop checks the ledger against lost requests.
 WATCHDOG_S = 1.0
+# How long handing over what already arrived may take when letting go.
+LET_GO_S = 3.0
 PENDING_MESSAGES = "Nats-Pending-Messages"
 
 
@@ -114,9 +116,7 @@ class PullLoop:
     async def _listen(self) -> None:
         """Requests deliver to a fresh inbox of ours: those standing on an old
         one (before a reconnect) have no one listening, so the server skips them."""
-        if self._sub is not None:
-            with contextlib.suppress(Exception):
-                await self._sub.unsubscribe()
+        await self._let_go()
         self._reconnects = self._nc.stats["reconnects"]
         self._credits.reset()
         self._sub = await self._nc.subscribe(self._nc.new_inbox(), cb=self._on_delivery)
@@ -127,12 +127,20 @@ class PullLoop:
     async def stop(self) -> None:
         self._stopping = True
         self._wake.set()
-        if self._sub is not None:
-            # Without interest on the inbox the server skips our standing requests.
-            with contextlib.suppress(Exception):
-                await self._sub.unsubscribe()
+        await self._let_go()
         if self._task is not None:
             await self._task
+
+    async def _let_go(self) -> None:
+        """Stop the deliveries to our inbox (the server skips requests nobody
+        listens to), handing over first what has already arrived: dropped,
+        it would wait out the consumer's ack wait before anyone saw it."""
+        if self._sub is None:
+            return
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self._sub.drain(), LET_GO_S)  # type: ignore[no-untyped-call]
+        with contextlib.suppress(Exception):
+            await self._sub.unsubscribe()  # the drain timed out
 
     async def _run(self) -> None:
         while not self._stopping:
