@@ -121,7 +121,9 @@ class SessionLocks:
     async def _take_over(self, sid: str, value: bytes) -> int | None:
         """Create the key, or replace someone else's free marker: the new
         revision, or None when the session is held. The create and the look-up
-        go out together, since a session usually changes hands over a marker."""
+        go out together: a session passing between processes costs a round
+        trip less, and one idle long enough for its key to expire pays for a
+        look-up it did not need."""
         created, entry = await asyncio.gather(
             self._kv.update(sid, value, last=0), self._kv.get(sid), return_exceptions=True)
         if isinstance(created, int):
