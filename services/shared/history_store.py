@@ -65,6 +65,8 @@ class HistoryStore:
         subject = subjects.history(sid)
         cached = self._cache.get(sid, EMPTY)
         # Asked together: whether anything changed, and the first of what did.
+        # Catching up on one turn then takes one round trip, not three; when
+        # nothing changed, the second request was not needed.
         last, first_new = await asyncio.gather(
             self._last_seq(subject), self._entry_after(subject, cached.last_seq))
         if last == cached.last_seq:
