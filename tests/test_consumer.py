@@ -218,3 +218,17 @@ async def test_stopping_hands_over_what_has_already_arrived(nc: NATS) -> None:
     gate.set()
     await stopping
     assert seen == [b"first", b"second"]
+
+
+async def test_a_message_that_claims_a_status_header_is_still_a_message(nc: NATS) -> None:
+    subject = await fresh_stream(nc, "forged")
+    holder = Holder(room=2)
+    loop = PullLoop(nc, f"{STREAM}_forged", "worker", holder.on_message, holder.capacity)
+    await loop.start()
+    try:
+        await nc.jetstream().publish(subject, b"query", headers={
+            "Status": "408", "Nats-Pending-Messages": "2"})
+        await holder.wait_for(1, timeout_s=3.0)
+        assert holder.seen == [b"query"]
+    finally:
+        await loop.stop()

@@ -174,8 +174,10 @@ class PullLoop:
                                reply=self._sub.subject)
 
     async def _on_delivery(self, msg: Msg) -> None:
-        status = (msg.headers or {}).get(Header.STATUS)
-        if status is None:
+        # Stored messages come with a subject to acknowledge on, the server's
+        # status messages without; a header alone could be forged by whoever
+        # published the message.
+        if msg.reply:
             self._credits.delivered()
             await self._on_message(msg)
             # A handler that finished inline left room; ask once half of it
@@ -185,6 +187,7 @@ class PullLoop:
             return
         # The request ended (expired, or the server gave up on it): what it did
         # not deliver is no longer on the way.
+        status = (msg.headers or {}).get(Header.STATUS)
         undelivered = (msg.headers or {}).get(PENDING_MESSAGES)
         if undelivered is not None:
             self._credits.ended(int(undelivered))
