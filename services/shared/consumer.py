@@ -52,7 +52,7 @@ class Credits:
 
     def __init__(self, expires_s: float = REQUEST_EXPIRES_S, grace_s: float = END_GRACE_S
                  ) -> None:
-        self._expires_s = expires_s
+        self.expires_s = expires_s
         self._grace_s = grace_s
         self.outstanding = 0
         self._all_ended_by = 0.0
@@ -63,7 +63,7 @@ class Credits:
 
     def asked(self, count: int, now: float) -> None:
         self.outstanding += count
-        self._all_ended_by = now + self._expires_s + self._grace_s
+        self._all_ended_by = now + self.expires_s + self._grace_s
 
     def delivered(self) -> None:
         # Never below zero: a request given up for lost may still deliver.
@@ -101,7 +101,6 @@ class PullLoop:
         self._name = durable
         self._on_message = on_message
         self._capacity = capacity
-        self._expires_s = expires_s
         self._credits = Credits(expires_s)
         self._sub: Subscription | None = None
         self._wake = asyncio.Event()
@@ -168,7 +167,7 @@ class PullLoop:
         if count <= 0 or self._stopping or not self._nc.is_connected:
             return
         assert self._sub is not None
-        request = {"batch": count, "expires": int(self._expires_s * 1e9)}
+        request = {"batch": count, "expires": int(self._credits.expires_s * 1e9)}
         self._credits.asked(count, time.monotonic())
         await self._nc.publish(self._next_subject, json.dumps(request).encode(),
                                reply=self._sub.subject)
@@ -187,11 +186,11 @@ class PullLoop:
             return
         # The request ended (expired, or the server gave up on it): what it did
         # not deliver is no longer on the way.
-        status = (msg.headers or {}).get(Header.STATUS)
-        undelivered = (msg.headers or {}).get(PENDING_MESSAGES)
+        headers = msg.headers or {}
+        undelivered = headers.get(PENDING_MESSAGES)
         if undelivered is not None:
             self._credits.ended(int(undelivered))
         else:
-            log.info("pull_request_refused", consumer=self._name, status=status,
-                     reason=(msg.headers or {}).get(Header.DESCRIPTION))
+            log.info("pull_request_refused", consumer=self._name,
+                     status=headers.get(Header.STATUS), reason=headers.get(Header.DESCRIPTION))
         self._wake.set()
