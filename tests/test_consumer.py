@@ -5,7 +5,9 @@ itself against a real nats-server."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import nats
@@ -99,10 +101,14 @@ def test_ledger_matches_a_server_that_spreads_messages_over_requests(seed: int) 
 STREAM = "PULLTEST"
 
 
+def stream_of(name: str) -> str:
+    return f"{STREAM}_{name}"
+
+
 async def fresh_stream(nc: NATS, name: str) -> str:
     js = nc.jetstream()
     subject = f"pulltest.{name}"
-    stream = f"{STREAM}_{name}"
+    stream = stream_of(name)
     await js.add_stream(StreamConfig(name=stream, subjects=[subject],
                                      retention=RetentionPolicy.WORK_QUEUE))
     await ensure_consumer(nc, stream, ConsumerConfig(
@@ -135,12 +141,23 @@ class Holder:
                 await self.arrived.wait()
 
 
-async def test_never_more_in_hand_than_room_and_every_message_once(nc: NATS) -> None:
-    subject = await fresh_stream(nc, "room")
-    holder = Holder(room=3)
-    loop = PullLoop(nc, f"{STREAM}_room", "worker", holder.on_message, holder.capacity)
+@contextlib.asynccontextmanager
+async def pulling(nc: NATS, name: str, holder: Holder, **options: float
+                  ) -> AsyncIterator[tuple[str, PullLoop]]:
+    """A fresh stream's subject, and a running loop handing its messages to `holder`."""
+    subject = await fresh_stream(nc, name)
+    loop = PullLoop(nc, stream_of(name), "worker", holder.on_message, holder.capacity,
+                    **options)
     await loop.start()
     try:
+        yield subject, loop
+    finally:
+        await loop.stop()
+
+
+async def test_never_more_in_hand_than_room_and_every_message_once(nc: NATS) -> None:
+    holder = Holder(room=3)
+    async with pulling(nc, "room", holder) as (subject, loop):
         for index in range(10):
             await nc.jetstream().publish(subject, str(index).encode())
         await holder.wait_for(3)
@@ -153,23 +170,15 @@ async def test_never_more_in_hand_than_room_and_every_message_once(nc: NATS) -> 
             loop.room_freed()
             await holder.wait_for(min(10, len(holder.seen) + 1))
         assert sorted(holder.seen, key=int) == [str(i).encode() for i in range(10)]
-    finally:
-        await loop.stop()
 
 
 async def test_the_loop_keeps_pulling_after_its_requests_expire(nc: NATS) -> None:
-    subject = await fresh_stream(nc, "expiry")
     holder = Holder(room=2)
-    loop = PullLoop(nc, f"{STREAM}_expiry", "worker", holder.on_message, holder.capacity,
-                    expires_s=0.3)
-    await loop.start()
-    try:
+    async with pulling(nc, "expiry", holder, expires_s=0.3) as (subject, _):
         await asyncio.sleep(1.2)  # several requests end unfilled
         await nc.jetstream().publish(subject, b"late")
         await holder.wait_for(1, timeout_s=3.0)
         assert holder.seen == [b"late"]
-    finally:
-        await loop.stop()
 
 
 async def test_the_loop_pulls_again_after_the_server_restarts(
@@ -182,19 +191,15 @@ async def test_the_loop_pulls_again_after_the_server_restarts(
     nc = await nats.connect(private_nats.url, reconnect_time_wait=0.2,
                             max_reconnect_attempts=-1, reconnected_cb=on_reconnect)
     try:
-        subject = await fresh_stream(nc, "restart")
         holder = Holder(room=2)
-        loop = PullLoop(nc, f"{STREAM}_restart", "worker", holder.on_message,
-                        holder.capacity, expires_s=30.0)
-        await loop.start()
-        private_nats.restart()
-        async with asyncio.timeout(10):
-            await reconnected.wait()
-        await nc.jetstream().publish(subject, b"after")
-        # Well inside the 30 s the requests lost with the old connection
-        # would take to expire.
-        await holder.wait_for(1, timeout_s=5.0)
-        await loop.stop()
+        async with pulling(nc, "restart", holder, expires_s=30.0) as (subject, _):
+            private_nats.restart()
+            async with asyncio.timeout(10):
+                await reconnected.wait()
+            await nc.jetstream().publish(subject, b"after")
+            # Well inside the 30 s the requests lost with the old connection
+            # would take to expire.
+            await holder.wait_for(1, timeout_s=5.0)
     finally:
         await nc.close()
 
@@ -208,7 +213,7 @@ async def test_stopping_hands_over_what_has_already_arrived(nc: NATS) -> None:
         seen.append(msg.data)
         await msg.ack()
 
-    loop = PullLoop(nc, f"{STREAM}_stop", "worker", slow_inline, lambda: 2)
+    loop = PullLoop(nc, stream_of("stop"), "worker", slow_inline, lambda: 2)
     await loop.start()
     for data in (b"first", b"second"):
         await nc.jetstream().publish(subject, data)
@@ -221,14 +226,9 @@ async def test_stopping_hands_over_what_has_already_arrived(nc: NATS) -> None:
 
 
 async def test_a_message_that_claims_a_status_header_is_still_a_message(nc: NATS) -> None:
-    subject = await fresh_stream(nc, "forged")
     holder = Holder(room=2)
-    loop = PullLoop(nc, f"{STREAM}_forged", "worker", holder.on_message, holder.capacity)
-    await loop.start()
-    try:
+    async with pulling(nc, "forged", holder) as (subject, _):
         await nc.jetstream().publish(subject, b"query", headers={
             "Status": "408", "Nats-Pending-Messages": "2"})
         await holder.wait_for(1, timeout_s=3.0)
         assert holder.seen == [b"query"]
-    finally:
-        await loop.stop()
