@@ -20,6 +20,8 @@ from services.core.prompt import (
 from tests.core import histories
 
 SYSTEM = "You are terse.\n  Keep   whitespace."
+SYSTEMS = st.text(max_size=30)
+SUMMARIES = st.one_of(st.none(), st.text(max_size=30))
 CALL = ToolCall(name="read_file", arguments={"path": "/etc/hosts", "lines": [1, 2]})
 HISTORY = (
     ChatMessage(role="user", content="read it"),
@@ -27,6 +29,11 @@ HISTORY = (
     ChatMessage(role="tool", tool_name="read_file", content="127.0.0.1 localhost"),
     ChatMessage(role="assistant", content="done"),
 )
+
+
+def summarised(history: tuple[ChatMessage, ...], summary: str | None) -> Conversation:
+    """The history after one compaction when there is a summary, else never compacted."""
+    return Conversation(summary=summary, messages=history, compactions=int(summary is not None))
 
 
 def test_system_first_byte_identical_then_summary_then_history_then_pending() -> None:
@@ -98,11 +105,11 @@ def test_reusable_chars_is_all_of_an_extended_prompt_or_nothing() -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(histories(), st.text(max_size=30), st.one_of(st.none(), st.text(max_size=30)))
+@given(histories(), SYSTEMS, SUMMARIES)
 def test_chars_are_additive_over_messages(
     history: tuple[ChatMessage, ...], system: str, summary: str | None
 ) -> None:
-    conv = Conversation(summary=summary, messages=history, compactions=int(summary is not None))
+    conv = summarised(history, summary)
     out = render_messages(system, conv)
     head = out[: len(out) - len(history)]
     assert sent_chars(out) == sent_chars(head) + history_chars(history)
@@ -121,11 +128,11 @@ def test_running_chars_weigh_every_prefix_of_the_history(
 
 
 @settings(max_examples=60, deadline=None)
-@given(histories(), st.text(max_size=30), st.one_of(st.none(), st.text(max_size=30)))
+@given(histories(), SYSTEMS, SUMMARIES)
 def test_history_weights_match_the_rendered_prompt(
     history: tuple[ChatMessage, ...], system: str, summary: str | None
 ) -> None:
-    conv = Conversation(summary=summary, messages=history, compactions=int(summary is not None))
+    conv = summarised(history, summary)
     weights = HistoryWeights.of(system, conv)
     prompt = render_messages(system, conv)
     assert weights.next_prompt == sent_chars(prompt)
