@@ -40,6 +40,7 @@ from services.shared.jetstream import locks_bucket, sessions_bucket
 from services.shared.live_config import LiveSettings
 from services.shared.runner import Endpoint
 from services.shared.sessions import SessionNotFound, SessionStore
+from services.shared.together import together
 
 QUERY_CONSUMER = "generator"
 COMPACTION_CONSUMER = "generator-compactions"
@@ -241,9 +242,9 @@ class Generator:
         session's lock if it is free right now: asked together, since each is a
         round trip. (No query can join the stream ahead of this one, so the
         ordering check need not wait for the lock.)"""
-        pending, taken = await asyncio.gather(
-            self._earlier_query_pending(sid, msg), self._locks.try_acquire(sid, "query"),
-            return_exceptions=True)
+        # The lock first: a write, usually the later of the two to answer.
+        taken, pending = await together(self._locks.try_acquire(sid, "query"),
+                                        self._earlier_query_pending(sid, msg))
         if isinstance(taken, BaseException):
             raise taken
         if pending is not False:  # an earlier query waits, or the check failed

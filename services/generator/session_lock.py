@@ -33,6 +33,7 @@ from nats.js.errors import APIError, KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
 from services.shared.history_store import WRONG_LAST_SEQUENCE
+from services.shared.together import together
 
 Purpose = Literal["query", "compaction"]
 FREE = b'{"free": true}'
@@ -124,8 +125,7 @@ class SessionLocks:
         go out together: a session passing between processes costs a round
         trip less, and one idle long enough for its key to expire pays for a
         look-up it did not need."""
-        created, entry = await asyncio.gather(
-            self._kv.update(sid, value, last=0), self._kv.get(sid), return_exceptions=True)
+        created, entry = await together(self._kv.update(sid, value, last=0), self._kv.get(sid))
         if isinstance(created, int):
             return created
         if not isinstance(created, KeyWrongLastSequenceError):

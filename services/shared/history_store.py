@@ -15,7 +15,6 @@ none when the caller knows nobody else can have written.
 
 from __future__ import annotations
 
-import asyncio
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from nats.js.errors import APIError, NotFoundError
 
 from schemas import subjects
 from schemas.history import ChatMessage, Conversation, HistoryEntry, Snapshot
+from services.shared.together import together
 
 EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
 ROLLUP = "Nats-Rollup"
@@ -67,8 +67,12 @@ class HistoryStore:
         # Asked together: whether anything changed, and the first of what did.
         # Catching up on one turn then takes one round trip, not three; when
         # nothing changed, the second request was not needed.
-        last, first_new = await asyncio.gather(
+        last, first_new = await together(
             self._last_seq(subject), self._entry_after(subject, cached.last_seq))
+        if isinstance(last, Exception):
+            raise last
+        if isinstance(first_new, Exception):
+            raise first_new
         if last == cached.last_seq:
             if sid in self._cache:
                 self._cache.move_to_end(sid)
