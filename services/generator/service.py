@@ -92,9 +92,11 @@ class Generator:
                                  self._compactor)
         self._local_order: dict[str, asyncio.Lock] = {}
         self._tasks: set[asyncio.Task[None]] = set()
-        # Queries and compactions being worked on; bookkeeping after a reply
-        # does not count, so it never keeps a session's next query waiting.
-        self._busy = 0
+        # Queries and compactions being worked on. A query gives its room back
+        # once its reply is out: what follows (the lock's release, the report)
+        # is bookkeeping, and with every slot taken the session's next query
+        # would otherwise find no pull request standing for it.
+        self._occupying: set[asyncio.Task[None]] = set()
         self._loops: list[PullLoop] = []
         self._answered = AnsweredQueries()
 
@@ -140,7 +142,7 @@ class Generator:
         }
 
     def _capacity(self) -> int:
-        return self._settings.max_concurrent_sessions - self._busy
+        return self._settings.max_concurrent_sessions - len(self._occupying)
 
     def _compaction_capacity(self) -> int:
         """Compactions and queries share `max_concurrent_sessions`, and each
@@ -186,11 +188,13 @@ class Generator:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         if busy:
-            self._busy += 1
-            task.add_done_callback(self._room_freed)
+            self._occupying.add(task)
+            task.add_done_callback(self._give_room_back)
 
-    def _room_freed(self, _task: asyncio.Task[None]) -> None:
-        self._busy -= 1
+    def _give_room_back(self, task: asyncio.Task[Any] | None) -> None:
+        if task not in self._occupying:
+            return  # given back already, when its reply went out
+        self._occupying.discard(task)
         for loop in self._loops:
             loop.room_freed()
 
@@ -291,6 +295,7 @@ class Generator:
         sid = env.payload.session_id
         await self._bus.publish(subjects.reply(sid), reply,
                                 correlation_id=env.correlation_id, session_id=sid)
+        self._give_room_back(asyncio.current_task())
 
     async def _unexpected(self, msg: Msg, env: Envelope[Query], err: Exception) -> None:
         """A bug or a broken connection: retry a few times, then tell the caller."""
