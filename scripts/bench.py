@@ -565,6 +565,7 @@ async def closed_loop(post: Callable[[Http, int], Awaitable[Answer]],
     loop.call_at(loop.time() + settle_s, sample_cpu, "start")
     loop.call_at(loop.time() + settle_s + window_s, sample_cpu, "end")
     await asyncio.gather(*(one_user(client) for client in clients))
+    cpu.setdefault("end", cpu_seconds())  # only if no pass came after the window
     return {"latencies": latencies, "failures": failures, "window_s": window_s,
             "settle_s": settle_s, "all_done_s": time.perf_counter() - started,
             "cpu": cpu_per_unit(cpu["start"], cpu["end"], max(1, len(latencies)), window_s)}
