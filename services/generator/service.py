@@ -136,6 +136,7 @@ class Generator:
         return {
             "generator_id": self._settings.generator_id,
             "active_sessions": self._states.busy_sessions(),
+            "free_slots": max(0, self._capacity()),
             "answered": self._answered.count,
             "model": self._settings.model,
             "num_ctx": self._settings.num_ctx,
