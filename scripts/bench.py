@@ -566,8 +566,8 @@ async def closed_loop(post: Callable[[Http, int], Awaitable[Answer]],
     loop.call_at(loop.time() + settle_s + window_s, sample_cpu, "end")
     await asyncio.gather(*(one_user(client) for client in clients))
     cpu.setdefault("end", cpu_seconds())  # only if no pass came after the window
-    return {"latencies": latencies, "failures": failures, "window_s": window_s,
-            "settle_s": settle_s, "all_done_s": time.perf_counter() - started,
+    return {"latencies": latencies, "failures": failures,
+            "all_done_s": time.perf_counter() - started,
             "cpu": cpu_per_unit(cpu["start"], cpu["end"], max(1, len(latencies)), window_s)}
 
 
@@ -658,18 +658,19 @@ def throughput_row(name: str, bench: Bench, generators: int) -> Row:
     params = bench.params
     measured = asyncio.run(throughput(env, params.throughput_sessions,
                                       params.throughput_settle_s, params.throughput_window_s))
+    window_s = params.throughput_window_s
     answers = len(measured["latencies"])
-    rate = answers / measured["window_s"]
+    rate = answers / window_s
     ideal = params.throughput_sessions / ANSWER_LATENCY_S
     share = rate / ideal
     latency = summary_ms(measured["latencies"]) if measured["latencies"] else {}
     direct = measured["direct"]
-    direct_rate = max(1, len(direct["latencies"])) / direct["window_s"]
+    direct_rate = max(1, len(direct["latencies"])) / window_s
     return Row(
         name=name, value=share, unit="× ideal", target=Target(">=", THROUGHPUT_MIN_SHARE),
         detail=f"{rate:.0f} answers/s of ideal {ideal:.0f} "
-               f"({params.throughput_sessions} sessions, {measured['window_s']:g} s after "
-               f"{measured['settle_s']:g} s, "
+               f"({params.throughput_sessions} sessions, {window_s:g} s after "
+               f"{params.throughput_settle_s:g} s, "
                f"{ANSWER_LATENCY_S * 1000:.0f} ms/answer, {generators} generator(s)); "
                f"latency p50 {latency.get('p50_ms', math.nan):.0f} ms, "
                f"p99 {latency.get('p99_ms', math.nan):.0f} ms; "
@@ -684,8 +685,8 @@ def throughput_row(name: str, bench: Bench, generators: int) -> Row:
             "answers_per_s": rate,
             "ideal_answers_per_s": ideal,
             "sessions": params.throughput_sessions,
-            "window_s": measured["window_s"],
-            "settle_s": measured["settle_s"],
+            "window_s": window_s,
+            "settle_s": params.throughput_settle_s,
             "answer_latency_ms": ANSWER_LATENCY_S * 1000,
             "generators": generators,
             "latency": latency,
