@@ -250,12 +250,12 @@ class Generator:
         # The lock first: a write, usually the later of the two to answer.
         taken, pending = await together(self._locks.try_acquire(sid, "query"),
                                         self._earlier_query_pending(sid, msg))
-        if isinstance(taken, BaseException):
+        if isinstance(taken, Exception):
             raise taken
         if pending is not False:  # an earlier query waits, or the check failed
             if taken is not None:
                 await self._locks.release(taken)  # not ours to use yet
-            if isinstance(pending, BaseException):
+            if isinstance(pending, Exception):
                 raise pending
             return True, None
         return False, taken

@@ -132,7 +132,7 @@ class SessionLocks:
             raise created
         if isinstance(entry, KeyNotFoundError):
             return None  # the marker expired after the create: free by now, not taken
-        if isinstance(entry, BaseException):
+        if isinstance(entry, Exception):
             raise entry
         if entry.value != FREE or entry.revision is None:
             return None
