@@ -387,17 +387,57 @@ def cpu_per_unit(before: dict[str, float], after: dict[str, float], units: int,
 # --------------------------------------------------------------------------- 1. nats_rtt
 
 
-async def measure_nats_rtt(nats_url: str, requests: int, warmup: int = 200) -> list[float]:
-    """Sequential request/reply round trips through the server, loopback, 256-byte payload;
-    the responder is a second connection in this process."""
+async def echo_responder(nats_url: str, ready: Callable[[], None]) -> None:
+    """Answer every request on bench.rtt with its own payload, until cancelled."""
     responder = await nats.connect(nats_url)
-    requester = await nats.connect(nats_url)
     try:
         async def echo(msg: Any) -> None:
             await msg.respond(msg.data)
 
         await responder.subscribe("bench.rtt", cb=echo)
         await responder.flush()
+        ready()
+        await asyncio.Event().wait()
+    finally:
+        await responder.close()
+
+
+@contextlib.asynccontextmanager
+async def responder_in_this_process(nats_url: str) -> AsyncIterator[None]:
+    ready = asyncio.Event()
+    task = asyncio.create_task(echo_responder(nats_url, ready.set))
+    try:
+        await ready.wait()
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+@contextlib.contextmanager
+def responder_in_a_process(nats_url: str) -> Iterator[None]:
+    """The echo responder as a process of its own, like every service a turn crosses."""
+    process = subprocess.Popen([sys.executable, __file__, "--echo-responder", nats_url],
+                               stdout=subprocess.PIPE)
+    try:
+        assert process.stdout is not None
+        if process.stdout.readline().strip() != b"ready":
+            raise RuntimeError("the echo responder did not start")
+        yield
+    finally:
+        process.kill()
+        process.wait()
+
+
+def serve_echo(nats_url: str) -> None:
+    asyncio.run(echo_responder(nats_url, lambda: print("ready", flush=True)))
+
+
+async def timed_requests(nats_url: str, requests: int, warmup: int) -> list[float]:
+    """Sequential request/reply round trips through the server, loopback, 256-byte payload."""
+    requester = await nats.connect(nats_url)
+    try:
         # A request sent at once on a connection just opened was answered "no
         # responders" about once in thirty runs; one round trip first, never.
         await requester.flush()
@@ -411,19 +451,54 @@ async def measure_nats_rtt(nats_url: str, requests: int, warmup: int = 200) -> l
         return samples
     finally:
         await requester.close()
-        await responder.close()
+
+
+async def measure_nats_rtt(nats_url: str, requests: int, warmup: int = 200) -> list[float]:
+    """Round trips to a responder on a second connection in this process: the
+    unit the turn overhead is counted in."""
+    async with responder_in_this_process(nats_url):
+        return await timed_requests(nats_url, requests, warmup)
+
+
+async def measure_nats_rtt_between_processes(nats_url: str, requests: int,
+                                             warmup: int = 200) -> list[float]:
+    """Round trips to a responder in a process of its own. Every hop of a turn
+    goes from one process to another, which also wakes the other process."""
+    with responder_in_a_process(nats_url):
+        return await timed_requests(nats_url, requests, warmup)
+
+
+@dataclass(frozen=True)
+class RoundTrips:
+    """Median NATS round trips the turn overhead is compared with."""
+
+    same_process_s: float
+    between_processes_s: float
+    source: str
+
+
+async def measure_round_trips(nats_url: str, requests: int) -> RoundTrips:
+    same = await measure_nats_rtt(nats_url, requests)
+    between = await measure_nats_rtt_between_processes(nats_url, requests)
+    return RoundTrips(percentile(same, 50), percentile(between, 50),
+                      "measured on this row's server")
 
 
 def row_nats_rtt(bench: Bench) -> Row:
     with running_nats() as server:
         samples = asyncio.run(measure_nats_rtt(server.url, bench.params.rtt_requests))
+        between = asyncio.run(measure_nats_rtt_between_processes(
+            server.url, bench.params.rtt_requests))
     stats = summary_ms(samples)
-    bench.rtt_p50_s = stats["p50_ms"] / 1000
+    between_stats = summary_ms(between)
+    bench.round_trips = RoundTrips(stats["p50_ms"] / 1000, between_stats["p50_ms"] / 1000,
+                                   "nats_rtt row")
     return Row(
         name="nats_rtt", value=stats["p50_ms"], unit="ms (p50)", target=None,
         detail=f"p50 {stats['p50_ms']:.3f} ms, p99 {stats['p99_ms']:.3f} ms, "
-               f"{stats['n']} requests",
-        raw={**stats, "payload_bytes": 256},
+               f"{stats['n']} requests; between two processes p50 "
+               f"{between_stats['p50_ms']:.3f} ms",
+        raw={**stats, "payload_bytes": 256, "between_processes": between_stats},
     )
 
 
@@ -483,25 +558,25 @@ async def measure_turns(env: Env, turns: int, warmup: int, per_session: int
     return samples, cpu
 
 
-async def turn_overhead(env: Env, params: Params, rtt_p50_s: float | None
+async def turn_overhead(env: Env, params: Params, round_trips: RoundTrips | None
                         ) -> dict[str, Any]:
     turns, cpu = await measure_turns(env, params.overhead_turns, params.overhead_warmup,
                                      params.turns_per_session)
     history = overhead_history(params.turns_per_session // 2)
     stub = await measure_stub_chat(env.stub_url, params.stub_calls, history)
-    rtt_source = "nats_rtt row"
-    if rtt_p50_s is None:
-        rtt_p50_s = percentile(await measure_nats_rtt(env.nats_url, params.rtt_requests), 50)
-        rtt_source = "measured on this row's server"
-    return {"turns": turns, "stub": stub, "rtt_p50_s": rtt_p50_s, "rtt_source": rtt_source,
+    if round_trips is None:
+        round_trips = await measure_round_trips(env.nats_url, params.rtt_requests)
+    return {"turns": turns, "stub": stub, "round_trips": round_trips,
             "stub_prompt_messages": len(history), "cpu": cpu}
 
 
 def row_turn_overhead(bench: Bench) -> Row:
-    measured = asyncio.run(turn_overhead(bench.plain(), bench.params, bench.rtt_p50_s))
+    measured = asyncio.run(turn_overhead(bench.plain(), bench.params, bench.round_trips))
     turn = summary_ms(measured["turns"])
     stub = summary_ms(measured["stub"])
-    rtt_ms = measured["rtt_p50_s"] * 1000
+    round_trips: RoundTrips = measured["round_trips"]
+    rtt_ms = round_trips.same_process_s * 1000
+    between_ms = round_trips.between_processes_s * 1000
     overhead_p50 = turn["p50_ms"] - stub["p50_ms"]
     overhead_p99 = turn["p99_ms"] - stub["p50_ms"]
     ratio = overhead_p50 / rtt_ms
@@ -510,7 +585,8 @@ def row_turn_overhead(bench: Bench) -> Row:
         target=Target("<=", TURN_OVERHEAD_MAX_RTTS),
         detail=f"overhead p50 {overhead_p50:.2f} ms, p99 {overhead_p99:.2f} ms "
                f"(turn p50 {turn['p50_ms']:.2f} − stand-in {stub['p50_ms']:.2f}); "
-               f"RTT {rtt_ms:.3f} ms",
+               f"RTT {rtt_ms:.3f} ms; {overhead_p50 / between_ms:.1f} round trips "
+               f"between two processes ({between_ms:.3f} ms)",
         raw={
             "overhead_p50_ms": overhead_p50,
             "overhead_p99_ms": overhead_p99,
@@ -518,7 +594,9 @@ def row_turn_overhead(bench: Bench) -> Row:
             "turn": turn,
             "stub_own_time": stub,
             "nats_rtt_p50_ms": rtt_ms,
-            "nats_rtt_source": measured["rtt_source"],
+            "nats_rtt_source": round_trips.source,
+            "nats_rtt_between_processes_p50_ms": between_ms,
+            "overhead_p50_rtts_between_processes": overhead_p50 / between_ms,
             "turns_per_session": bench.params.turns_per_session,
             "stub_prompt_messages": measured["stub_prompt_messages"],
             "services": list(bench.plain().system.processes),
@@ -1264,7 +1342,7 @@ class Bench:
     def __init__(self, params: Params, in_process: bool) -> None:
         self.params = params
         self.in_process = in_process
-        self.rtt_p50_s: float | None = None
+        self.round_trips: RoundTrips | None = None
         self._plain: Env | None = None
         self._plain_stack = contextlib.ExitStack()
 
@@ -1418,4 +1496,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    if sys.argv[1:2] == ["--echo-responder"]:
+        serve_echo(sys.argv[2])  # the responder of measure_nats_rtt_between_processes
+    else:
+        raise SystemExit(main())

@@ -8,7 +8,7 @@ import json
 import math
 from pathlib import Path
 
-from scripts.bench import main
+from scripts.bench import main, measure_nats_rtt, measure_nats_rtt_between_processes
 
 
 def test_pure_rows_write_numeric_results(tmp_path: Path) -> None:
@@ -50,3 +50,12 @@ def test_rows_that_need_processes_are_skipped_in_process(tmp_path: Path) -> None
     (row,) = json.loads(out.read_text())["rows"]
     assert row["name"] == "nats_rtt"
     assert row["value"] is None and row["skipped"]
+
+
+async def test_round_trips_are_timed_within_a_process_and_between_two(nats_url: str) -> None:
+    """Both responders answer: the one on a second connection here, and the one
+    the benchmark starts as a process of its own (the script run as the responder)."""
+    same = await measure_nats_rtt(nats_url, requests=20, warmup=2)
+    between = await measure_nats_rtt_between_processes(nats_url, requests=20, warmup=2)
+    assert len(same) == len(between) == 20
+    assert all(sample > 0 for sample in same + between)
