@@ -44,7 +44,7 @@ import aiohttp
 import nats
 
 from schemas import subjects
-from schemas.envelope import Envelope
+from schemas.envelope import Envelope, new_id
 from schemas.history import ChatMessage, Conversation, HistoryEntry, ToolCall
 from schemas.messages import GenerationReport
 from scripts.ollama_stub import count_prompt_tokens, echo_reply, filler_text
@@ -52,7 +52,8 @@ from services.core.prompt import history_chars, render_messages, reusable_chars,
 from services.core.splice import plan_compaction, splice
 from services.core.tokens import Calibration, calibrate, estimate_tokens
 from services.generator.provider import ChatRequest, OllamaProvider
-from tests.nats_server import nats_server_binary, running_nats
+from tests.nats_server import free_port, nats_server_binary, running_nats
+from tests.processes import ServiceProcess
 from tests.stub_server import running_stub
 from tests.system import System
 
@@ -66,6 +67,7 @@ QUERY_CONSUMER = "generator"
 ROWS = (
     "nats_rtt",
     "turn_overhead",
+    "turn_floor",
     "throughput_1_generator",
     "throughput_2_generators",
     "compaction_latency",
@@ -76,6 +78,7 @@ ROWS = (
 # stopped before the compaction row starts systems of its own.
 RUN_ORDER = (
     "nats_rtt",
+    "turn_floor",
     "splice_128k",
     "turn_overhead",
     "throughput_1_generator",
@@ -601,6 +604,82 @@ def row_turn_overhead(bench: Bench) -> Row:
             "stub_prompt_messages": measured["stub_prompt_messages"],
             "services": list(bench.plain().system.processes),
             "cpu_per_turn": measured["cpu"],
+        },
+    )
+
+
+# --------------------------------------------------------------------------- 2b. turn_floor
+
+
+@contextlib.contextmanager
+def running_bare_turn() -> Iterator[tuple[str, str, str]]:
+    """The two processes of scripts/bare_turn.py on a server and stand-in of
+    their own: (NATS URL, stand-in URL, HTTP base URL)."""
+    with running_nats() as server, running_stub() as stub:
+        port = free_port()
+        env = {"NATS_URL": server.url, "OLLAMA_HOST": stub, "MODEL": MODEL,
+               "BARE_PORT": str(port)}
+        processes = [ServiceProcess("scripts.bare_turn", {**env, "BARE_ROLE": role})
+                     for role in ("generator", "gateway")]
+        try:
+            for process in processes:
+                process.start()  # one after the other: both set up the streams
+            yield server.url, stub, f"http://127.0.0.1:{port}"
+        finally:
+            for process in reversed(processes):
+                process.stop()
+                process.log_path.unlink(missing_ok=True)
+
+
+async def measure_bare_turns(base_url: str, params: Params) -> list[float]:
+    """The same sequence of queries as `measure_turns`, through the bare hops."""
+    samples: list[float] = []
+    async with Http(base_url, 4) as http:
+        sid = ""
+        for index in range(params.overhead_warmup + params.overhead_turns):
+            if index % params.turns_per_session == 0:
+                sid = new_id()
+            started = time.perf_counter()
+            response = await http.post(f"/q/{sid}", json={
+                "content": f"benchmark question {index % params.turns_per_session}"})
+            if response.status_code != 200:
+                raise RuntimeError(f"bare turn failed: HTTP {response.status_code} "
+                                   f"{response.text}")
+            if index >= params.overhead_warmup:
+                samples.append(time.perf_counter() - started)
+    return samples
+
+
+async def turn_floor(params: Params, round_trips: RoundTrips | None) -> dict[str, Any]:
+    with running_bare_turn() as (nats_url, stub_url, base_url):
+        turns = await measure_bare_turns(base_url, params)
+        history = overhead_history(params.turns_per_session // 2)
+        stub = await measure_stub_chat(stub_url, params.stub_calls, history)
+        if round_trips is None:
+            round_trips = await measure_round_trips(nats_url, params.rtt_requests)
+    return {"turns": turns, "stub": stub, "round_trips": round_trips}
+
+
+def row_turn_floor(bench: Bench) -> Row:
+    measured = asyncio.run(turn_floor(bench.params, bench.round_trips))
+    turn = summary_ms(measured["turns"])
+    stub = summary_ms(measured["stub"])
+    round_trips: RoundTrips = measured["round_trips"]
+    rtt_ms = round_trips.same_process_s * 1000
+    floor_p50 = turn["p50_ms"] - stub["p50_ms"]
+    return Row(
+        name="turn_floor", value=floor_p50 / rtt_ms, unit="NATS round trips (p50)",
+        target=None,
+        detail=f"the hops a turn needs and nothing else (scripts/bare_turn.py): "
+               f"overhead p50 {floor_p50:.2f} ms (turn p50 {turn['p50_ms']:.2f} − "
+               f"stand-in {stub['p50_ms']:.2f}); RTT {rtt_ms:.3f} ms",
+        raw={
+            "overhead_p50_ms": floor_p50,
+            "overhead_p99_ms": turn["p99_ms"] - stub["p50_ms"],
+            "turn": turn,
+            "stub_own_time": stub,
+            "nats_rtt_p50_ms": rtt_ms,
+            "nats_rtt_source": round_trips.source,
         },
     )
 
@@ -1330,6 +1409,7 @@ RowFunction = Callable[["Bench"], Row]
 ROW_FUNCTIONS: dict[str, RowFunction] = {
     "nats_rtt": row_nats_rtt,
     "turn_overhead": row_turn_overhead,
+    "turn_floor": row_turn_floor,
     "throughput_1_generator": row_throughput_1,
     "throughput_2_generators": row_throughput_2,
     "compaction_latency": row_compaction,

@@ -1,6 +1,7 @@
 """Smoke test of scripts/bench.py: the rows that need no process run in-process and
-land in the JSON as numbers. Nothing here asserts a timing: speed is measured by
-the benchmark itself, not by tests."""
+land in the JSON as numbers, and the pieces the other rows start (an echo
+responder of its own, the bare turn of scripts/bare_turn.py) answer. Nothing
+here asserts a timing: speed is measured by the benchmark itself, not by tests."""
 
 from __future__ import annotations
 
@@ -8,7 +9,13 @@ import json
 import math
 from pathlib import Path
 
-from scripts.bench import main, measure_nats_rtt, measure_nats_rtt_between_processes
+from scripts.bench import (
+    Http,
+    main,
+    measure_nats_rtt,
+    measure_nats_rtt_between_processes,
+    running_bare_turn,
+)
 
 
 def test_pure_rows_write_numeric_results(tmp_path: Path) -> None:
@@ -59,3 +66,15 @@ async def test_round_trips_are_timed_within_a_process_and_between_two(nats_url: 
     between = await measure_nats_rtt_between_processes(nats_url, requests=20, warmup=2)
     assert len(same) == len(between) == 20
     assert all(sample > 0 for sample in same + between)
+
+
+async def test_the_bare_turn_answers_each_query_of_a_session_in_turn() -> None:
+    """The floor of the turn_floor row answers like the product: one reply per
+    query, a session's queries one after the other."""
+    with running_bare_turn() as (_, _, base_url):
+        async with Http(base_url, 2) as http:
+            replies = [await http.post(f"/q/{sid}", json={"content": f"q{n}"})
+                       for sid in ("a", "b") for n in range(3)]
+    assert [r.status_code for r in replies] == [200] * 6
+    assert [json.loads(r.text)["reply"] for r in replies[:3]] == [
+        f"Echo: q{n} (turn {n + 1})" for n in range(3)]

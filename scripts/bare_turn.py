@@ -1,0 +1,204 @@
+"""The hops a turn cannot do without, and nothing else: the floor that the
+benchmark's turn overhead is set against (row `turn_floor` of scripts/bench.py).
+
+Two processes, started like the services and on the same libraries, event
+loop and consumer (`BARE_ROLE=gateway` or `generator`, then
+`python -m scripts.bare_turn`):
+
+- gateway: one HTTP route (Starlette on uvicorn). It publishes the query into
+  a work-queue stream, then answers with the reply that comes back on a core
+  subject.
+- generator: takes each query as it lands. It takes the session's lock (a KV
+  write by compare-and-swap) while checking that no earlier query waits, and
+  calls the model through the product's provider. Then it appends the turn
+  to a stream by compare-and-swap, acknowledges, replies and frees the lock.
+
+Nothing else: no envelopes or validation, no published states, no history
+view or prompt fitting, no tools, no report. The product's turn overhead
+minus this floor is what all of that costs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import sys
+import uuid
+from typing import Any
+
+import nats
+import uvicorn
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js.api import AckPolicy, ConsumerConfig, KeyValueConfig, RetentionPolicy, StreamConfig
+from nats.js.errors import BadRequestError, KeyWrongLastSequenceError, NotFoundError
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from services.generator.provider import ChatRequest, OllamaProvider
+from services.shared.consumer import PullLoop, ensure_consumer
+from services.shared.runner import main
+from services.shared.together import together
+
+QUERIES = "BARE_QUERIES"
+HISTORY = "BARE_HISTORY"
+LOCKS = "bare_locks"
+CONSUMER = "bare"
+READY = "service_started"  # what tests/processes.py waits for
+REPLY_TIMEOUT_S = 10.0
+SLOTS = 64
+
+
+async def set_up(nc: NATS) -> None:
+    js = nc.jetstream()
+    for config in (
+        StreamConfig(name=QUERIES, subjects=["bare.q.*"], retention=RetentionPolicy.WORK_QUEUE,
+                     allow_direct=True),
+        StreamConfig(name=HISTORY, subjects=["bare.h.*"], allow_direct=True),
+    ):
+        with contextlib.suppress(BadRequestError):  # made by the other process already
+            await js.add_stream(config)
+    try:
+        await js.key_value(LOCKS)
+    except NotFoundError:
+        await js.create_key_value(KeyValueConfig(bucket=LOCKS, history=1, ttl=5.0))
+
+
+class BareGateway:
+    def __init__(self, nc: NATS) -> None:
+        self._nc = nc
+        self._js = nc.jetstream()
+        self._waiting: dict[str, asyncio.Future[bytes]] = {}
+
+    async def start(self) -> None:
+        await self._nc.subscribe("bare.r.*", cb=self._on_reply)
+
+    async def _on_reply(self, msg: Msg) -> None:
+        reply = json.loads(msg.data)
+        waiter = self._waiting.get(reply["id"])
+        if waiter is not None and not waiter.done():
+            waiter.set_result(msg.data)
+
+    async def ask(self, request: Request) -> Response:
+        sid = request.path_params["sid"]
+        content = json.loads(await request.body())["content"]
+        query_id = uuid.uuid4().hex
+        waiter = self._waiting[query_id] = asyncio.get_running_loop().create_future()
+        try:
+            await self._js.publish(f"bare.q.{sid}",
+                                   json.dumps({"id": query_id, "content": content}).encode(),
+                                   headers={"Nats-Msg-Id": query_id})
+            async with asyncio.timeout(REPLY_TIMEOUT_S):
+                reply = json.loads(await waiter)
+        finally:
+            del self._waiting[query_id]
+        return JSONResponse({"reply": reply["reply"]})
+
+
+class BareGenerator:
+    def __init__(self, nc: NATS, ollama_host: str, model: str) -> None:
+        self._nc = nc
+        self._js = nc.jetstream()
+        self._provider = OllamaProvider(ollama_host, timeout_s=30.0, connections=SLOTS)
+        self._model = model
+        self._busy = 0
+        self._prompts: dict[str, list[dict[str, Any]]] = {}
+        self._history_seq: dict[str, int] = {}
+        self._freed_at: dict[str, int] = {}
+        # Acknowledged queries the server may not have dropped yet.
+        self._answered: set[int] = set()
+        self._order: dict[str, asyncio.Lock] = {}
+        self._loop: PullLoop | None = None
+
+    async def start(self) -> None:
+        self._kv = await self._js.key_value(LOCKS)
+        await ensure_consumer(self._nc, QUERIES, ConsumerConfig(
+            durable_name=CONSUMER, filter_subject="bare.q.*", ack_policy=AckPolicy.EXPLICIT))
+        self._loop = PullLoop(self._nc, QUERIES, CONSUMER, self._spawn,
+                              capacity=lambda: SLOTS - self._busy)
+        await self._loop.start()
+
+    async def _spawn(self, msg: Msg) -> None:
+        self._busy += 1
+        task = asyncio.create_task(self._answer(msg))
+        task.add_done_callback(self._room_freed)
+
+    def _room_freed(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            print(f"query failed: {task.exception()!r}", file=sys.stderr, flush=True)
+        self._busy -= 1
+        assert self._loop is not None
+        self._loop.room_freed()
+
+    async def _answer(self, msg: Msg) -> None:
+        # As in the product, a session's next query waits here for the
+        # previous one to free the lock.
+        sid = msg.subject.rsplit(".", 1)[1]
+        async with self._order.setdefault(sid, asyncio.Lock()):
+            await self._answer_in_order(sid, msg)
+
+    async def _answer_in_order(self, sid: str, msg: Msg) -> None:
+        query = json.loads(msg.data)
+        revision, earlier = await together(self._lock(sid), self._earlier_query(msg))
+        if isinstance(revision, Exception) or isinstance(earlier, Exception) or earlier:
+            raise RuntimeError("the floor runs one query at a time: nothing may compete")
+        prompt = self._prompts.setdefault(sid, [])
+        prompt.append({"role": "user", "content": query["content"]})
+        result = await self._provider.chat(ChatRequest(self._model, prompt, num_ctx=8192))
+        prompt.append({"role": "assistant", "content": result.content})
+        ack = await self._js.publish(
+            f"bare.h.{sid}", json.dumps(prompt[-2:]).encode(),
+            headers={"Nats-Expected-Last-Subject-Sequence": str(self._history_seq.get(sid, 0))})
+        self._history_seq[sid] = ack.seq
+        await msg.ack()
+        self._answered.add(msg.metadata.sequence.stream)
+        await self._nc.publish(f"bare.r.{sid}",
+                               json.dumps({"id": query["id"], "reply": result.content}).encode())
+        self._freed_at[sid] = await self._kv.update(sid, b"free", last=revision)
+
+    async def _lock(self, sid: str) -> int:
+        """One compare-and-swap: a new key, or the free marker this process left."""
+        try:
+            return await self._kv.update(sid, b"held", last=self._freed_at.get(sid, 0))
+        except KeyWrongLastSequenceError as err:
+            raise RuntimeError(f"session {sid} is held elsewhere") from err
+
+    async def _earlier_query(self, msg: Msg) -> bool:
+        ours, start = msg.metadata.sequence.stream, 1
+        while True:
+            oldest = await self._js.get_msg(QUERIES, seq=start, subject=msg.subject,
+                                            next=True, direct=True)
+            seq = int(oldest.seq or 0)
+            if seq >= ours or seq not in self._answered:
+                return seq < ours
+            start = seq + 1
+
+
+async def run(role: str) -> None:
+    nc = await nats.connect(os.environ["NATS_URL"])
+    await set_up(nc)
+    if role == "generator":
+        await BareGenerator(nc, os.environ["OLLAMA_HOST"], os.environ["MODEL"]).start()
+        print(READY, flush=True)
+        await asyncio.Event().wait()
+    gateway = BareGateway(nc)
+    await gateway.start()
+    app = Starlette(routes=[Route("/q/{sid}", gateway.ask, methods=["POST"])])
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1",
+                                           port=int(os.environ["BARE_PORT"]),
+                                           log_config=None, access_log=False, lifespan="off"))
+    serving = asyncio.create_task(server.serve())
+    while not server.started:
+        if serving.done():
+            await serving  # raises the bind error
+        await asyncio.sleep(0.02)
+    print(READY, flush=True)
+    await serving
+
+
+if __name__ == "__main__":
+    main(run(os.environ["BARE_ROLE"]))
