@@ -70,6 +70,7 @@ ROWS = (
     "turn_floor",
     "throughput_1_generator",
     "throughput_2_generators",
+    "throughput_floor",
     "compaction_latency",
     "splice_128k",
     "estimate_error",
@@ -79,6 +80,7 @@ ROWS = (
 RUN_ORDER = (
     "nats_rtt",
     "turn_floor",
+    "throughput_floor",
     "splice_128k",
     "turn_overhead",
     "throughput_1_generator",
@@ -864,6 +866,41 @@ def throughput_row(name: str, bench: Bench, generators: int) -> Row:
     )
 
 
+async def bare_throughput(stub_url: str, base_url: str, params: Params) -> dict[str, Any]:
+    """`throughput`'s load on the bare turn of scripts/bare_turn.py."""
+    await configure_stub(stub_url, model_latency={MODEL: ANSWER_LATENCY_S * 1000})
+    async with contextlib.AsyncExitStack() as stack:
+        clients = [await stack.enter_async_context(Http(base_url, 1))
+                   for _ in range(params.throughput_sessions)]
+        sids = {id(client): new_id() for client in clients}
+        await asyncio.gather(*(c.post(f"/q/{sids[id(c)]}", json={"content": "warm-up"})
+                               for c in clients))
+        return await closed_loop(
+            lambda c, i: c.post(f"/q/{sids[id(c)]}", json={"content": f"question {i}"}),
+            clients, params.throughput_settle_s, params.throughput_window_s)
+
+
+def row_throughput_floor(bench: Bench) -> Row:
+    params = bench.params
+    with running_bare_turn() as (_, stub_url, base_url):
+        measured = asyncio.run(bare_throughput(stub_url, base_url, params))
+    answers = len(measured["latencies"])
+    rate = answers / params.throughput_window_s
+    ideal = params.throughput_sessions / ANSWER_LATENCY_S
+    latency = summary_ms(measured["latencies"]) if measured["latencies"] else {}
+    return Row(
+        name="throughput_floor", value=rate / ideal, unit="× ideal", target=None,
+        detail=f"the bare turn of scripts/bare_turn.py under throughput_1_generator's load: "
+               f"{rate:.0f} answers/s of ideal {ideal:.0f}; latency p50 "
+               f"{latency.get('p50_ms', math.nan):.0f} ms; "
+               f"{measured['cpu']['cpu_ms_per_unit']:.1f} ms CPU/answer",
+        raw={"answers": answers, "failures": len(measured["failures"]),
+             "failure_examples": measured["failures"][:3], "answers_per_s": rate,
+             "ideal_answers_per_s": ideal, "latency": latency,
+             "cpu_per_answer": measured["cpu"]},
+    )
+
+
 def row_throughput_1(bench: Bench) -> Row:
     return throughput_row("throughput_1_generator", bench, 1)
 
@@ -1410,6 +1447,7 @@ ROW_FUNCTIONS: dict[str, RowFunction] = {
     "nats_rtt": row_nats_rtt,
     "turn_overhead": row_turn_overhead,
     "turn_floor": row_turn_floor,
+    "throughput_floor": row_throughput_floor,
     "throughput_1_generator": row_throughput_1,
     "throughput_2_generators": row_throughput_2,
     "compaction_latency": row_compaction,
