@@ -11,7 +11,9 @@ subprocesses (the classes of tests/system.py), driven over HTTP with aiohttp and
 over NATS with nats-py. Figures are ratios measured in the same run (turn
 overhead in NATS round trips, throughput as a share of the ideal, latency during
 a compaction against latency without one), so they mean the same on a slow
-and a fast machine.
+and a fast machine. The rows turn_floor and throughput_floor measure the
+same things on scripts/bare_turn.py, the hops a turn needs and nothing else,
+as the reference the product's figures can be read against.
 
 Speed is measured, not asserted: a missed target is reported (✗), and the exit
 status is non-zero only when a row could not be measured at all.
