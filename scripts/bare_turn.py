@@ -1,5 +1,6 @@
 """The hops a turn cannot do without, and nothing else: the floor that the
-benchmark's turn overhead is set against (row `turn_floor` of scripts/bench.py).
+benchmark's turn overhead and throughput are set against (rows `turn_floor`
+and `throughput_floor` of scripts/bench.py).
 
 Two processes, started like the services and on the same libraries, event
 loop and consumer (`BARE_ROLE=gateway` or `generator`, then
@@ -34,11 +35,13 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, KeyValueConfig, RetentionPolicy, StreamConfig
 from nats.js.errors import BadRequestError, KeyWrongLastSequenceError, NotFoundError
+from nats.js.kv import KeyValue
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from schemas.subjects import is_valid_session_id
 from services.generator.provider import ChatRequest, OllamaProvider
 from services.shared.consumer import PullLoop, ensure_consumer
 from services.shared.runner import main
@@ -53,7 +56,8 @@ REPLY_TIMEOUT_S = 10.0
 SLOTS = 64
 
 
-async def set_up(nc: NATS) -> None:
+async def set_up(nc: NATS) -> KeyValue:
+    """The two streams and the lock bucket; the lock bucket is returned."""
     js = nc.jetstream()
     for config in (
         StreamConfig(name=QUERIES, subjects=["bare.q.*"], retention=RetentionPolicy.WORK_QUEUE,
@@ -63,9 +67,9 @@ async def set_up(nc: NATS) -> None:
         with contextlib.suppress(BadRequestError):  # made by the other process already
             await js.add_stream(config)
     try:
-        await js.key_value(LOCKS)
+        return await js.key_value(LOCKS)
     except NotFoundError:
-        await js.create_key_value(KeyValueConfig(bucket=LOCKS, history=1, ttl=5.0))
+        return await js.create_key_value(KeyValueConfig(bucket=LOCKS, history=1, ttl=5.0))
 
 
 class BareGateway:
@@ -85,6 +89,8 @@ class BareGateway:
 
     async def ask(self, request: Request) -> Response:
         sid = request.path_params["sid"]
+        if not is_valid_session_id(sid):
+            return JSONResponse({"error": "invalid session id"}, status_code=400)
         content = json.loads(await request.body())["content"]
         query_id = uuid.uuid4().hex
         waiter = self._waiting[query_id] = asyncio.get_running_loop().create_future()
@@ -100,9 +106,10 @@ class BareGateway:
 
 
 class BareGenerator:
-    def __init__(self, nc: NATS, ollama_host: str, model: str) -> None:
+    def __init__(self, nc: NATS, locks: KeyValue, ollama_host: str, model: str) -> None:
         self._nc = nc
         self._js = nc.jetstream()
+        self._kv = locks
         self._provider = OllamaProvider(ollama_host, timeout_s=30.0, connections=SLOTS)
         self._model = model
         self._busy = 0
@@ -115,7 +122,6 @@ class BareGenerator:
         self._loop: PullLoop | None = None
 
     async def start(self) -> None:
-        self._kv = await self._js.key_value(LOCKS)
         await ensure_consumer(self._nc, QUERIES, ConsumerConfig(
             durable_name=CONSUMER, filter_subject="bare.q.*", ack_policy=AckPolicy.EXPLICIT))
         self._loop = PullLoop(self._nc, QUERIES, CONSUMER, self._spawn,
@@ -180,9 +186,9 @@ class BareGenerator:
 
 async def run(role: str) -> None:
     nc = await nats.connect(os.environ["NATS_URL"])
-    await set_up(nc)
+    locks = await set_up(nc)
     if role == "generator":
-        await BareGenerator(nc, os.environ["OLLAMA_HOST"], os.environ["MODEL"]).start()
+        await BareGenerator(nc, locks, os.environ["OLLAMA_HOST"], os.environ["MODEL"]).start()
         print(READY, flush=True)
         await asyncio.Event().wait()
     gateway = BareGateway(nc)
