@@ -541,73 +541,106 @@ async def measure_stub_chat(stub_url: str, calls: int, messages: list[dict[str, 
     return samples
 
 
-async def measure_turns(env: Env, turns: int, warmup: int, per_session: int
-                        ) -> tuple[list[float], dict[str, Any]]:
-    """JSON POST /messages latencies, a fresh session every `per_session` turns;
-    and the CPU the measured turns cost."""
+async def sequential_turns(params: Params, new_session: Callable[[], Awaitable[str]],
+                           ask_one: Callable[[str, str], Awaitable[Answer]]
+                           ) -> tuple[list[float], dict[str, Any]]:
+    """Latencies of one query after the other, a fresh session every
+    `turns_per_session`, after a warm-up; and the CPU the measured turns cost."""
     samples: list[float] = []
     cpu_before: dict[str, float] = {}
     started = 0.0
-    async with http_client(env, 4) as http:
-        sid = ""
-        for index in range(warmup + turns):
-            if index == warmup:
-                cpu_before, started = cpu_seconds(), time.perf_counter()
-            if index % per_session == 0:
-                sid = await new_session(http)
-            _, seconds, response = await timed_ask(
-                http, sid, f"benchmark question {index % per_session}")
-            if response.status_code != 200:
-                raise RuntimeError(f"turn failed: HTTP {response.status_code} {response.text}")
-            if index >= warmup:
-                samples.append(seconds)
-    cpu = cpu_per_unit(cpu_before, cpu_seconds(), turns, time.perf_counter() - started)
+    per_session = params.turns_per_session
+    sid = ""
+    for index in range(params.overhead_warmup + params.overhead_turns):
+        if index == params.overhead_warmup:
+            cpu_before, started = cpu_seconds(), time.perf_counter()
+        if index % per_session == 0:
+            sid = await new_session()
+        sent = time.perf_counter()
+        response = await ask_one(sid, f"benchmark question {index % per_session}")
+        seconds = time.perf_counter() - sent
+        if response.status_code != 200:
+            raise RuntimeError(f"turn failed: HTTP {response.status_code} {response.text}")
+        if index >= params.overhead_warmup:
+            samples.append(seconds)
+    cpu = cpu_per_unit(cpu_before, cpu_seconds(), params.overhead_turns,
+                       time.perf_counter() - started)
     return samples, cpu
 
 
-async def turn_overhead(env: Env, params: Params, round_trips: RoundTrips | None
-                        ) -> dict[str, Any]:
-    turns, cpu = await measure_turns(env, params.overhead_turns, params.overhead_warmup,
-                                     params.turns_per_session)
+async def measure_turns(env: Env, params: Params) -> tuple[list[float], dict[str, Any]]:
+    """The product's JSON POST /messages, one after the other."""
+    async with http_client(env, 4) as http:
+        return await sequential_turns(params, lambda: new_session(http),
+                                      lambda sid, content: ask(http, sid, content))
+
+
+@dataclass(frozen=True)
+class Overhead:
+    """A turn's time beyond the stand-in's own, against NATS round trips."""
+
+    turn: dict[str, float]
+    stub: dict[str, float]
+    round_trips: RoundTrips
+
+    @property
+    def rtt_ms(self) -> float:
+        return self.round_trips.same_process_s * 1000
+
+    @property
+    def p50_ms(self) -> float:
+        return self.turn["p50_ms"] - self.stub["p50_ms"]
+
+    @property
+    def p99_ms(self) -> float:
+        return self.turn["p99_ms"] - self.stub["p50_ms"]
+
+    def text(self) -> str:
+        return (f"overhead p50 {self.p50_ms:.2f} ms, p99 {self.p99_ms:.2f} ms "
+                f"(turn p50 {self.turn['p50_ms']:.2f} − stand-in "
+                f"{self.stub['p50_ms']:.2f}); RTT {self.rtt_ms:.3f} ms")
+
+
+async def overhead_of(turns: list[float], stub_url: str, nats_url: str, params: Params,
+                      round_trips: RoundTrips | None) -> Overhead:
+    """Set measured turns against the stand-in's own time for a prompt like
+    theirs, and against the round trips (measured here unless given)."""
     history = overhead_history(params.turns_per_session // 2)
-    stub = await measure_stub_chat(env.stub_url, params.stub_calls, history)
+    stub = await measure_stub_chat(stub_url, params.stub_calls, history)
     if round_trips is None:
-        round_trips = await measure_round_trips(env.nats_url, params.rtt_requests)
-    return {"turns": turns, "stub": stub, "round_trips": round_trips,
-            "stub_prompt_messages": len(history), "cpu": cpu}
+        round_trips = await measure_round_trips(nats_url, params.rtt_requests)
+    return Overhead(summary_ms(turns), summary_ms(stub), round_trips)
+
+
+async def turn_overhead(env: Env, params: Params, round_trips: RoundTrips | None
+                        ) -> tuple[Overhead, dict[str, Any]]:
+    turns, cpu = await measure_turns(env, params)
+    return await overhead_of(turns, env.stub_url, env.nats_url, params, round_trips), cpu
 
 
 def row_turn_overhead(bench: Bench) -> Row:
-    measured = asyncio.run(turn_overhead(bench.plain(), bench.params, bench.round_trips))
-    turn = summary_ms(measured["turns"])
-    stub = summary_ms(measured["stub"])
-    round_trips: RoundTrips = measured["round_trips"]
-    rtt_ms = round_trips.same_process_s * 1000
-    between_ms = round_trips.between_processes_s * 1000
-    overhead_p50 = turn["p50_ms"] - stub["p50_ms"]
-    overhead_p99 = turn["p99_ms"] - stub["p50_ms"]
-    ratio = overhead_p50 / rtt_ms
+    overhead, cpu = asyncio.run(turn_overhead(bench.plain(), bench.params, bench.round_trips))
+    rtt_ms = overhead.rtt_ms
+    between_ms = overhead.round_trips.between_processes_s * 1000
     return Row(
-        name="turn_overhead", value=ratio, unit="NATS round trips (p50)",
+        name="turn_overhead", value=overhead.p50_ms / rtt_ms, unit="NATS round trips (p50)",
         target=Target("<=", TURN_OVERHEAD_MAX_RTTS),
-        detail=f"overhead p50 {overhead_p50:.2f} ms, p99 {overhead_p99:.2f} ms "
-               f"(turn p50 {turn['p50_ms']:.2f} − stand-in {stub['p50_ms']:.2f}); "
-               f"RTT {rtt_ms:.3f} ms; {overhead_p50 / between_ms:.1f} round trips "
+        detail=f"{overhead.text()}; {overhead.p50_ms / between_ms:.1f} round trips "
                f"between two processes ({between_ms:.3f} ms)",
         raw={
-            "overhead_p50_ms": overhead_p50,
-            "overhead_p99_ms": overhead_p99,
-            "overhead_p99_rtts": overhead_p99 / rtt_ms,
-            "turn": turn,
-            "stub_own_time": stub,
+            "overhead_p50_ms": overhead.p50_ms,
+            "overhead_p99_ms": overhead.p99_ms,
+            "overhead_p99_rtts": overhead.p99_ms / rtt_ms,
+            "turn": overhead.turn,
+            "stub_own_time": overhead.stub,
             "nats_rtt_p50_ms": rtt_ms,
-            "nats_rtt_source": round_trips.source,
+            "nats_rtt_source": overhead.round_trips.source,
             "nats_rtt_between_processes_p50_ms": between_ms,
-            "overhead_p50_rtts_between_processes": overhead_p50 / between_ms,
+            "overhead_p50_rtts_between_processes": overhead.p50_ms / between_ms,
             "turns_per_session": bench.params.turns_per_session,
-            "stub_prompt_messages": measured["stub_prompt_messages"],
+            "stub_prompt_messages": len(overhead_history(bench.params.turns_per_session // 2)),
             "services": list(bench.plain().system.processes),
-            "cpu_per_turn": measured["cpu"],
+            "cpu_per_turn": cpu,
         },
     )
 
@@ -635,55 +668,38 @@ def running_bare_turn() -> Iterator[tuple[str, str, str]]:
                 process.log_path.unlink(missing_ok=True)
 
 
-async def measure_bare_turns(base_url: str, params: Params) -> list[float]:
-    """The same sequence of queries as `measure_turns`, through the bare hops."""
-    samples: list[float] = []
-    async with Http(base_url, 4) as http:
-        sid = ""
-        for index in range(params.overhead_warmup + params.overhead_turns):
-            if index % params.turns_per_session == 0:
-                sid = new_id()
-            started = time.perf_counter()
-            response = await http.post(f"/q/{sid}", json={
-                "content": f"benchmark question {index % params.turns_per_session}"})
-            if response.status_code != 200:
-                raise RuntimeError(f"bare turn failed: HTTP {response.status_code} "
-                                   f"{response.text}")
-            if index >= params.overhead_warmup:
-                samples.append(time.perf_counter() - started)
-    return samples
+async def bare_session() -> str:
+    """The bare turn keeps no session records: any new id is a new session."""
+    return new_id()
 
 
-async def turn_floor(params: Params, round_trips: RoundTrips | None) -> dict[str, Any]:
+def bare_ask(http: Http) -> Callable[[str, str], Awaitable[Answer]]:
+    """A query to the bare turn's gateway; its sessions need no creating."""
+    return lambda sid, content: http.post(f"/q/{sid}", json={"content": content})
+
+
+async def turn_floor(params: Params, round_trips: RoundTrips | None) -> Overhead:
+    """`turn_overhead`'s queries through the bare hops."""
     with running_bare_turn() as (nats_url, stub_url, base_url):
-        turns = await measure_bare_turns(base_url, params)
-        history = overhead_history(params.turns_per_session // 2)
-        stub = await measure_stub_chat(stub_url, params.stub_calls, history)
-        if round_trips is None:
-            round_trips = await measure_round_trips(nats_url, params.rtt_requests)
-    return {"turns": turns, "stub": stub, "round_trips": round_trips}
+        async with Http(base_url, 4) as http:
+            turns, _ = await sequential_turns(params, bare_session, bare_ask(http))
+        return await overhead_of(turns, stub_url, nats_url, params, round_trips)
 
 
 def row_turn_floor(bench: Bench) -> Row:
-    measured = asyncio.run(turn_floor(bench.params, bench.round_trips))
-    turn = summary_ms(measured["turns"])
-    stub = summary_ms(measured["stub"])
-    round_trips: RoundTrips = measured["round_trips"]
-    rtt_ms = round_trips.same_process_s * 1000
-    floor_p50 = turn["p50_ms"] - stub["p50_ms"]
+    overhead = asyncio.run(turn_floor(bench.params, bench.round_trips))
     return Row(
-        name="turn_floor", value=floor_p50 / rtt_ms, unit="NATS round trips (p50)",
-        target=None,
+        name="turn_floor", value=overhead.p50_ms / overhead.rtt_ms,
+        unit="NATS round trips (p50)", target=None,
         detail=f"the hops a turn needs and nothing else (scripts/bare_turn.py): "
-               f"overhead p50 {floor_p50:.2f} ms (turn p50 {turn['p50_ms']:.2f} − "
-               f"stand-in {stub['p50_ms']:.2f}); RTT {rtt_ms:.3f} ms",
+               f"{overhead.text()}",
         raw={
-            "overhead_p50_ms": floor_p50,
-            "overhead_p99_ms": turn["p99_ms"] - stub["p50_ms"],
-            "turn": turn,
-            "stub_own_time": stub,
-            "nats_rtt_p50_ms": rtt_ms,
-            "nats_rtt_source": round_trips.source,
+            "overhead_p50_ms": overhead.p50_ms,
+            "overhead_p99_ms": overhead.p99_ms,
+            "turn": overhead.turn,
+            "stub_own_time": overhead.stub,
+            "nats_rtt_p50_ms": overhead.rtt_ms,
+            "nats_rtt_source": overhead.round_trips.source,
         },
     )
 
@@ -875,10 +891,9 @@ async def bare_throughput(stub_url: str, base_url: str, params: Params) -> dict[
         clients = [await stack.enter_async_context(Http(base_url, 1))
                    for _ in range(params.throughput_sessions)]
         sids = {id(client): new_id() for client in clients}
-        await asyncio.gather(*(c.post(f"/q/{sids[id(c)]}", json={"content": "warm-up"})
-                               for c in clients))
+        await asyncio.gather(*(bare_ask(c)(sids[id(c)], "warm-up") for c in clients))
         return await closed_loop(
-            lambda c, i: c.post(f"/q/{sids[id(c)]}", json={"content": f"question {i}"}),
+            lambda c, i: bare_ask(c)(sids[id(c)], f"question {i}"),
             clients, params.throughput_settle_s, params.throughput_window_s)
 
 
