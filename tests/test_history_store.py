@@ -3,7 +3,9 @@ rollup splices, idempotent retries, and a bounded cache."""
 
 from __future__ import annotations
 
+import asyncio
 import uuid
+from collections.abc import Callable
 
 import pytest
 from nats.aio.client import Client as NATS
@@ -101,3 +103,31 @@ async def test_a_caller_that_knows_its_view_is_current_skips_the_server(
     with pytest.raises(HistoryConflict):
         await store.append(sid, mine, turn(3))
     assert len((await store.read(sid)).conversation.messages) == 4
+
+
+async def eventually(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "condition never held"
+        await asyncio.sleep(0.01)
+
+
+async def test_a_view_another_process_wrote_over_is_no_longer_offered_as_cached(
+    nc: NATS,
+) -> None:
+    await ensure_layout(nc.jetstream())
+    ours = HistoryStore(nc.jetstream(), writer="gen-a")
+    theirs = HistoryStore(nc.jetstream(), writer="gen-b")
+    watch = await ours.follow_other_writers(nc)
+    sid = new_sid()
+    assert ours.cached(sid) is None  # never read here
+    view = await ours.append(sid, await ours.read(sid), turn(1))
+    await nc.flush()
+    assert ours.cached(sid) is view  # our own write leaves it current
+    await theirs.append(sid, await theirs.read(sid), turn(2))
+    await eventually(lambda: ours.cached(sid) is None)
+    # Even a caller sure nobody else wrote gets the server's version now.
+    current = await ours.read(sid, current=True)
+    assert [m.content for m in current.conversation.messages] == ["q1", "a1", "q2", "a2"]
+    assert ours.cached(sid) is current
+    await watch.unsubscribe()

@@ -19,6 +19,7 @@ from typing import Any
 
 import structlog
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.js.api import AckPolicy, ConsumerConfig
 from nats.js.errors import NotFoundError
 
@@ -27,6 +28,7 @@ from schemas.envelope import Envelope
 from schemas.messages import CompactionRequest, Query, Reply
 from services.core.state_machine import Action, CompactionMode
 from services.generator.compaction import Compactor
+from services.generator.head_start import HeadStart
 from services.generator.provider import ChatProvider, OllamaProvider
 from services.generator.session_lock import Lease, LockTimeout, SessionLocks
 from services.generator.settings import GeneratorSettings
@@ -80,7 +82,7 @@ class Generator:
         self._settings = settings
         self._provider = provider
         self._live = LiveSettings(bus.js, settings)
-        self._history = HistoryStore(bus.js)
+        self._history = HistoryStore(bus.js, writer=settings.generator_id)
         self._sessions = sessions
         self._locks = locks
         self._states = SessionStates(bus, settings.generator_id,
@@ -99,9 +101,11 @@ class Generator:
         self._occupying: set[asyncio.Task[None]] = set()
         self._loops: list[PullLoop] = []
         self._answered = AnsweredQueries()
+        self._others_writing: Subscription | None = None
 
     async def start(self) -> None:
         await self._live.start()
+        self._others_writing = await self._history.follow_other_writers(self._bus.nc)
         self._loops = [
             await self._pull(f"{subjects.QUERY_PREFIX}.*", subjects.QUERIES_STREAM,
                              QUERY_CONSUMER, self._spawn_query, self._capacity),
@@ -123,6 +127,9 @@ class Generator:
 
     async def stop(self) -> None:
         await self._live.stop()
+        if self._others_writing is not None:
+            with contextlib.suppress(Exception):
+                await self._others_writing.unsubscribe()
         for loop in self._loops:
             await loop.stop()
         if self._tasks:
@@ -138,6 +145,8 @@ class Generator:
             "active_sessions": self._states.busy_sessions(),
             "free_slots": max(0, self._capacity()),
             "answered": self._answered.count,
+            "head_starts": {"kept": self._turns.head_starts.kept,
+                            "abandoned": self._turns.head_starts.abandoned},
             "model": self._settings.model,
             "num_ctx": self._settings.num_ctx,
         }
@@ -225,13 +234,17 @@ class Generator:
         blocked = self._compactor.blocking and (
             self._compactor.running(sid) or await self._locks.purpose_of(sid) == "compaction")
         wait = self._settings.blocking_query_wait_s if blocked else None
-        earlier_pending, taken = await self._first_try(sid, msg)
-        if earlier_pending:
-            await msg.nak(delay=OUT_OF_ORDER_DELAY_S)
-            return None
+        head = None if blocked else await self._head_start(msg, env)
         try:
+            earlier_pending, taken = await self._first_try(sid, msg)
+            if earlier_pending:
+                await msg.nak(delay=OUT_OF_ORDER_DELAY_S)
+                return None
+            if taken is None and head is not None:
+                head.abandon()  # someone else holds the session: its history will move
+                head = None
             async with self._locks.hold(sid, "query", wait_s=wait, taken=taken) as lease:
-                return await self._answer(msg, env, lease)
+                return await self._answer(msg, env, lease, head)
         except LockTimeout:
             if blocked:
                 await self._send_reply(msg, env, self._error_reply(env, TurnError(
@@ -241,6 +254,16 @@ class Generator:
             log.warning("session_lock_timeout")
             await msg.nak(delay=1.0)
             return None
+        finally:
+            if head is not None:
+                head.abandon()  # nothing once the turn has used it
+
+    async def _head_start(self, msg: Msg, env: Envelope[Query]) -> HeadStart | None:
+        """The model call started before the lock is ours (see `HeadStart`);
+        never for a redelivered query, nor during a compaction here."""
+        if msg.metadata.num_delivered > 1 or self._compactor.running(env.payload.session_id):
+            return None
+        return await self._turns.head_start(env)
 
     async def _first_try(self, sid: str, msg: Msg) -> tuple[bool, Lease | None]:
         """Whether an earlier query of the session is still pending, and the
@@ -260,13 +283,14 @@ class Generator:
             return True, None
         return False, taken
 
-    async def _answer(self, msg: Msg, env: Envelope[Query], lease: Lease) -> FollowUp | None:
+    async def _answer(self, msg: Msg, env: Envelope[Query], lease: Lease,
+                      head: HeadStart | None) -> FollowUp | None:
         sid = env.payload.session_id
         await self._states.apply(sid, Action.receive, env.correlation_id)
         follow_up = None
         try:
             record = await self._sessions.get(sid)
-            reply, follow_up = await self._turns.run(env, record, lease)
+            reply, follow_up = await self._turns.run(env, record, lease, head)
         except HistoryConflict:
             # Our view is stale (we lost the lease while frozen): let the query come
             # back; the redelivery sees what was written and never answers twice.

@@ -16,6 +16,7 @@ that would overflow the window is ever sent.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ import structlog
 from schemas import subjects
 from schemas.envelope import Envelope
 from schemas.history import ChatMessage, Conversation
-from schemas.messages import GenerationReport, Query, Reply, Token
+from schemas.messages import GenerationReport, Query, Reply
 from schemas.session import SessionRecord
 from services.core.boundary import choose_boundary, tail_turns_for
 from services.core.decision import Level, check_fit
@@ -40,10 +41,12 @@ from services.core.prompt import (
 from services.core.state_machine import Action
 from services.core.tokens import Calibration, calibrate, estimate_prompt, prompt_budget
 from services.generator.compaction import CompactionFailed, CompactionSkipped, Compactor
+from services.generator.head_start import HeadStart, HeadStartCount, still_good
 from services.generator.provider import ChatProvider, ChatRequest, ChatResult, ProviderError
 from services.generator.session_lock import Lease
 from services.generator.settings import GeneratorSettings
 from services.generator.states import SessionStates
+from services.generator.token_stream import TokenStream
 from services.generator.toolbox import Toolbox
 from services.shared.bus import Bus
 from services.shared.history_store import HistoryStore, HistoryView
@@ -105,6 +108,7 @@ class TurnRunner:
         self._states = states
         self._toolbox = toolbox
         self._compactor = compactor
+        self.head_starts = HeadStartCount()
         # Each session's last prompt and tools sent from this process: a prompt
         # that extends it may be counted only in part by a caching provider.
         self._last_prompts: dict[str, tuple[Messages, Messages]] = {}
@@ -117,8 +121,23 @@ class TurnRunner:
     def budget(self) -> int:
         return prompt_budget(self._settings.num_ctx, self._settings.output_headroom)
 
-    async def run(self, env: Envelope[Query], record: SessionRecord, lease: Lease
-                  ) -> tuple[Reply, FollowUp | None]:
+    async def head_start(self, env: Envelope[Query]) -> HeadStart | None:
+        """Send the first model call before the lock is ours, when this process
+        knows the session's history and record and the prompt fits."""
+        sid = env.payload.session_id
+        view, record = self._history.cached(sid), self._sessions.cached(sid)
+        if view is None or record is None:
+            return None
+        tools = await self._toolbox.definitions()
+        prompt = render_messages(record.system, view.conversation, [_question(env)])
+        if not self._fits(record, prompt, tools):
+            return None  # the turn must compact first
+        stream = TokenStream(self._bus, env, held=True) if env.payload.stream else None
+        call = asyncio.create_task(self._call_model(env, record, prompt, tools, stream))
+        return HeadStart(view, record, prompt, tools, stream, call, self.head_starts)
+
+    async def run(self, env: Envelope[Query], record: SessionRecord, lease: Lease,
+                  head: HeadStart | None = None) -> tuple[Reply, FollowUp | None]:
         """Answer the query and store the turn. Returns the reply and the
         bookkeeping (calibration, `response.generation`) that neither the caller
         nor the session's next query need wait for."""
@@ -128,11 +147,10 @@ class TurnRunner:
         if done is not None:
             log.info("query_already_answered")
             return Reply(session_id=sid, query_id=query_id, reply=done), None
-        question = ChatMessage(role="user", content=env.payload.content, query_id=query_id)
-        turn = Turn(env, record, view, [question])
+        turn = Turn(env, record, view, [_question(env)])
         started = time.monotonic()
         await self._states.apply(sid, Action.start_generation, env.correlation_id)
-        result, prompt, tools = await self._tool_loop(turn)
+        result, prompt, tools = await self._tool_loop(turn, self._kept(head, turn))
         answer = ChatMessage(role="assistant", content=result.content, query_id=query_id)
         await self._states.apply(sid, Action.publish, env.correlation_id)
         turn.view = await self._history.append(sid, turn.view, [*turn.messages, answer])
@@ -147,12 +165,28 @@ class TurnRunner:
 
         return reply, follow_up
 
-    async def _tool_loop(self, turn: Turn) -> tuple[ChatResult, Messages, Messages]:
-        tools = await self._toolbox.definitions()
+    def _kept(self, head: HeadStart | None, turn: Turn) -> HeadStart | None:
+        """The head start if its prompt is the one this turn sends; else cancelled."""
+        if head is None:
+            return None
+        if still_good(head.view, head.record, turn.view, turn.record,
+                      lambda: self._fits(turn.record, head.prompt, head.tools)):
+            return head
+        head.abandon()
+        return None
+
+    async def _tool_loop(self, turn: Turn, head: HeadStart | None
+                         ) -> tuple[ChatResult, Messages, Messages]:
+        tools = head.tools if head else await self._toolbox.definitions()
         for _ in range(self._settings.max_tool_iterations + 1):
-            prompt = await self._fitting_prompt(turn, tools)
-            turn.reused_chars = self._reused_chars(turn.sid, prompt, tools)
-            result = await self._call_model(turn.env, turn.record, prompt, tools)
+            if head is not None:
+                prompt = head.prompt
+                turn.reused_chars = self._reused_chars(turn.sid, prompt, tools)
+                result, head = await head.result(), None
+            else:
+                prompt = await self._fitting_prompt(turn, tools)
+                turn.reused_chars = self._reused_chars(turn.sid, prompt, tools)
+                result = await self._call_model(turn.env, turn.record, prompt, tools)
             if not result.tool_calls:
                 return result, prompt, tools
             call = ChatMessage(role="assistant", content=result.content,
@@ -220,12 +254,14 @@ class TurnRunner:
         return [run.message for run in runs]
 
     async def _call_model(self, env: Envelope[Query], record: SessionRecord, prompt: Messages,
-                          tools: Messages) -> ChatResult:
+                          tools: Messages, stream: TokenStream | None = None
+                          ) -> ChatResult:
         request = ChatRequest(model=record.model_or(self._settings.model), messages=prompt,
                               num_ctx=self._settings.num_ctx, tools=tools)
-        streamer = _TokenStreamer(self._bus, env) if env.payload.stream else None
+        if stream is None and env.payload.stream:
+            stream = TokenStream(self._bus, env)
         try:
-            result = await self._provider.chat(request, streamer.send if streamer else None)
+            result = await self._provider.chat(request, stream.send if stream else None)
         except ProviderError as err:
             raise TurnError(err.cause, str(err)) from err
         if not result.content.strip() and not result.tool_calls:
@@ -275,18 +311,5 @@ class TurnRunner:
         return choose_boundary(conversation.messages, tail)
 
 
-class _TokenStreamer:
-    def __init__(self, bus: Bus, env: Envelope[Query]) -> None:
-        self._bus = bus
-        self._env = env
-        self._index = 0
-
-    async def send(self, text: str) -> None:
-        sid = self._env.payload.session_id
-        await self._bus.publish(
-            subjects.token(sid),
-            Token(session_id=sid, query_id=self._env.message_id, index=self._index, text=text),
-            correlation_id=self._env.correlation_id, session_id=sid,
-        )
-        self._index += 1
-
+def _question(env: Envelope[Query]) -> ChatMessage:
+    return ChatMessage(role="user", content=env.payload.content, query_id=env.message_id)

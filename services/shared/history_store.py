@@ -19,6 +19,9 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from nats.js.api import RawStreamMsg
 from nats.js.errors import APIError, NotFoundError
@@ -28,6 +31,7 @@ from schemas.history import ChatMessage, Conversation, HistoryEntry, Snapshot
 from services.shared.together import together
 
 EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
+WRITER_HEADER = "Writer-Id"
 ROLLUP = "Nats-Rollup"
 WRONG_LAST_SEQUENCE = (10071, 10164)
 
@@ -47,19 +51,41 @@ EMPTY = HistoryView(Conversation(), 0)
 
 
 class HistoryStore:
-    def __init__(self, js: JetStreamContext, cached_sessions: int = 512) -> None:
+    def __init__(self, js: JetStreamContext, cached_sessions: int = 512,
+                 writer: str = "") -> None:
         self._js = js
         # Least recently used first; bounded so a long-lived process serving
         # many sessions keeps only the active ones in memory.
         self._cache: OrderedDict[str, HistoryView] = OrderedDict()
         self._cached_sessions = cached_sessions
+        self._writer = writer
+        # Cached sessions someone else has written since we read them.
+        self._moved: set[str] = set()
+
+    async def follow_other_writers(self, nc: NATS) -> Subscription:
+        """Watch the history subjects, to know which cached views another
+        process has made stale: `cached` then has none for them, and `read`
+        asks the server even when told its view is current. A hint that may
+        come late: it can make us ask when we need not have, never trust a
+        stale view (every write is compare-and-swap anyway)."""
+        return await nc.subscribe(f"{subjects.HISTORY_PREFIX}.*", cb=self._on_write)
+
+    async def _on_write(self, msg: Msg) -> None:
+        sid = msg.subject.partition(".")[2]
+        if sid in self._cache and (msg.headers or {}).get(WRITER_HEADER) != self._writer:
+            self._moved.add(sid)
+
+    def cached(self, sid: str) -> HistoryView | None:
+        """The view this process last read or wrote, unless it knows of a later
+        write; asks nobody."""
+        return None if sid in self._moved else self._cache.get(sid)
 
     async def read(self, sid: str, current: bool = False) -> HistoryView:
         """The session's history. `current`: the caller knows nobody else has
         written it since this process did (it took the lock back from itself),
         so a cached view is returned without asking the server; were that
         wrong, the next append's compare-and-swap would still refuse it."""
-        if current and sid in self._cache:
+        if current and sid in self._cache and sid not in self._moved:
             self._cache.move_to_end(sid)
             return self._cache[sid]
         subject = subjects.history(sid)
@@ -107,11 +133,14 @@ class HistoryStore:
 
     def forget(self, sid: str) -> None:
         self._cache.pop(sid, None)
+        self._moved.discard(sid)
 
     async def _write(
         self, sid: str, entry: HistoryEntry, expected: int, extra: dict[str, str]
     ) -> int:
         headers = {EXPECTED_LAST_SUBJECT_SEQ: str(expected), **extra}
+        if self._writer:
+            headers[WRITER_HEADER] = self._writer
         try:
             ack = await self._js.publish(
                 subjects.history(sid), entry.model_dump_json().encode(), headers=headers
@@ -154,5 +183,6 @@ class HistoryStore:
     def _remember(self, sid: str, view: HistoryView) -> None:
         self._cache[sid] = view
         self._cache.move_to_end(sid)
+        self._moved.discard(sid)
         while len(self._cache) > self._cached_sessions:
-            self._cache.popitem(last=False)
+            self._moved.discard(self._cache.popitem(last=False)[0])

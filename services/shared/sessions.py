@@ -38,6 +38,10 @@ class SessionStore:
         self._remember(record)
         return record
 
+    def cached(self, sid: str) -> SessionRecord | None:
+        """The record as this process last saw it, without asking anyone."""
+        return self._cache.get(sid)
+
     async def _load(self, sid: str) -> SessionRecord:
         try:
             entry = await self._kv.get(sid)

@@ -1,0 +1,222 @@
+"""The head start: a turn's first model call sent before its lock is won.
+
+The rule that decides whether a head start may be kept is pure and tested on
+its own; the rest runs on real processes: a kept head start answers as an
+ordinary turn would (streamed tokens included), and one whose session is
+held elsewhere is thrown away unseen, the answer then built on the history
+as it stands once the lock is ours."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import httpx
+import nats
+import pytest
+
+from schemas.history import ChatMessage, Conversation
+from schemas.session import SessionRecord
+from services.generator.head_start import HeadStart, HeadStartCount, still_good
+from services.generator.provider import ChatResult
+from services.generator.session_lock import SessionLocks
+from services.shared.history_store import HistoryStore, HistoryView
+from services.shared.jetstream import locks_bucket
+from tests.events import server_sent_events
+from tests.nats_server import NatsServer
+from tests.stub_server import running_stub
+from tests.system import System
+
+LEASE_S = 2.0  # the System's LOCK_LEASE_S
+
+
+def view(last_seq: int) -> HistoryView:
+    return HistoryView(Conversation(), last_seq)
+
+
+RECORD = SessionRecord(session_id="s1", system="be brief")
+
+
+def always_fits() -> bool:
+    return True
+
+
+def never_fits() -> bool:
+    return False
+
+
+# --------------------------------------------------------------------- the rule
+
+
+def test_a_head_start_on_the_history_the_turn_reads_is_kept() -> None:
+    assert still_good(view(7), RECORD, view(7), RECORD, never_fits)
+
+
+def test_a_head_start_is_dropped_once_the_history_moved() -> None:
+    assert not still_good(view(7), RECORD, view(9), RECORD, always_fits)
+
+
+def test_a_recalibrated_record_keeps_the_head_start_if_the_prompt_still_fits() -> None:
+    recalibrated = RECORD.model_copy(update={"tokens_per_char": 0.3})
+    assert still_good(view(7), RECORD, view(7), recalibrated, always_fits)
+    assert not still_good(view(7), RECORD, view(7), recalibrated, never_fits)
+
+
+@pytest.mark.parametrize("change", [{"system": "be verbose"}, {"model": "another:7b"}])
+def test_a_record_that_changes_the_prompt_drops_the_head_start(change: dict[str, str]) -> None:
+    assert not still_good(view(7), RECORD, view(7), RECORD.model_copy(update=change),
+                          always_fits)
+
+
+# --------------------------------------------------------------- keep or abandon
+
+
+async def head_start_on(call: asyncio.Task[ChatResult], count: HeadStartCount) -> HeadStart:
+    return HeadStart(view(1), RECORD, [], [], None, call, count)
+
+
+async def test_a_kept_head_start_counts_once_and_is_not_cancelled_afterwards() -> None:
+    count = HeadStartCount()
+    head = await head_start_on(asyncio.create_task(answer_soon("hi")), count)
+    assert (await head.result()).content == "hi"
+    head.abandon()  # what every turn does on its way out
+    assert (count.kept, count.abandoned) == (1, 0)
+
+
+async def test_an_abandoned_head_start_cancels_its_call() -> None:
+    count = HeadStartCount()
+    call = asyncio.create_task(asyncio.sleep(30, ChatResult(content="never")))
+    head = await head_start_on(call, count)
+    head.abandon()
+    head.abandon()
+    await asyncio.sleep(0)
+    assert call.cancelled()
+    assert (count.kept, count.abandoned) == (0, 1)
+
+
+async def test_an_abandoned_head_start_whose_call_failed_leaves_no_stray_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    call = asyncio.create_task(fail_soon())
+    await asyncio.sleep(0.01)
+    head = await head_start_on(call, HeadStartCount())
+    head.abandon()
+    del head, call
+    await asyncio.sleep(0)
+    assert "exception was never retrieved" not in caplog.text
+
+
+async def answer_soon(text: str) -> ChatResult:
+    await asyncio.sleep(0.01)
+    return ChatResult(content=text)
+
+
+async def fail_soon() -> ChatResult:
+    raise RuntimeError("the model is away")
+
+
+# ------------------------------------------------------------- real processes
+
+
+@pytest.fixture
+def stub() -> Iterator[str]:
+    """A stand-in that streams word by word, a few milliseconds apart."""
+    with running_stub() as url:
+        httpx.post(f"{url}/_stub/config", json={"ms_per_token": 5}).raise_for_status()
+        yield url
+
+
+@pytest.fixture
+def system(private_nats: NatsServer, stub: str) -> Iterator[System]:
+    system = System(private_nats.url, stub, services=("generator", "gateway", "tools"))
+    yield system.start()
+    system.stop()
+
+
+@pytest.fixture
+async def http(system: System) -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(base_url=system.base_url, timeout=30) as client:
+        yield client
+
+
+async def head_starts(nats_url: str) -> dict[str, int]:
+    nc = await nats.connect(nats_url)
+    try:
+        status = json.loads((await nc.request("generator.status", b"", timeout=5)).data)
+    finally:
+        await nc.close()
+    return dict(status["head_starts"])
+
+
+async def streamed(http: httpx.AsyncClient, sid: str, content: str
+                   ) -> list[tuple[str, dict[str, Any]]]:
+    async with http.stream("POST", f"/api/sessions/{sid}/messages", json={"content": content},
+                           headers={"Accept": "text/event-stream"}) as response:
+        return [event async for event in server_sent_events(response)]
+
+
+def tokens_and_reply(events: list[tuple[str, dict[str, Any]]]) -> tuple[str, str]:
+    names = [name for name, _ in events]
+    assert names[-1] == "done" and set(names[:-1]) <= {"token"}, names
+    indexes = [int(data["index"]) for name, data in events if name == "token"]
+    assert indexes == list(range(len(indexes)))
+    text = "".join(str(data["text"]) for name, data in events if name == "token")
+    return text, str(events[-1][1]["reply"])
+
+
+async def messages_of(http: httpx.AsyncClient, sid: str) -> list[tuple[str, str]]:
+    body = (await http.get(f"/api/sessions/{sid}")).json()
+    return [(m["role"], m.get("content", "")) for m in body["messages"]]
+
+
+async def test_a_session_this_generator_answered_last_starts_its_next_answer_early(
+    system: System, http: httpx.AsyncClient, stub: str, private_nats: NatsServer,
+) -> None:
+    sid = str((await http.post("/api/sessions", json={})).json()["session_id"])
+    first = await http.post(f"/api/sessions/{sid}/messages", json={"content": "one"})
+    assert first.json()["reply"] == "Echo: one (turn 1)"
+    assert await head_starts(private_nats.url) == {"kept": 0, "abandoned": 0}
+
+    text, reply = tokens_and_reply(await streamed(http, sid, "two, streamed"))
+    assert text == reply == "Echo: two, streamed (turn 2)"
+    tool = await http.post(f"/api/sessions/{sid}/messages",
+                           json={"content": '!tool word_count {"text": "a b"}'})
+    assert tool.json()["reply"] == "tool results: 2 words, 1 lines, 3 characters"
+
+    assert await head_starts(private_nats.url) == {"kept": 2, "abandoned": 0}
+    assert [role for role, _ in await messages_of(http, sid)] == [
+        "user", "assistant", "user", "assistant", "user", "assistant", "tool", "assistant"]
+
+
+async def test_a_head_start_for_a_session_held_elsewhere_is_dropped_unseen(
+    system: System, http: httpx.AsyncClient, stub: str, private_nats: NatsServer,
+) -> None:
+    sid = str((await http.post("/api/sessions", json={})).json()["session_id"])
+    await http.post(f"/api/sessions/{sid}/messages", json={"content": "one"})
+    nc = await nats.connect(private_nats.url)
+    elsewhere = SessionLocks(await locks_bucket(nc.jetstream(), LEASE_S), "elsewhere",
+                             LEASE_S, wait_s=5)
+    try:
+        async with elsewhere.hold(sid, "query"):
+            asking = asyncio.create_task(streamed(http, sid, "two"))
+            for _ in range(500):  # until the generator has given its head start up
+                if (await head_starts(private_nats.url))["abandoned"]:
+                    break
+                await asyncio.sleep(0.01)
+            # Meanwhile the holder answers a query of its own.
+            store = HistoryStore(nc.jetstream(), writer="elsewhere")
+            await store.append(sid, await store.read(sid), [
+                ChatMessage(role="user", content="meanwhile", query_id="q-elsewhere"),
+                ChatMessage(role="assistant", content="noted", query_id="q-elsewhere")])
+        text, reply = tokens_and_reply(await asking)
+    finally:
+        await nc.close()
+
+    assert text == reply == "Echo: two (turn 3)"  # saw the holder's turn
+    assert await head_starts(private_nats.url) == {"kept": 0, "abandoned": 1}
+    assert await messages_of(http, sid) == [
+        ("user", "one"), ("assistant", "Echo: one (turn 1)"),
+        ("user", "meanwhile"), ("assistant", "noted"),
+        ("user", "two"), ("assistant", "Echo: two (turn 3)")]
