@@ -206,7 +206,7 @@ async def test_a_head_start_for_a_session_held_elsewhere_is_dropped_unseen(
                     break
                 await asyncio.sleep(0.01)
             # Meanwhile the holder answers a query of its own.
-            store = HistoryStore(nc.jetstream(), writer="elsewhere")
+            store = HistoryStore(nc.jetstream())
             await store.append(sid, await store.read(sid), [
                 ChatMessage(role="user", content="meanwhile", query_id="q-elsewhere"),
                 ChatMessage(role="assistant", content="noted", query_id="q-elsewhere")])

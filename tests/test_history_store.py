@@ -112,22 +112,39 @@ async def eventually(condition: Callable[[], bool], timeout_s: float = 5.0) -> N
         await asyncio.sleep(0.01)
 
 
-async def test_a_view_another_process_wrote_over_is_no_longer_offered_as_cached(
-    nc: NATS,
-) -> None:
+async def test_a_followed_view_takes_in_what_other_processes_write(nc: NATS) -> None:
     await ensure_layout(nc.jetstream())
-    ours = HistoryStore(nc.jetstream(), writer="gen-a")
-    theirs = HistoryStore(nc.jetstream(), writer="gen-b")
-    watch = await ours.follow_other_writers(nc)
+    ours, theirs = HistoryStore(nc.jetstream()), HistoryStore(nc.jetstream())
+    following = await ours.follow()
     sid = new_sid()
     assert ours.cached(sid) is None  # never read here
     view = await ours.append(sid, await ours.read(sid), turn(1))
-    await nc.flush()
-    assert ours.cached(sid) is view  # our own write leaves it current
     await theirs.append(sid, await theirs.read(sid), turn(2))
+    await theirs.append(sid, await theirs.read(sid), turn(3))
+
+    def contents() -> list[str]:
+        known = ours.cached(sid)
+        return [m.content for m in known.conversation.messages] if known else []
+
+    await eventually(lambda: len(contents()) == 6)
+    assert contents() == ["q1", "a1", "q2", "a2", "q3", "a3"]
+    known = ours.cached(sid)
+    assert known is not None and known.last_seq > view.last_seq
+    assert await ours.append(sid, known, turn(4))  # its sequence is the real one
+    await following.unsubscribe()
+
+
+async def test_a_write_a_followed_view_cannot_take_in_makes_it_stale(nc: NATS) -> None:
+    await ensure_layout(nc.jetstream())
+    ours, theirs = HistoryStore(nc.jetstream()), HistoryStore(nc.jetstream())
+    sid = new_sid()
+    await ours.append(sid, await ours.read(sid), turn(1))
+    await theirs.append(sid, await theirs.read(sid), turn(2))  # unseen: not following yet
+    following = await ours.follow()
+    await theirs.append(sid, await theirs.read(sid), turn(3))
     await eventually(lambda: ours.cached(sid) is None)
     # Even a caller sure nobody else wrote gets the server's version now.
     current = await ours.read(sid, current=True)
-    assert [m.content for m in current.conversation.messages] == ["q1", "a1", "q2", "a2"]
+    assert len(current.conversation.messages) == 6
     assert ours.cached(sid) is current
-    await watch.unsubscribe()
+    await following.unsubscribe()

@@ -19,7 +19,7 @@ from typing import Any
 
 import structlog
 from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
+from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig
 from nats.js.errors import NotFoundError
 
@@ -82,7 +82,7 @@ class Generator:
         self._settings = settings
         self._provider = provider
         self._live = LiveSettings(bus.js, settings)
-        self._history = HistoryStore(bus.js, writer=settings.generator_id)
+        self._history = HistoryStore(bus.js)
         self._sessions = sessions
         self._locks = locks
         self._states = SessionStates(bus, settings.generator_id,
@@ -101,11 +101,11 @@ class Generator:
         self._occupying: set[asyncio.Task[None]] = set()
         self._loops: list[PullLoop] = []
         self._answered = AnsweredQueries()
-        self._others_writing: Subscription | None = None
+        self._following: JetStreamContext.PushSubscription | None = None
 
     async def start(self) -> None:
         await self._live.start()
-        self._others_writing = await self._history.follow_other_writers(self._bus.nc)
+        self._following = await self._history.follow()
         self._loops = [
             await self._pull(f"{subjects.QUERY_PREFIX}.*", subjects.QUERIES_STREAM,
                              QUERY_CONSUMER, self._spawn_query, self._capacity),
@@ -127,9 +127,9 @@ class Generator:
 
     async def stop(self) -> None:
         await self._live.stop()
-        if self._others_writing is not None:
+        if self._following is not None:
             with contextlib.suppress(Exception):
-                await self._others_writing.unsubscribe()
+                await self._following.unsubscribe()
         for loop in self._loops:
             await loop.stop()
         if self._tasks:

@@ -15,23 +15,22 @@ none when the caller knows nobody else can have written.
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
-from nats.js.api import RawStreamMsg
+from nats.js.api import DeliverPolicy, RawStreamMsg
 from nats.js.errors import APIError, NotFoundError
+from pydantic import ValidationError
 
 from schemas import subjects
 from schemas.history import ChatMessage, Conversation, HistoryEntry, Snapshot
 from services.shared.together import together
 
 EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
-WRITER_HEADER = "Writer-Id"
 ROLLUP = "Nats-Rollup"
 WRONG_LAST_SEQUENCE = (10071, 10164)
 
@@ -51,43 +50,60 @@ EMPTY = HistoryView(Conversation(), 0)
 
 
 class HistoryStore:
-    def __init__(self, js: JetStreamContext, cached_sessions: int = 512,
-                 writer: str = "") -> None:
+    def __init__(self, js: JetStreamContext, cached_sessions: int = 512) -> None:
         self._js = js
         # Least recently used first; bounded so a long-lived process serving
         # many sessions keeps only the active ones in memory.
         self._cache: OrderedDict[str, HistoryView] = OrderedDict()
         self._cached_sessions = cached_sessions
-        self._writer = writer
-        # Cached sessions someone else has written since we read them.
-        self._moved: set[str] = set()
+        # Per cached session, the last sequence `follow` saw it reach, when
+        # that is beyond the cached view: the view is stale.
+        self._seen: dict[str, int] = {}
+        # Per session, the sequence our write in flight expects to follow.
+        self._writing: dict[str, str] = {}
 
-    async def follow_other_writers(self, nc: NATS) -> Subscription:
-        """Watch the history subjects, to know which cached views another
-        process has made stale: `cached` then has none for them, and `read`
-        asks the server even when told its view is current. A hint that may
-        come late: it can make us ask when we need not have, never trust a
-        stale view (every write is compare-and-swap anyway)."""
-        return await nc.subscribe(f"{subjects.HISTORY_PREFIX}.*", cb=self._on_write)
+    async def follow(self) -> JetStreamContext.PushSubscription:
+        """Keep cached views up to date as other processes write: each write
+        that extends a cached view is applied to it; any other makes the view
+        stale (`cached` then has none, and `read` asks the server). It may
+        come late, so it never spares a compare-and-swap: it only makes a
+        cached view current more often, and lets a stale one be known."""
+        return await self._js.subscribe(
+            f"{subjects.HISTORY_PREFIX}.*", stream=subjects.HISTORY_STREAM, cb=self._on_write,
+            ordered_consumer=True, deliver_policy=DeliverPolicy.NEW)
 
     async def _on_write(self, msg: Msg) -> None:
         sid = msg.subject.partition(".")[2]
-        if sid in self._cache and (msg.headers or {}).get(WRITER_HEADER) != self._writer:
-            self._moved.add(sid)
+        view, seq = self._cache.get(sid), msg.metadata.sequence.stream
+        if view is None or seq <= view.last_seq:
+            return  # not kept here, or known already
+        expected = (msg.headers or {}).get(EXPECTED_LAST_SUBJECT_SEQ)
+        if expected is not None and self._writing.get(sid) == expected:
+            return  # our own write: its acknowledgement is on its way
+        if expected == str(view.last_seq):
+            with contextlib.suppress(ValidationError):
+                entry = HistoryEntry.model_validate_json(msg.data)
+                self._remember(sid, HistoryView(view.conversation.apply(entry), seq))
+                return
+        self._seen[sid] = max(seq, self._seen.get(sid, 0))
 
     def cached(self, sid: str) -> HistoryView | None:
-        """The view this process last read or wrote, unless it knows of a later
-        write; asks nobody."""
-        return None if sid in self._moved else self._cache.get(sid)
+        """The view this process last read, wrote or followed, unless it
+        knows of a later write; asks nobody."""
+        view = self._cache.get(sid)
+        if view is None or self._seen.get(sid, 0) > view.last_seq:
+            return None
+        return view
 
     async def read(self, sid: str, current: bool = False) -> HistoryView:
         """The session's history. `current`: the caller knows nobody else has
         written it since this process did (it took the lock back from itself),
         so a cached view is returned without asking the server; were that
         wrong, the next append's compare-and-swap would still refuse it."""
-        if current and sid in self._cache and sid not in self._moved:
+        known = self.cached(sid) if current else None
+        if known is not None:
             self._cache.move_to_end(sid)
-            return self._cache[sid]
+            return known
         subject = subjects.history(sid)
         cached = self._cache.get(sid, EMPTY)
         # Asked together: whether anything changed, and the first of what did.
@@ -133,14 +149,13 @@ class HistoryStore:
 
     def forget(self, sid: str) -> None:
         self._cache.pop(sid, None)
-        self._moved.discard(sid)
+        self._seen.pop(sid, None)
 
     async def _write(
         self, sid: str, entry: HistoryEntry, expected: int, extra: dict[str, str]
     ) -> int:
         headers = {EXPECTED_LAST_SUBJECT_SEQ: str(expected), **extra}
-        if self._writer:
-            headers[WRITER_HEADER] = self._writer
+        self._writing[sid] = headers[EXPECTED_LAST_SUBJECT_SEQ]
         try:
             ack = await self._js.publish(
                 subjects.history(sid), entry.model_dump_json().encode(), headers=headers
@@ -151,6 +166,8 @@ class HistoryStore:
                 raise HistoryConflict(
                     f"history of {sid} changed since sequence {expected}") from err
             raise
+        finally:
+            self._writing.pop(sid, None)
         return int(ack.seq)
 
     async def _last_seq(self, subject: str) -> int:
@@ -183,6 +200,7 @@ class HistoryStore:
     def _remember(self, sid: str, view: HistoryView) -> None:
         self._cache[sid] = view
         self._cache.move_to_end(sid)
-        self._moved.discard(sid)
+        if self._seen.get(sid, 0) <= view.last_seq:
+            self._seen.pop(sid, None)
         while len(self._cache) > self._cached_sessions:
-            self._moved.discard(self._cache.popitem(last=False)[0])
+            self._seen.pop(self._cache.popitem(last=False)[0], None)
