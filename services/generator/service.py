@@ -234,7 +234,10 @@ class Generator:
         blocked = self._compactor.blocking and (
             self._compactor.running(sid) or await self._locks.purpose_of(sid) == "compaction")
         wait = self._settings.blocking_query_wait_s if blocked else None
-        head = None if blocked else await self._head_start(msg, env)
+        # The model call starts now, unless this is a redelivery (the answer
+        # may be stored already) or the session is to wait for a compaction.
+        early = not blocked and msg.metadata.num_delivered == 1
+        head = await self._turns.head_start(env) if early else None
         try:
             earlier_pending, taken = await self._first_try(sid, msg)
             if earlier_pending:
@@ -257,13 +260,6 @@ class Generator:
         finally:
             if head is not None:
                 head.abandon()  # nothing once the turn has used it
-
-    async def _head_start(self, msg: Msg, env: Envelope[Query]) -> HeadStart | None:
-        """The model call started before the lock is ours (see `HeadStart`);
-        never for a redelivered query, nor during a compaction here."""
-        if msg.metadata.num_delivered > 1 or self._compactor.running(env.payload.session_id):
-            return None
-        return await self._turns.head_start(env)
 
     async def _first_try(self, sid: str, msg: Msg) -> tuple[bool, Lease | None]:
         """Whether an earlier query of the session is still pending, and the
