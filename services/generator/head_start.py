@@ -3,9 +3,9 @@
 Before a turn may call the model it needs the session's lock and the check
 that no earlier query of the session is waiting: a round trip, and under load
 many passes of the event loop. When this process knows the session's history
-and record (it wrote them last, and has seen nobody else write since), it
-sends the first model call at once, on that history, and asks for the lock
-meanwhile.
+and record (it has read, written or followed them, and knows of no later
+write), it sends the first model call at once, on that history, and asks
+for the lock meanwhile.
 
 The turn keeps the call only if, with the lock held, the history it reads
 ends at the same sequence as the view the call was built on (what a subject
@@ -44,6 +44,8 @@ class HeadStartCount:
 
 @dataclass
 class HeadStart:
+    """One head start: what its call was built on, and the call itself."""
+
     view: HistoryView
     record: SessionRecord
     prompt: Messages

@@ -1,4 +1,4 @@
-"""An answer's tokens, published on `token.<session>` as the model writes them."""
+"""An answer's tokens, published on `chat.token.<sid>` as the model writes them."""
 
 from __future__ import annotations
 

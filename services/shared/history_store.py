@@ -10,7 +10,9 @@ subject's earlier messages.
 
 Reads keep a per-session cache keyed by the last sequence seen, so a turn
 costs one "last message" lookup when nothing changed behind our back, and
-none when the caller knows nobody else can have written.
+none when the caller knows nobody else can have written. A process that
+`follow`s the stream also takes other processes' writes into its cached
+views as they happen.
 """
 
 from __future__ import annotations
