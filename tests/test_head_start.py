@@ -73,13 +73,13 @@ def test_a_record_that_changes_the_prompt_drops_the_head_start(change: dict[str,
 # --------------------------------------------------------------- keep or abandon
 
 
-async def head_start_on(call: asyncio.Task[ChatResult], count: HeadStartCount) -> HeadStart:
+def head_start_on(call: asyncio.Task[ChatResult], count: HeadStartCount) -> HeadStart:
     return HeadStart(view(1), RECORD, [], [], None, call, count)
 
 
 async def test_a_kept_head_start_counts_once_and_is_not_cancelled_afterwards() -> None:
     count = HeadStartCount()
-    head = await head_start_on(asyncio.create_task(answer_soon("hi")), count)
+    head = head_start_on(asyncio.create_task(answer_soon("hi")), count)
     assert (await head.result()).content == "hi"
     head.abandon()  # what every turn does on its way out
     assert (count.kept, count.abandoned) == (1, 0)
@@ -88,7 +88,7 @@ async def test_a_kept_head_start_counts_once_and_is_not_cancelled_afterwards() -
 async def test_an_abandoned_head_start_cancels_its_call() -> None:
     count = HeadStartCount()
     call = asyncio.create_task(asyncio.sleep(30, ChatResult(content="never")))
-    head = await head_start_on(call, count)
+    head = head_start_on(call, count)
     head.abandon()
     head.abandon()
     await asyncio.sleep(0)
@@ -101,7 +101,7 @@ async def test_an_abandoned_head_start_whose_call_failed_leaves_no_stray_error(
 ) -> None:
     call = asyncio.create_task(fail_soon())
     await asyncio.sleep(0.01)
-    head = await head_start_on(call, HeadStartCount())
+    head = head_start_on(call, HeadStartCount())
     head.abandon()
     del head, call
     await asyncio.sleep(0)
