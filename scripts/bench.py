@@ -761,6 +761,7 @@ class GeneratorProbe:
         self.turns_by_generator: dict[str, int] = {}
         self.deliveries = 0
         self.new_queries = 0
+        self.head_starts: dict[str, dict[str, int]] = {}
 
     async def on_report(self, msg: Any) -> None:
         self.turn_ms.append(float(json.loads(msg.data)["payload"]["duration_ms"]))
@@ -776,16 +777,37 @@ class GeneratorProbe:
         return {"generator_turn": turn, "query_deliveries": self.deliveries,
                 "turns_by_generator": self.turns_by_generator,
                 "queries": self.new_queries,
-                "query_redeliveries": self.deliveries - self.new_queries}
+                "query_redeliveries": self.deliveries - self.new_queries,
+                "head_starts": self.head_starts}
+
+    def kept_share(self) -> float:
+        """Of the head starts made during the run, the share kept."""
+        kept = sum(counts["kept"] for counts in self.head_starts.values())
+        made = kept + sum(counts["abandoned"] for counts in self.head_starts.values())
+        return kept / made if made else math.nan
+
+
+async def head_start_counts(nc: Any, generators: int) -> dict[str, dict[str, int]]:
+    """Each generator's head starts kept and abandoned so far. All generator
+    processes answer the same status subject (one of them at random), so ask
+    until each has answered."""
+    counts: dict[str, dict[str, int]] = {}
+    for _ in range(20 * generators):
+        if len(counts) == generators:
+            break
+        status = json.loads((await nc.request("generator.status", b"", timeout=2)).data)
+        counts[status["generator_id"]] = status["head_starts"]
+    return counts
 
 
 @contextlib.asynccontextmanager
-async def generator_probe(nats_url: str) -> AsyncIterator[GeneratorProbe]:
+async def generator_probe(nats_url: str, generators: int) -> AsyncIterator[GeneratorProbe]:
     probe = GeneratorProbe()
     nc = await nats.connect(nats_url)
     js = nc.jetstream()
     try:
         before = await js.consumer_info(subjects.QUERIES_STREAM, QUERY_CONSUMER)
+        heads_before = await head_start_counts(nc, generators)
         await nc.subscribe(subjects.RESPONSE_GENERATION, cb=probe.on_report)
         await nc.subscribe(f"{subjects.STATE_PREFIX}.*", cb=probe.on_state)
         await nc.flush()
@@ -794,12 +816,16 @@ async def generator_probe(nats_url: str) -> AsyncIterator[GeneratorProbe]:
         after = await js.consumer_info(subjects.QUERIES_STREAM, QUERY_CONSUMER)
         probe.deliveries = after.delivered.consumer_seq - before.delivered.consumer_seq
         probe.new_queries = after.delivered.stream_seq - before.delivered.stream_seq
+        probe.head_starts = {
+            generator: {kind: counts[kind] - heads_before.get(generator, {}).get(kind, 0)
+                        for kind in ("kept", "abandoned")}
+            for generator, counts in (await head_start_counts(nc, generators)).items()}
     finally:
         await nc.close()
 
 
-async def throughput(env: Env, sessions: int, settle_s: float, window_s: float
-                     ) -> dict[str, Any]:
+async def throughput(env: Env, sessions: int, settle_s: float, window_s: float,
+                     generators: int) -> dict[str, Any]:
     """`sessions` users at once, each sending one query after the other (see
     `closed_loop` for what is counted).
 
@@ -813,11 +839,12 @@ async def throughput(env: Env, sessions: int, settle_s: float, window_s: float
             by_client = dict(zip((id(c) for c in clients), sids, strict=True))
             # One untimed query each, so every connection and session is warm.
             await asyncio.gather(*(ask_ok(c, by_client[id(c)], "warm-up") for c in clients))
-            async with generator_probe(env.nats_url) as probe:
+            async with generator_probe(env.nats_url, generators) as probe:
                 measured = await closed_loop(
                     lambda c, i: ask(c, by_client[id(c)], f"question {i}"), clients,
                     settle_s, window_s)
             measured["probe"] = probe.summary()
+            measured["head_starts_kept"] = probe.kept_share()
             # The same load straight at the stand-in: what this driver and the
             # stand-in reach on this machine with nothing in between.
             direct = [await stack.enter_async_context(Http(env.stub_url, 1))
@@ -837,7 +864,8 @@ def throughput_row(name: str, bench: Bench, generators: int) -> Row:
     env = bench.plain()
     params = bench.params
     measured = asyncio.run(throughput(env, params.throughput_sessions,
-                                      params.throughput_settle_s, params.throughput_window_s))
+                                      params.throughput_settle_s, params.throughput_window_s,
+                                      generators))
     window_s = params.throughput_window_s
     answers = len(measured["latencies"])
     rate = answers / window_s
@@ -856,6 +884,7 @@ def throughput_row(name: str, bench: Bench, generators: int) -> Row:
                f"p99 {latency.get('p99_ms', math.nan):.0f} ms; "
                f"{measured['cpu']['cpu_ms_per_unit']:.1f} ms CPU/answer, "
                f"{measured['cpu']['cores_busy']:.2f} of {os.cpu_count()} cores busy; "
+               f"head starts kept {measured['head_starts_kept']:.1%}; "
                f"stand-in alone: {direct_rate:.0f}/s",
         raw={
             "answers": answers,
