@@ -17,6 +17,7 @@ import httpx
 import nats
 import pytest
 
+from schemas import subjects
 from schemas.history import ChatMessage, Conversation
 from schemas.session import SessionRecord
 from services.generator.head_start import HeadStart, HeadStartCount, still_good
@@ -24,7 +25,7 @@ from services.generator.provider import ChatResult
 from services.generator.session_lock import SessionLocks
 from services.shared.history_store import HistoryStore, HistoryView
 from services.shared.jetstream import locks_bucket
-from tests.events import server_sent_events
+from tests.events import Watcher, server_sent_events, watching
 from tests.nats_server import NatsServer
 from tests.stub_server import running_stub
 from tests.system import System
@@ -220,3 +221,61 @@ async def test_a_head_start_for_a_session_held_elsewhere_is_dropped_unseen(
         ("user", "one"), ("assistant", "Echo: one (turn 1)"),
         ("user", "meanwhile"), ("assistant", "noted"),
         ("user", "two"), ("assistant", "Echo: two (turn 3)")]
+
+
+async def all_head_starts(nats_url: str, generators: int) -> dict[str, dict[str, int]]:
+    """Each generator's counts: they share one status subject, answered by one
+    of them at random, so ask until each has answered."""
+    counts: dict[str, dict[str, int]] = {}
+    nc = await nats.connect(nats_url)
+    try:
+        while len(counts) < generators:
+            status = json.loads((await nc.request("generator.status", b"", timeout=5)).data)
+            counts[status["generator_id"]] = status["head_starts"]
+    finally:
+        await nc.close()
+    return counts
+
+
+def returns(watcher: Watcher, sid: str) -> int:
+    """Turns a generator took back after the other had answered the session."""
+    seen: list[str] = []
+    taken_back = 0
+    for event in watcher.payloads("generator.state"):
+        if event["session_id"] == sid and event["action"] == "start_generation":
+            who = event["generator_id"]
+            taken_back += bool(seen) and seen[-1] != who and who in seen
+            seen.append(who)
+    return taken_back
+
+
+async def test_a_session_back_on_a_generator_finds_its_history_current(
+    private_nats: NatsServer, stub: str,
+) -> None:
+    """Each generator follows the history, so after the other one answered a
+    session its view already holds that turn: its head start is kept."""
+    system = System(private_nats.url, stub, services=("gateway",)).start()
+    for name in ("gen-a", "gen-b"):
+        system.add(name, "services.generator", {"GENERATOR_ID": name}).start()
+    try:
+        async with (httpx.AsyncClient(base_url=system.base_url, timeout=30) as http,
+                    watching(private_nats.url, f"{subjects.STATE_PREFIX}.*") as watcher):
+            sids = [str((await http.post("/api/sessions", json={})).json()["session_id"])
+                    for _ in range(8)]
+
+            async def talk(sid: str) -> None:
+                for turn in range(1, 7):
+                    answer = await http.post(f"/api/sessions/{sid}/messages",
+                                             json={"content": f"q{turn}"})
+                    assert answer.json()["reply"] == f"Echo: q{turn} (turn {turn})"
+
+            await asyncio.gather(*(talk(sid) for sid in sids))
+            taken_back = sum(returns(watcher, sid) for sid in sids)
+        counts = await all_head_starts(private_nats.url, 2)
+    finally:
+        system.stop()
+    kept = sum(c["kept"] for c in counts.values())
+    abandoned = sum(c["abandoned"] for c in counts.values())
+    assert taken_back >= 1, "no session went back to a generator: nothing was shown"
+    assert abandoned <= taken_back // 4, (counts, taken_back)
+    assert kept >= taken_back
