@@ -142,13 +142,24 @@ async def http(system: System) -> AsyncIterator[httpx.AsyncClient]:
         yield client
 
 
-async def head_starts(nats_url: str) -> dict[str, int]:
+async def all_head_starts(nats_url: str, generators: int) -> dict[str, dict[str, int]]:
+    """Each generator's counts: they share one status subject, answered by one
+    of them at random, so ask until each has answered."""
+    counts: dict[str, dict[str, int]] = {}
     nc = await nats.connect(nats_url)
     try:
-        status = json.loads((await nc.request("generator.status", b"", timeout=5)).data)
+        while len(counts) < generators:
+            status = json.loads((await nc.request("generator.status", b"", timeout=5)).data)
+            counts[status["generator_id"]] = status["head_starts"]
     finally:
         await nc.close()
-    return dict(status["head_starts"])
+    return counts
+
+
+async def head_starts(nats_url: str) -> dict[str, int]:
+    """The counts of the one generator running."""
+    (counts,) = (await all_head_starts(nats_url, 1)).values()
+    return counts
 
 
 async def streamed(http: httpx.AsyncClient, sid: str, content: str
@@ -221,20 +232,6 @@ async def test_a_head_start_for_a_session_held_elsewhere_is_dropped_unseen(
         ("user", "one"), ("assistant", "Echo: one (turn 1)"),
         ("user", "meanwhile"), ("assistant", "noted"),
         ("user", "two"), ("assistant", "Echo: two (turn 3)")]
-
-
-async def all_head_starts(nats_url: str, generators: int) -> dict[str, dict[str, int]]:
-    """Each generator's counts: they share one status subject, answered by one
-    of them at random, so ask until each has answered."""
-    counts: dict[str, dict[str, int]] = {}
-    nc = await nats.connect(nats_url)
-    try:
-        while len(counts) < generators:
-            status = json.loads((await nc.request("generator.status", b"", timeout=5)).data)
-            counts[status["generator_id"]] = status["head_starts"]
-    finally:
-        await nc.close()
-    return counts
 
 
 def returns(watcher: Watcher, sid: str) -> int:
