@@ -57,6 +57,8 @@ class Lease:
     # session since we let it go, so what we know of its history is current.
     resumed: bool = False
     lost: bool = field(default=False)
+    # A renewal is on its way to the server.
+    renewing: bool = field(default=False)
 
 
 class SessionLocks:
@@ -79,11 +81,18 @@ class SessionLocks:
         try:
             yield lease
         finally:
-            # Stopped, not cancelled: a renewal cut off in flight may be stored
-            # while its new revision is lost, and the release would then fail
-            # and leave the session locked for a whole lease.
             done.set()
-            await renewer
+            if lease.renewing:
+                # Waited for, not cancelled: a renewal cut off in flight may be
+                # stored while its new revision is lost, and the release would
+                # then fail and leave the session locked for a whole lease.
+                await renewer
+            else:
+                # Idle, so nothing of it can reach the server. Not waiting for
+                # it sends the release in the same pass as what the holder
+                # published last (a reply): the session's next query, maybe
+                # on another generator, then finds the session free.
+                renewer.cancel()
             await self.release(lease)
 
     async def acquire(self, sid: str, purpose: Purpose, wait_s: float | None = None) -> Lease:
@@ -172,6 +181,7 @@ class SessionLocks:
                 await asyncio.wait_for(done.wait(), self._lease_s / 3)
             if done.is_set():
                 return
+            lease.renewing = True
             try:
                 lease.revision = await self._kv.update(
                     lease.session_id, self._value(lease.purpose), last=lease.revision
@@ -182,6 +192,8 @@ class SessionLocks:
                 return
             except Exception as err:  # NATS briefly away: try again next period
                 log.warning("lock_renewal_failed", session_id=lease.session_id, error=str(err))
+            finally:
+                lease.renewing = False
 
     def _value(self, purpose: Purpose) -> bytes:
         return json.dumps(
