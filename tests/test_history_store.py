@@ -7,6 +7,7 @@ import asyncio
 import uuid
 from collections.abc import Callable
 
+import nats
 import pytest
 from nats.aio.client import Client as NATS
 
@@ -14,6 +15,7 @@ from schemas import subjects
 from schemas.history import ChatMessage, Snapshot
 from services.shared.history_store import HistoryConflict, HistoryStore
 from services.shared.jetstream import ensure_layout
+from tests.nats_server import NatsServer
 
 
 def turn(i: int) -> list[ChatMessage]:
@@ -148,3 +150,37 @@ async def test_a_write_a_followed_view_cannot_take_in_makes_it_stale(nc: NATS) -
     assert len(current.conversation.messages) == 6
     assert ours.cached(sid) is current
     await following.unsubscribe()
+
+
+async def test_following_picks_up_again_after_the_server_restarts(
+    private_nats: NatsServer,
+) -> None:
+    nc = await nats.connect(private_nats.url, reconnect_time_wait=0.2,
+                            max_reconnect_attempts=-1)
+    try:
+        await ensure_layout(nc.jetstream())
+        ours = HistoryStore(nc.jetstream())
+        following = await ours.follow(idle_heartbeat_s=0.5)
+        sid = new_sid()
+        await ours.append(sid, await ours.read(sid), turn(1))
+        # Away for several heartbeat periods: each try to make a new consumer
+        # fails until it is back. The old one lived only in its memory.
+        private_nats.stop()
+        await asyncio.sleep(3)
+        private_nats.start()
+        await eventually(lambda: nc.is_connected, timeout_s=10)
+        other = await nats.connect(private_nats.url)
+        try:
+            theirs = HistoryStore(other.jetstream())
+            await theirs.append(sid, await theirs.read(sid), turn(2))
+        finally:
+            await other.close()
+
+        def messages() -> int:
+            known = ours.cached(sid)
+            return len(known.conversation.messages) if known else 0
+
+        await eventually(lambda: messages() == 4, timeout_s=15)
+        await following.unsubscribe()
+    finally:
+        await nc.close()

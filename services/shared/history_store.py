@@ -64,15 +64,21 @@ class HistoryStore:
         # Per session, the sequence our write in flight expects to follow.
         self._writing: dict[str, str] = {}
 
-    async def follow(self) -> JetStreamContext.PushSubscription:
+    async def follow(self, idle_heartbeat_s: float = 5.0) -> JetStreamContext.PushSubscription:
         """Keep cached views up to date as other processes write: each write
         that extends a cached view is applied to it; any other makes the view
         stale (`cached` then has none, and `read` asks the server). It may
         come late, so it never spares a compare-and-swap: it only makes a
-        cached view current more often, and lets a stale one be known."""
+        cached view current more often, and lets a stale one be known.
+
+        The consumer lives in the server's memory. When its heartbeats stop
+        for two periods (the server restarted, say), nats-py makes a new one
+        that starts after the last write seen, and keeps trying until NATS
+        answers: nothing written meanwhile is missed."""
         return await self._js.subscribe(
             f"{subjects.HISTORY_PREFIX}.*", stream=subjects.HISTORY_STREAM, cb=self._on_write,
-            ordered_consumer=True, deliver_policy=DeliverPolicy.NEW)
+            ordered_consumer=True, deliver_policy=DeliverPolicy.NEW,
+            idle_heartbeat=idle_heartbeat_s)
 
     async def _on_write(self, msg: Msg) -> None:
         sid = msg.subject.partition(".")[2]
