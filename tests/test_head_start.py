@@ -9,7 +9,6 @@ as it stands once the lock is ours."""
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -20,6 +19,7 @@ import pytest
 from schemas import subjects
 from schemas.history import ChatMessage, Conversation
 from schemas.session import SessionRecord
+from scripts.bench import head_start_counts
 from services.generator.head_start import HeadStart, HeadStartCount, still_good
 from services.generator.provider import ChatResult
 from services.generator.session_lock import SessionLocks
@@ -143,17 +143,11 @@ async def http(system: System) -> AsyncIterator[httpx.AsyncClient]:
 
 
 async def all_head_starts(nats_url: str, generators: int) -> dict[str, dict[str, int]]:
-    """Each generator's counts: they share one status subject, answered by one
-    of them at random, so ask until each has answered."""
-    counts: dict[str, dict[str, int]] = {}
     nc = await nats.connect(nats_url)
     try:
-        while len(counts) < generators:
-            status = json.loads((await nc.request("generator.status", b"", timeout=5)).data)
-            counts[status["generator_id"]] = status["head_starts"]
+        return await head_start_counts(nc, generators)
     finally:
         await nc.close()
-    return counts
 
 
 async def head_starts(nats_url: str) -> dict[str, int]:
