@@ -179,13 +179,11 @@ class TurnRunner:
                          ) -> tuple[ChatResult, Messages, Messages]:
         tools = head.tools if head else await self._toolbox.definitions()
         for _ in range(self._settings.max_tool_iterations + 1):
+            prompt = head.prompt if head else await self._fitting_prompt(turn, tools)
+            turn.reused_chars = self._reused_chars(turn.sid, prompt, tools)
             if head is not None:
-                prompt = head.prompt
-                turn.reused_chars = self._reused_chars(turn.sid, prompt, tools)
-                result, head = await head.result(), None
+                result, head = await head.result(), None  # only the first call starts early
             else:
-                prompt = await self._fitting_prompt(turn, tools)
-                turn.reused_chars = self._reused_chars(turn.sid, prompt, tools)
                 result = await self._call_model(turn.env, turn.record, prompt, tools)
             if not result.tool_calls:
                 return result, prompt, tools
