@@ -106,8 +106,9 @@ class HistoryStore:
     async def read(self, sid: str, current: bool = False) -> HistoryView:
         """The session's history. `current`: the caller knows nobody else has
         written it since this process did (it took the lock back from itself),
-        so a cached view is returned without asking the server; were that
-        wrong, the next append's compare-and-swap would still refuse it."""
+        so a cached view is returned without asking the server, unless
+        following has seen a later write; were that wrong, the next append's
+        compare-and-swap would still refuse it."""
         known = self.cached(sid) if current else None
         if known is not None:
             self._cache.move_to_end(sid)
