@@ -780,11 +780,13 @@ class GeneratorProbe:
                 "query_redeliveries": self.deliveries - self.new_queries,
                 "head_starts": self.head_starts}
 
-    def kept_share(self) -> float:
-        """Of the head starts made during the run, the share kept."""
-        kept = sum(counts["kept"] for counts in self.head_starts.values())
-        made = kept + sum(counts["abandoned"] for counts in self.head_starts.values())
-        return kept / made if made else math.nan
+
+
+def kept_share(head_starts: dict[str, dict[str, int]]) -> float:
+    """Of the head starts the generators made, the share kept."""
+    kept = sum(counts["kept"] for counts in head_starts.values())
+    made = kept + sum(counts["abandoned"] for counts in head_starts.values())
+    return kept / made if made else math.nan
 
 
 async def head_start_counts(nc: Any, generators: int) -> dict[str, dict[str, int]]:
@@ -844,7 +846,6 @@ async def throughput(env: Env, sessions: int, settle_s: float, window_s: float,
                     lambda c, i: ask(c, by_client[id(c)], f"question {i}"), clients,
                     settle_s, window_s)
             measured["probe"] = probe.summary()
-            measured["head_starts_kept"] = probe.kept_share()
             # The same load straight at the stand-in: what this driver and the
             # stand-in reach on this machine with nothing in between.
             direct = [await stack.enter_async_context(Http(env.stub_url, 1))
@@ -884,7 +885,7 @@ def throughput_row(name: str, bench: Bench, generators: int) -> Row:
                f"p99 {latency.get('p99_ms', math.nan):.0f} ms; "
                f"{measured['cpu']['cpu_ms_per_unit']:.1f} ms CPU/answer, "
                f"{measured['cpu']['cores_busy']:.2f} of {os.cpu_count()} cores busy; "
-               f"head starts kept {measured['head_starts_kept']:.1%}; "
+               f"head starts kept {kept_share(measured['probe']['head_starts']):.1%}; "
                f"stand-in alone: {direct_rate:.0f}/s",
         raw={
             "answers": answers,
