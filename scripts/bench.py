@@ -678,16 +678,17 @@ def bare_ask(http: Http) -> Callable[[str, str], Awaitable[Answer]]:
     return lambda sid, content: http.post(f"/q/{sid}", json={"content": content})
 
 
-async def turn_floor(params: Params, round_trips: RoundTrips | None) -> Overhead:
+async def turn_floor(params: Params, round_trips: RoundTrips | None
+                     ) -> tuple[Overhead, dict[str, Any]]:
     """`turn_overhead`'s queries through the bare hops."""
     with running_bare_turn() as (nats_url, stub_url, base_url):
         async with Http(base_url, 4) as http:
-            turns, _ = await sequential_turns(params, bare_session, bare_ask(http))
-        return await overhead_of(turns, stub_url, nats_url, params, round_trips)
+            turns, cpu = await sequential_turns(params, bare_session, bare_ask(http))
+        return await overhead_of(turns, stub_url, nats_url, params, round_trips), cpu
 
 
 def row_turn_floor(bench: Bench) -> Row:
-    overhead = asyncio.run(turn_floor(bench.params, bench.round_trips))
+    overhead, cpu = asyncio.run(turn_floor(bench.params, bench.round_trips))
     return Row(
         name="turn_floor", value=overhead.p50_ms / overhead.rtt_ms,
         unit="NATS round trips (p50)", target=None,
@@ -700,6 +701,7 @@ def row_turn_floor(bench: Bench) -> Row:
             "stub_own_time": overhead.stub,
             "nats_rtt_p50_ms": overhead.rtt_ms,
             "nats_rtt_source": overhead.round_trips.source,
+            "cpu_per_turn": cpu,
         },
     )
 
