@@ -27,6 +27,7 @@ from schemas import subjects
 from schemas.envelope import Envelope
 from schemas.messages import CompactionRequest, Query, Reply
 from services.core.state_machine import Action, CompactionMode
+from services.generator.arrival_order import ArrivalOrder
 from services.generator.compaction import Compactor
 from services.generator.head_start import HeadStart
 from services.generator.provider import ChatProvider, OllamaProvider
@@ -92,7 +93,7 @@ class Generator:
         self._turns = TurnRunner(bus, self._live, provider, self._history, sessions,
                                  self._states, Toolbox(bus, settings.tool_timeout_s),
                                  self._compactor)
-        self._local_order: dict[str, asyncio.Lock] = {}
+        self._arrival = ArrivalOrder()
         self._tasks: set[asyncio.Task[None]] = set()
         # Queries and compactions being worked on. A query gives its room back
         # once its reply is out: what follows (the lock's release, the report)
@@ -215,15 +216,12 @@ class Generator:
             return
         sid = env.payload.session_id
         async with self._working_on(msg, sid, env.correlation_id, query_id=env.message_id):
-            order = self._local_order.setdefault(sid, asyncio.Lock())
-            async with order:
+            async with self._arrival.turn(sid):
                 try:
                     follow_up = await self._answer_in_order(msg, env)
                 except Exception as err:  # e.g. NATS away while taking the lock
                     await self._unexpected(msg, env, err)
                     follow_up = None
-            if not order.locked():
-                self._local_order.pop(sid, None)
             if follow_up is not None:  # outside the session's locks, and its slot
                 self._spawn(follow_up(), busy=False)
 
