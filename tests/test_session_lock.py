@@ -13,7 +13,7 @@ from nats.js.api import KeyValueConfig, StorageType
 
 from schemas import subjects
 from services.generator.session_lock import LockTimeout, SessionLocks
-from services.shared.jetstream import locks_bucket
+from services.shared.jetstream import ensure_layout, locks_bucket
 from tests.nats_server import NatsServer
 
 LEASE_S = 1.0
@@ -98,6 +98,22 @@ async def test_the_product_bucket_expires_keys_by_lease(nc: NATS) -> None:
     assert status.bucket == subjects.LOCKS_BUCKET
     assert status.ttl == 5.0
     assert status.history == 1
+
+
+async def test_only_the_generator_sets_the_lease_of_the_lock_bucket(
+        private_nats: NatsServer) -> None:
+    """Another service starting after a generator with a long lease leaves that
+    lease alone: were it reset to the default, locks would lapse mid-turn."""
+    client = await nats.connect(private_nats.url)
+    try:
+        js = client.jetstream()
+        await ensure_layout(js, lock_lease_s=20.0)  # a generator
+        await ensure_layout(js)  # the gateway, the decider, the tools
+        assert (await (await js.key_value(subjects.LOCKS_BUCKET)).status()).ttl == 20.0
+        await ensure_layout(js, lock_lease_s=8.0)  # a generator with a new setting
+        assert (await (await js.key_value(subjects.LOCKS_BUCKET)).status()).ttl == 8.0
+    finally:
+        await client.close()
 
 
 async def test_try_acquire_never_waits(locks: SessionLocks) -> None:

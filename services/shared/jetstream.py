@@ -22,6 +22,8 @@ from schemas import subjects as s
 
 DUPLICATE_WINDOW_S = 120.0
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024
+# The generator's default `LOCK_LEASE_S`, for a lock bucket another service makes first.
+DEFAULT_LOCK_LEASE_S = 5.0
 
 STREAMS = (
     StreamConfig(
@@ -75,7 +77,9 @@ STREAMS = (
 )
 
 
-async def ensure_layout(js: JetStreamContext, lock_lease_s: float = 5.0) -> None:
+async def ensure_layout(js: JetStreamContext, lock_lease_s: float | None = None) -> None:
+    """Make what is missing. Only the generator, which holds the locks, passes
+    its lease; the others leave the lock bucket's lease as they find it."""
     for config in STREAMS:
         try:
             await js.stream_info(config.name or "")
@@ -90,12 +94,17 @@ async def sessions_bucket(js: JetStreamContext) -> KeyValue:
                                             storage=StorageType.FILE))
 
 
-async def locks_bucket(js: JetStreamContext, lease_s: float) -> KeyValue:
+async def locks_bucket(js: JetStreamContext, lease_s: float | None) -> KeyValue:
+    """The lock bucket, its TTL set to `lease_s` when given (else, if it is
+    new, to the default lease)."""
     # A bucket-wide TTL with history=1: every renewal (an update) restarts the
     # key's age, and a holder that dies stops renewing, so its lock lapses
     # within one lease. (A per-message TTL would be lost by the first update.)
     kv = await _bucket(js, KeyValueConfig(bucket=s.LOCKS_BUCKET, history=1,
-                                          ttl=lease_s, storage=StorageType.FILE))
+                                          ttl=lease_s or DEFAULT_LOCK_LEASE_S,
+                                          storage=StorageType.FILE))
+    if lease_s is None:
+        return kv
     info = await js.stream_info(f"KV_{s.LOCKS_BUCKET}")
     if info.config.max_age != lease_s:  # the lease setting changed: the TTL follows
         info.config.max_age = lease_s

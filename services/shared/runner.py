@@ -58,7 +58,7 @@ async def serve(
     settings: ServiceSettings,
     build: Callable[[Bus], Awaitable[Component]],
     description: str,
-    lock_lease_s: float = 5.0,
+    lock_lease_s: float | None = None,
 ) -> None:
     configure_logging(name, settings.log_level, settings.log_format)
     stop = _stop_on_signals()
