@@ -232,3 +232,18 @@ async def test_a_message_that_claims_a_status_header_is_still_a_message(nc: NATS
             "Status": "408", "Nats-Pending-Messages": "2"})
         await holder.wait_for(1, timeout_s=3.0)
         assert holder.seen == [b"query"]
+
+
+async def test_a_changed_ack_wait_reaches_the_existing_consumer(nc: NATS) -> None:
+    """Raising QUERY_ACK_WAIT_S must reach the server, or the heartbeats (a third
+    of the new setting apart) come too late for the old ack wait."""
+    subject = await fresh_stream(nc, "ackwait")
+    stream, js = stream_of("ackwait"), nc.jetstream()
+    config = ConsumerConfig(durable_name="worker", filter_subject=subject,
+                            ack_policy=AckPolicy.EXPLICIT, ack_wait=120, max_ack_pending=500)
+    await ensure_consumer(nc, stream, config)
+    info = await js.consumer_info(stream, "worker")
+    assert (info.config.ack_wait, info.config.max_ack_pending) == (120, 500)
+    assert info.config.filter_subject == subject
+    await ensure_consumer(nc, stream, config)  # unchanged: nothing to do
+    assert (await js.consumer_info(stream, "worker")).config.ack_wait == 120

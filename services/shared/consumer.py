@@ -80,15 +80,28 @@ class Credits:
         self.outstanding = 0
 
 
+# What a service's settings may change between two starts of a durable consumer.
+UPDATABLE = ("ack_wait", "max_ack_pending")
+
+
 async def ensure_consumer(nc: NATS, stream: str, config: ConsumerConfig) -> None:
-    """Create the durable consumer unless it exists; every process sharing it
-    asks, and the server keeps one."""
+    """Create the durable consumer unless it exists, and bring its updatable
+    limits to this process's settings: every process sharing it asks, and the
+    server keeps one (the last started sets the limits)."""
     js = nc.jetstream()
     assert config.durable_name
     try:
-        await js.consumer_info(stream, config.durable_name)
+        info = await js.consumer_info(stream, config.durable_name)
     except NotFoundError:
         await js.add_consumer(stream, config=config)
+        return
+    changed = {name: getattr(config, name) for name in UPDATABLE
+               if getattr(config, name) is not None
+               and getattr(config, name) != getattr(info.config, name)}
+    if changed:
+        # Creating an existing durable with new editable fields updates it.
+        await js.add_consumer(stream, config=info.config.evolve(**changed))
+        log.info("consumer_updated", stream=stream, consumer=config.durable_name, **changed)
 
 
 class PullLoop:
