@@ -130,6 +130,11 @@ class Compactor:
         except CompactionFailed as err:
             await self._publish(job, self._failed(job, str(err), before))
             raise
+        except Exception as err:  # a refused splice, NATS away: the turn deals with it
+            with contextlib.suppress(Exception):
+                await self._publish(job, self._failed(
+                    job, f"compaction failed: {type(err).__name__}: {err}", before))
+            raise
         await self._publish(job, self._completed(job, record, before, spliced, written))
         return spliced
 

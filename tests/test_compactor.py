@@ -1,0 +1,89 @@
+"""The compactor on its own, against a real NATS server and the stand-in:
+every attempt ends in exactly one `compaction.result`, whatever fails."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Iterator
+
+import pytest
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from schemas import subjects
+from schemas.history import ChatMessage
+from schemas.messages import CompactionResult
+from schemas.session import SessionRecord
+from services.core.state_machine import CompactionMode
+from services.generator.compaction import Compactor
+from services.generator.provider import OllamaProvider
+from services.generator.session_lock import SessionLocks
+from services.generator.settings import GeneratorSettings
+from services.generator.states import SessionStates
+from services.shared.bus import Bus, decode
+from services.shared.history_store import HistoryConflict, HistoryStore
+from services.shared.jetstream import ensure_layout, locks_bucket, sessions_bucket
+from services.shared.live_config import LiveSettings
+from services.shared.sessions import SessionStore
+from tests.stub_server import running_stub
+
+SUMMARY_S = 1.0
+
+
+@pytest.fixture
+def slow_summariser() -> Iterator[str]:
+    with running_stub("--model-latency", f"summariser={int(SUMMARY_S * 1000)}") as url:
+        yield url
+
+
+async def compactor_on(nc: NATS, stub: str
+                       ) -> tuple[Compactor, HistoryStore, SessionStore, OllamaProvider]:
+    js = nc.jetstream()
+    await ensure_layout(js)
+    bus = Bus(nc, "compactor-test")
+    settings = GeneratorSettings(ollama_host=stub, model="stub-model",
+                                 compaction_model="summariser", compaction_tail_turns=1)
+    history, sessions = HistoryStore(js), SessionStore(await sessions_bucket(js))
+    locks = SessionLocks(await locks_bucket(js, None), "compactor-test", 5.0, 5.0)
+    provider = OllamaProvider(stub, 30.0)
+    compactor = Compactor(bus, LiveSettings(js, settings), provider, history, sessions, locks,
+                          SessionStates(bus, "compactor-test", CompactionMode.background))
+    return compactor, history, sessions, provider
+
+
+async def test_an_emergency_compaction_whose_splice_is_refused_still_reports_it(
+        nc: NATS, slow_summariser: str) -> None:
+    """A turn's emergency compaction loses its splice to a write behind its back
+    (its holder was frozen past the lease): `compaction.result` says failed,
+    and the turn sees the conflict."""
+    compactor, history, sessions, provider = await compactor_on(nc, slow_summariser)
+    sid = uuid.uuid4().hex
+    record = SessionRecord(session_id=sid, system="Be brief.")
+    await sessions.create(record)
+    view = await history.read(sid)
+    for turn in range(4):
+        view = await history.append(sid, view, [
+            ChatMessage(role="user", content=f"question {turn} " + "words " * 50),
+            ChatMessage(role="assistant", content=f"answer {turn} " + "words " * 50)])
+    results: asyncio.Queue[Msg] = asyncio.Queue()
+    sub = await nc.subscribe(subjects.COMPACTION_RESULT, cb=results.put)
+    try:
+        compacting = asyncio.create_task(
+            compactor.compact_within_turn(record, view, uuid.uuid4().hex))
+        await asyncio.sleep(SUMMARY_S / 2)  # the summary is being written
+        behind = HistoryStore(nc.jetstream())
+        await behind.append(sid, await behind.read(sid), [
+            ChatMessage(role="user", content="written by a newer holder")])
+        with pytest.raises(HistoryConflict):
+            await compacting
+        while True:
+            msg = await asyncio.wait_for(results.get(), 5)
+            result = decode(msg.data, CompactionResult, msg.subject).payload
+            if result.session_id == sid:
+                break
+        assert (result.status, result.level) == ("failed", "emergency")
+        assert result.error and "HistoryConflict" in result.error
+    finally:
+        await sub.unsubscribe()
+        await provider.close()
