@@ -68,10 +68,15 @@ class ReplyRouter:
 
 async def events_until_reply(queue: asyncio.Queue[Event], timeout_s: float
                              ) -> AsyncIterator[Event]:
-    """Tokens as they come, then the reply; TimeoutError if the reply is late."""
-    async with asyncio.timeout(timeout_s):
-        while True:
+    """Tokens as they come, then the reply; TimeoutError if the reply is late.
+
+    The deadline covers only the waits here, never the `yield`: a deadline
+    passing while the caller is away sending the last token would cancel the
+    caller's own work instead of raising here."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        async with asyncio.timeout_at(deadline):
             event = await queue.get()
-            yield event
-            if isinstance(event, Reply):
-                return
+        yield event
+        if isinstance(event, Reply):
+            return
