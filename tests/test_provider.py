@@ -9,7 +9,9 @@ import contextlib
 from collections.abc import AsyncIterator
 from urllib.parse import urlsplit
 
-from services.generator.provider import ChatRequest, OllamaProvider
+import pytest
+
+from services.generator.provider import ChatRequest, OllamaProvider, ProviderError
 
 
 class CutFirstConnection:
@@ -76,3 +78,21 @@ async def test_a_streamed_answer_cut_before_its_first_token_is_retried(stub_url:
         await provider.close()
     assert "".join(tokens) == result.content and result.content.startswith("Echo: hello")
     assert cutter.connections == 2
+
+
+async def test_a_tool_call_without_a_usable_name_is_a_provider_error(stub_url: str) -> None:
+    """The model names a tool no schema accepts (longer than 128 characters): the
+    turn gets a clear provider error, not a crash retried as an internal one."""
+    name = "t" * 200
+    tool = {"type": "function", "function": {"name": name, "description": "x",
+                                             "parameters": {"type": "object"}}}
+    request = ChatRequest(model="stub-model", num_ctx=2048, tools=[tool],
+                          messages=[{"role": "user", "content": f"!tool {name}"}])
+    provider = OllamaProvider(stub_url, timeout_s=10)
+    try:
+        with pytest.raises(ProviderError) as raised:
+            await provider.chat(request)
+    finally:
+        await provider.close()
+    assert raised.value.cause == "provider_error"
+    assert "could not be read" in str(raised.value) and "name" in str(raised.value)

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 import httpx
 import ollama
 from httpx_aiohttp import AiohttpTransport
+from pydantic import ValidationError
 
 from schemas.history import ToolCall
 
@@ -88,6 +89,13 @@ class OllamaProvider:
         except (httpx.TransportError, ConnectionError) as err:
             raise ProviderError(
                 "unreachable", f"Ollama at {self._host} is unreachable: {err}"
+            ) from err
+        except ValidationError as err:  # e.g. a tool call without a usable name
+            problem = err.errors(include_url=False, include_input=False)[0]
+            where = ".".join(str(part) for part in problem["loc"]) or "(answer)"
+            raise ProviderError(
+                "provider_error", f"the model's answer could not be read: {where}: "
+                f"{problem['msg']}"
             ) from err
 
     async def close(self) -> None:
