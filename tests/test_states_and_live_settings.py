@@ -11,6 +11,7 @@ from nats.aio.client import Client as NATS
 from schemas import subjects
 from services.compaction_decider.settings import DeciderSettings
 from services.core.state_machine import Action, CompactionMode, IllegalTransition
+from services.generator.settings import GeneratorSettings
 from services.generator.states import SessionStates
 from services.shared.bus import Bus
 from services.shared.live_config import CONFIG_BUCKET, LiveSettings
@@ -56,3 +57,25 @@ async def test_settings_change_without_a_restart(nc: NATS) -> None:
     await live.stop()
     await kv.delete("compaction_threshold")
     await kv.delete("compaction_cooldown_s")
+
+
+async def test_only_live_settings_change_and_bad_bytes_stop_nothing(nc: NATS) -> None:
+    """A setting read once at start is not half-changed; bytes that are not text
+    are logged and the watch goes on."""
+    changed = asyncio.Event()
+    live = LiveSettings(nc.jetstream(), GeneratorSettings(), on_change=lambda _: changed.set())
+    await live.start()
+    kv = await nc.jetstream().key_value(CONFIG_BUCKET)
+    try:
+        await kv.put("compaction_mode", b"blocking")  # the state machine reads it once
+        await kv.put("compaction_min_relief", b"\xff\xfe")
+        await kv.put("compaction_threshold", b"0.5")
+        async with asyncio.timeout(5):
+            while live.current.compaction_threshold != 0.5:
+                changed.clear()
+                await changed.wait()
+        assert live.current.compaction_mode == "background"
+        await live.stop()
+    finally:
+        for key in ("compaction_mode", "compaction_min_relief", "compaction_threshold"):
+            await kv.delete(key)

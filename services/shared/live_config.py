@@ -1,8 +1,12 @@
 """Settings that change without a restart: a `config` KV bucket, watched.
 
 `nats kv put config compaction_threshold 0.6` reaches every watching service
-within a moment. A value that does not validate is logged and ignored; the
-service keeps its previous settings. Keys are setting names (lower case).
+within a moment. Only the settings in `LIVE_KEYS` change this way: the others
+are read once, into parts built at start (a provider's timeout, the state
+machine's compaction mode), and half-changing one would leave those parts
+disagreeing. A value that does not validate, or any other known setting, is
+logged and ignored; the service keeps its previous settings. Keys are setting
+names (lower case).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from pydantic import ValidationError
 from services.shared.settings import ServiceSettings
 
 CONFIG_BUCKET = "config"
+LIVE_KEYS = frozenset({"compaction_threshold", "compaction_cooldown_s", "compaction_min_relief"})
 S = TypeVar("S", bound=ServiceSettings)
 log = structlog.get_logger()
 
@@ -52,11 +57,20 @@ class LiveSettings(Generic[S]):
         async for entry in watcher:  # type: ignore[attr-defined]
             if entry is None or entry.value is None or not entry.key:
                 continue  # the end-of-initial-values marker, or a deletion
-            self.apply(entry.key.lower(), entry.value.decode().strip())
+            try:
+                raw = entry.value.decode().strip()
+            except UnicodeDecodeError:
+                log.error("live_setting_rejected", key=entry.key, error="not UTF-8 text")
+                continue
+            self.apply(entry.key.lower(), raw)
 
     def apply(self, key: str, raw: str) -> None:
         if key not in type(self.current).model_fields:
             return  # a setting of another service
+        if key not in LIVE_KEYS:
+            log.warning("live_setting_ignored", key=key, value=raw,
+                        error="takes effect only at the next start")
+            return
         try:
             updated = type(self.current).model_validate(
                 {**self.current.model_dump(), key: raw})
