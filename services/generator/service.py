@@ -47,8 +47,8 @@ from services.shared.together import together
 
 QUERY_CONSUMER = "generator"
 COMPACTION_CONSUMER = "generator-compactions"
-# After this many crashed attempts a query is answered with an error.
-MAX_DELIVERIES = 3
+# After this many crashed attempts in this process a query is answered with an error.
+MAX_CRASHES = 3
 # How long a later query of a session waits before it is offered again.
 OUT_OF_ORDER_DELAY_S = 0.02
 # Stream sequences of the queries answered last, kept for the ordering check.
@@ -74,6 +74,24 @@ class AnsweredQueries:
 
     def __contains__(self, stream_seq: object) -> bool:
         return stream_seq in self._recent
+
+
+class CrashCounts:
+    """How often each query lately crashed in this process. Not its delivery
+    count: a query handed back to keep its session's order, or because the
+    lock was busy, comes again without having failed."""
+
+    def __init__(self, size: int = REMEMBERED_ANSWERS) -> None:
+        self._counts: OrderedDict[str, int] = OrderedDict()
+        self._size = size
+
+    def add(self, query_id: str) -> int:
+        """Count one more crash of this query; returns its crashes so far."""
+        crashes = self._counts.pop(query_id, 0) + 1
+        self._counts[query_id] = crashes
+        if len(self._counts) > self._size:
+            self._counts.popitem(last=False)
+        return crashes
 
 
 class Generator:
@@ -102,6 +120,7 @@ class Generator:
         self._occupying: set[asyncio.Task[None]] = set()
         self._loops: list[PullLoop] = []
         self._answered = AnsweredQueries()
+        self._crashes = CrashCounts()
         self._following: JetStreamContext.PushSubscription | None = None
 
     async def start(self) -> None:
@@ -322,7 +341,7 @@ class Generator:
         sid = env.payload.session_id
         with contextlib.suppress(Exception):
             await self._states.recover(sid, env.correlation_id)
-        if msg.metadata.num_delivered < MAX_DELIVERIES:
+        if self._crashes.add(env.message_id) < MAX_CRASHES:
             await msg.nak(delay=0.5)
             return
         await self._send_reply(msg, env, self._error_reply(env, TurnError(

@@ -1,0 +1,77 @@
+"""A generator whose handler crashes (a bug, not a model failure) retries the
+query a few times, then answers with an error: on a real NATS, in process,
+with a test model in place of Ollama."""
+
+from __future__ import annotations
+
+import asyncio
+
+import nats
+from nats.aio.msg import Msg
+
+from schemas import subjects
+from schemas.envelope import Envelope
+from schemas.messages import Query, Reply
+from schemas.session import SessionRecord
+from services.generator.provider import ChatRequest, ChatResult, OnToken
+from services.generator.service import MAX_CRASHES, Generator
+from services.generator.session_lock import SessionLocks
+from services.generator.settings import GeneratorSettings
+from services.shared.bus import Bus, decode
+from services.shared.jetstream import ensure_layout, locks_bucket, sessions_bucket
+from services.shared.sessions import SessionStore
+from tests.nats_server import NatsServer
+
+SID = "crashing"
+LOCK_WAIT_S = 0.2
+
+
+class BrokenModel:
+    """A model client that fails in a way no provider error covers."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def chat(self, request: ChatRequest, on_token: OnToken | None = None) -> ChatResult:
+        self.calls += 1
+        raise RuntimeError("a bug in the model client")
+
+    async def close(self) -> None:
+        pass
+
+
+async def test_waiting_for_the_lock_does_not_use_up_the_retries(
+        private_nats: NatsServer) -> None:
+    """The query is handed back twice while the lock is held elsewhere (it is
+    delivered a third time), then crashes: it is still tried MAX_CRASHES times
+    before the caller gets `internal_error`."""
+    nc = await nats.connect(private_nats.url)
+    bus = Bus(nc, "generator")
+    settings = GeneratorSettings(model="stub-model", lock_wait_s=LOCK_WAIT_S, lock_lease_s=2)
+    await ensure_layout(bus.js, settings.lock_lease_s)
+    kv = await locks_bucket(bus.js, settings.lock_lease_s)
+    sessions = SessionStore(await sessions_bucket(bus.js))
+    await sessions.create(SessionRecord(session_id=SID))
+    model = BrokenModel()
+    generator = Generator(bus, settings, model, sessions, SessionLocks(
+        kv, settings.generator_id, settings.lock_lease_s, LOCK_WAIT_S))
+    replies: asyncio.Queue[Envelope[Reply]] = asyncio.Queue()
+
+    async def on_reply(msg: Msg) -> None:
+        replies.put_nowait(decode(msg.data, Reply, msg.subject))
+
+    await nc.subscribe(subjects.reply(SID), cb=on_reply)
+    elsewhere = SessionLocks(kv, "elsewhere", settings.lock_lease_s, 1.0)
+    await generator.start()
+    try:
+        async with elsewhere.hold(SID, "query"):
+            await bus.js_publish(subjects.query(SID), Query(session_id=SID, content="hi"),
+                                 session_id=SID)
+            await asyncio.sleep(2.0)  # two lock timeouts, each handing the query back
+            assert model.calls == 0
+        reply = (await asyncio.wait_for(replies.get(), 15)).payload
+        assert reply.error_code == "internal_error"
+        assert model.calls == MAX_CRASHES
+    finally:
+        await generator.stop()
+        await nc.close()
