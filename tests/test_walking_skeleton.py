@@ -195,5 +195,6 @@ def test_sessions_are_listed_newest_first(client: httpx.Client) -> None:
     assert ids.index(second) < ids.index(first)
     assert next(s for s in listed if s["session_id"] == second)["model"] == "other"
     assert len(client.get("/api/sessions", params={"limit": 1}).json()["sessions"]) == 1
-    bad = client.get("/api/sessions", params={"limit": "lots"})
-    assert bad.status_code == 400 and bad.json()["error"]["field"] == "limit"
+    for limit in ("lots", "²", "0", "-1"):  # "²" is a digit to str.isdigit, not to int()
+        bad = client.get("/api/sessions", params={"limit": limit})
+        assert bad.status_code == 400 and bad.json()["error"]["field"] == "limit"

@@ -143,7 +143,7 @@ class Api:
 
     async def list_sessions(self, request: Request) -> Response:
         raw = request.query_params.get("limit", str(DEFAULT_LISTED))
-        if not raw.isdigit() or not 1 <= int(raw) <= MAX_LISTED:
+        if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= MAX_LISTED:
             return error(400, "invalid_field", f"limit: a whole number from 1 to {MAX_LISTED}",
                          field="limit")
         records = await self._sessions.newest(int(raw))
