@@ -8,6 +8,8 @@ memory, and publishes `compaction.request` when the pure decision says so.
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
@@ -35,18 +37,30 @@ from services.shared.live_config import LiveSettings
 from services.shared.runner import Endpoint
 
 CONSUMER = "compaction-decider"
+# Sessions whose calibration and hysteresis are kept; the least recently
+# reported is forgotten first (its next report calibrates it afresh).
+MAX_TRACKED_SESSIONS = 10_000
 log = structlog.get_logger()
 
 
+@dataclass
+class Tracked:
+    """What the decider remembers of one session."""
+
+    calibration: Calibration = field(default_factory=Calibration)
+    memory: SessionMemory = field(default_factory=SessionMemory)
+    # The correlation id of the request the pending flag is for: only the
+    # result of *that* compaction clears it.
+    awaiting: str | None = None
+
+
 class Decider:
-    def __init__(self, bus: Bus, settings: DeciderSettings) -> None:
+    def __init__(self, bus: Bus, settings: DeciderSettings,
+                 max_tracked: int = MAX_TRACKED_SESSIONS) -> None:
         self._bus = bus
         self._live = LiveSettings(bus.js, settings)
-        self._calibration: dict[str, Calibration] = {}
-        self._memory: dict[str, SessionMemory] = {}
-        # The correlation id of the request each session's pending flag is for:
-        # only the result of *that* compaction clears it.
-        self._awaiting: dict[str, str] = {}
+        self._tracked: OrderedDict[str, Tracked] = OrderedDict()
+        self._max_tracked = max_tracked
         self._loop: PullLoop | None = None
         self._results: Subscription | None = None
         self._fired = 0
@@ -83,7 +97,16 @@ class Decider:
 
     def status(self) -> dict[str, Any]:
         return {"threshold": self.settings.compaction_threshold, "fired": self._fired,
-                "pending": sorted(s for s, m in self._memory.items() if m.pending)}
+                "tracked_sessions": len(self._tracked),
+                "pending": sorted(s for s, t in self._tracked.items() if t.memory.pending)}
+
+    def _track(self, sid: str) -> Tracked:
+        """The session's memory, made the most recent; the oldest is forgotten."""
+        tracked = self._tracked.pop(sid, None) or Tracked()
+        self._tracked[sid] = tracked
+        if len(self._tracked) > self._max_tracked:
+            self._tracked.popitem(last=False)
+        return tracked
 
     async def _on_message(self, msg: Msg) -> None:
         await self._on_generation(msg)
@@ -100,13 +123,13 @@ class Decider:
 
     async def _consider(self, env: Envelope[GenerationReport]) -> None:
         report, sid = env.payload, env.payload.session_id
-        cal = calibrate(self._calibration.get(sid, Calibration()), report.prompt_tokens,
-                        report.sent_chars, report.num_ctx, reused_chars=report.reused_chars,
-                        messages=report.sent_messages)
-        self._calibration[sid] = cal
+        tracked = self._track(sid)
+        tracked.calibration = calibrate(
+            tracked.calibration, report.prompt_tokens, report.sent_chars, report.num_ctx,
+            reused_chars=report.reused_chars, messages=report.sent_messages)
         if not report.auto_compact:
             return
-        decision = self._decide(sid, report, cal)
+        decision = self._decide(tracked, report)
         if not decision.fire or decision.level is None:
             log.debug("no_compaction", reason=decision.reason)
             return
@@ -117,10 +140,11 @@ class Decider:
                               level=decision.level.value),
             session_id=sid,
         )
-        self._awaiting[sid] = request.correlation_id
+        tracked.awaiting = request.correlation_id
         self._fired += 1
 
-    def _decide(self, sid: str, report: GenerationReport, cal: Calibration) -> Decision:
+    def _decide(self, tracked: Tracked, report: GenerationReport) -> Decision:
+        cal = tracked.calibration
         limit = prompt_budget(report.num_ctx, self.settings.output_headroom)
         upcoming = estimate_tokens(report.next_prompt_chars or report.sent_chars, cal,
                                    report.next_prompt_messages)
@@ -132,16 +156,15 @@ class Decider:
         obs = Observation(next_prompt_tokens=upcoming, budget=limit,
                           compactable_tokens=estimate_tokens(freeable, cal),
                           now=time.monotonic())
-        decision, memory = decide(obs, self._memory.get(sid, SessionMemory()), self.policy())
-        self._memory[sid] = memory
+        decision, tracked.memory = decide(obs, tracked.memory, self.policy())
         return decision
 
     async def _on_result(self, msg: Msg) -> None:
         env = await self._bus.decode_or_report(msg, CompactionResult)
         if env is None:
             return
-        sid = env.payload.session_id
-        if sid in self._memory and self._awaiting.get(sid) == env.correlation_id:
-            del self._awaiting[sid]
-            self._memory[sid] = on_result(self._memory[sid], env.payload.tokens_after,
-                                          time.monotonic())
+        tracked = self._tracked.get(env.payload.session_id)
+        if tracked is not None and tracked.awaiting == env.correlation_id:
+            tracked.awaiting = None
+            tracked.memory = on_result(tracked.memory, env.payload.tokens_after,
+                                       time.monotonic())

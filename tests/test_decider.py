@@ -1,0 +1,42 @@
+"""The compaction decider in process, on a real NATS: what it remembers of
+each session stays bounded however many sessions report."""
+
+from __future__ import annotations
+
+import asyncio
+
+import nats
+
+from schemas import subjects
+from schemas.messages import GenerationReport
+from services.compaction_decider.service import Decider
+from services.compaction_decider.settings import DeciderSettings
+from services.shared.bus import Bus
+from services.shared.jetstream import ensure_layout
+from tests.nats_server import NatsServer
+
+
+def report(sid: str) -> GenerationReport:
+    return GenerationReport(session_id=sid, model="m", prompt_tokens=100, sent_chars=400,
+                            sent_messages=2, num_ctx=8192, next_prompt_chars=500)
+
+
+async def test_no_more_sessions_are_remembered_than_the_bound(
+        private_nats: NatsServer) -> None:
+    nc = await nats.connect(private_nats.url)
+    bus = Bus(nc, "compaction-decider")
+    await ensure_layout(bus.js)
+    decider = Decider(bus, DeciderSettings(), max_tracked=2)
+    await decider.start()
+    try:
+        for sid in ("a", "b", "c", "a"):
+            await bus.js_publish(subjects.RESPONSE_GENERATION, report(sid), session_id=sid)
+        for _ in range(200):  # until all four are acknowledged, at most 10 s
+            info = await bus.js.consumer_info(subjects.GENERATIONS_STREAM, "compaction-decider")
+            if info.ack_floor.stream_seq >= 4:
+                break
+            await asyncio.sleep(0.05)
+        assert decider.status()["tracked_sessions"] == 2
+    finally:
+        await decider.stop()
+        await nc.close()
