@@ -15,7 +15,7 @@ RESPONSE_GENERATION = "response.generation"
 COMPACTION_REQUEST = "compaction.request"
 COMPACTION_RESULT = "compaction.result"
 
-# Compaction lifecycle events (started / skipped) beside the terminal result.
+# A compaction announces itself here (`started`); how it ended goes to the result.
 COMPACTION_EVENT = "compaction.event"
 
 # Query submission: captured by the QUERIES work-queue stream.
@@ -25,8 +25,9 @@ REPLY_PREFIX = "chat.reply"
 TOKEN_PREFIX = "chat.token"
 # Generator state transitions, one subject per session, last one kept in a stream.
 STATE_PREFIX = "generator.state"
-# Tools answer NATS requests on `tool.call.<name>`.
+# Tools answer NATS requests on `tool.call.<name>`, and list themselves on `tool.list`.
 TOOL_PREFIX = "tool.call"
+TOOL_LIST = "tool.list"
 # Malformed input on event subjects is reported here (requests get a reply).
 ERROR_SUBJECT = "system.error"
 
@@ -41,6 +42,8 @@ HISTORY_PREFIX = "history"
 # JetStream key-value buckets.
 SESSIONS_BUCKET = "sessions"
 LOCKS_BUCKET = "session_locks"
+# Settings that change while the services run (`nats kv put config <name> <value>`).
+CONFIG_BUCKET = "config"
 
 _SESSION_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _TOOL_NAME = re.compile(r"^[a-z][a-z0-9_]{0,63}$")

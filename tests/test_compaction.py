@@ -17,7 +17,6 @@ from nats.aio.msg import Msg
 
 from schemas import subjects
 from schemas.messages import ToolOutcome
-from services.generator.toolbox import TOOL_LIST_SUBJECT
 from services.shared.bus import Bus
 from tests.events import Watcher, watching
 from tests.nats_server import NatsServer
@@ -302,7 +301,7 @@ async def serve_a_verbose_tool(nats_url: str) -> Any:
             msg.subject, ToolOutcome(name="dump", content="line of output\n" * 150)
         ).model_dump_json().encode())
 
-    await nc.subscribe(TOOL_LIST_SUBJECT, cb=listing)
+    await nc.subscribe(subjects.TOOL_LIST, cb=listing)
     await nc.subscribe(subjects.tool("dump"), cb=dump)
     return nc
 

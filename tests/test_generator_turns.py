@@ -16,7 +16,7 @@ from schemas import subjects
 from schemas.history import ToolCall
 from schemas.messages import ToolOutcome
 from services.generator.service import AnsweredQueries
-from services.generator.toolbox import TOOL_LIST_SUBJECT, Toolbox
+from services.generator.toolbox import Toolbox
 from services.shared.bus import Bus
 from tests.events import server_sent_events, transitions, turns_finished, watching
 from tests.nats_server import NatsServer, free_port
@@ -185,7 +185,7 @@ async def tool_responder(nc: nats.aio.client.Client) -> None:
             msg.subject, ToolOutcome(name="broken", error="ValueError: boom")
         ).model_dump_json().encode())
 
-    await nc.subscribe(TOOL_LIST_SUBJECT, cb=listing)
+    await nc.subscribe(subjects.TOOL_LIST, cb=listing)
     await nc.subscribe(subjects.tool("broken"), cb=broken)
     await nc.subscribe(subjects.tool("slow"), cb=never_answer)
 

@@ -14,7 +14,7 @@ from services.core.state_machine import Action, CompactionMode, IllegalTransitio
 from services.generator.settings import GeneratorSettings
 from services.generator.states import SessionStates
 from services.shared.bus import Bus
-from services.shared.live_config import CONFIG_BUCKET, LiveSettings
+from services.shared.live_config import LiveSettings
 
 
 async def test_an_illegal_transition_is_raised_and_reported(nc: NATS) -> None:
@@ -46,7 +46,7 @@ async def test_settings_change_without_a_restart(nc: NATS) -> None:
                 await changed.wait()
 
     await live.start()
-    kv = await nc.jetstream().key_value(CONFIG_BUCKET)
+    kv = await nc.jetstream().key_value(subjects.CONFIG_BUCKET)
     await kv.put("compaction_threshold", b"0.5")
     await kv.put("compaction_cooldown_s", b"not a number")  # rejected, logged, ignored
     await kv.put("gateway_port", b"1")  # another service's setting
@@ -65,7 +65,7 @@ async def test_only_live_settings_change_and_bad_bytes_stop_nothing(nc: NATS) ->
     changed = asyncio.Event()
     live = LiveSettings(nc.jetstream(), GeneratorSettings(), on_change=lambda _: changed.set())
     await live.start()
-    kv = await nc.jetstream().key_value(CONFIG_BUCKET)
+    kv = await nc.jetstream().key_value(subjects.CONFIG_BUCKET)
     try:
         await kv.put("compaction_mode", b"blocking")  # the state machine reads it once
         await kv.put("compaction_min_relief", b"\xff\xfe")

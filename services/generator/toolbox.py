@@ -23,7 +23,6 @@ from schemas.history import ChatMessage, ToolCall
 from schemas.messages import ToolInvocation, ToolOutcome
 from services.shared.bus import Bus, decode
 
-TOOL_LIST_SUBJECT = "tool.list"
 DEFINITIONS_TTL_S = 30.0
 log = structlog.get_logger()
 
@@ -46,7 +45,7 @@ class Toolbox:
         if time.monotonic() - self._fetched_at < DEFINITIONS_TTL_S:
             return self._definitions
         try:
-            msg = await self._bus.nc.request(TOOL_LIST_SUBJECT, b"", timeout=0.5)
+            msg = await self._bus.nc.request(subjects.TOOL_LIST, b"", timeout=0.5)
             loaded = json.loads(msg.data)
             self._definitions = loaded if isinstance(loaded, list) else []
         except (NatsTimeout, NoRespondersError, ValueError):

@@ -22,9 +22,9 @@ from nats.js.api import KeyValueConfig, StorageType
 from nats.js.errors import NotFoundError
 from pydantic import ValidationError
 
+from schemas import subjects
 from services.shared.settings import ServiceSettings
 
-CONFIG_BUCKET = "config"
 LIVE_KEYS = frozenset({"compaction_threshold", "compaction_cooldown_s", "compaction_min_relief"})
 S = TypeVar("S", bound=ServiceSettings)
 log = structlog.get_logger()
@@ -40,10 +40,10 @@ class LiveSettings(Generic[S]):
 
     async def start(self) -> None:
         try:
-            kv = await self._js.key_value(CONFIG_BUCKET)
+            kv = await self._js.key_value(subjects.CONFIG_BUCKET)
         except NotFoundError:
             kv = await self._js.create_key_value(
-                KeyValueConfig(bucket=CONFIG_BUCKET, history=5, storage=StorageType.FILE))
+                KeyValueConfig(bucket=subjects.CONFIG_BUCKET, history=5, storage=StorageType.FILE))
         watcher = await kv.watchall()
         self._task = asyncio.create_task(self._follow(watcher))
 

@@ -35,7 +35,7 @@ class ToolsService:
         return {"tools": sorted(TOOLS), "calls": self._calls}
 
     def endpoints(self) -> list[Endpoint]:
-        listing = Endpoint("list", "tool.list", self._list)
+        listing = Endpoint("list", subjects.TOOL_LIST, self._list)
         calls = [Endpoint(name, subjects.tool(name), self._caller(tool))
                  for name, tool in TOOLS.items()]
         return [listing, *calls]
