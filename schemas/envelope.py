@@ -11,12 +11,6 @@ from pydantic import BaseModel, ConfigDict, Field
 
 SCHEMA_VERSION = 1
 
-# Sender ids of the shipped services. A replacement service may use its own id.
-GATEWAY = "gateway"
-GENERATOR = "generator"
-COMPACTION_DECIDER = "compaction-decider"
-TOOLS = "tools"
-
 P = TypeVar("P", bound=BaseModel)
 
 

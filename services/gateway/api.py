@@ -37,7 +37,6 @@ MAX_LISTED = 500
 ERROR_STATUS = {
     "unknown_session": 404,
     "context_overflow": 413,
-    "session_busy": 409,
     "compacting": 409,
     "unreachable": 502,
     "provider_error": 502,

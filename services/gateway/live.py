@@ -25,7 +25,7 @@ WATCHED = (
     subjects.COMPACTION_EVENT,
 )
 KEEPALIVE_S = 15.0
-# A page that stops reading loses old events rather than growing our memory.
+# A page that stops reading misses the newest events rather than growing our memory.
 QUEUE_LIMIT = 1000
 
 

@@ -63,7 +63,7 @@ class HeadStart:
         return await self.call
 
     def abandon(self) -> None:
-        """Cancel the call, unless it was kept (then this does nothing)."""
+        """Cancel the call if it still runs; counted as abandoned unless it was kept."""
         if not self.settled:
             self._settle(kept=False)
             log.info("head_start_abandoned")

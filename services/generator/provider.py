@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import httpx
@@ -47,7 +47,6 @@ class ChatResult:
     thinking: str = ""
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
-    extras: dict[str, Any] = field(default_factory=dict)
 
 
 class ChatProvider(Protocol):
