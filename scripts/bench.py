@@ -1141,67 +1141,79 @@ def check_background(run: CompactionRun, info: dict[str, Any]) -> None:
         raise RuntimeError(f"queries failed during the background compaction: {failed}")
 
 
-def row_compaction(bench: Bench) -> Row:
-    params = bench.params
-    runs = measure_compaction(params, "background", params.compaction_rounds)
+def background_figures(runs: Sequence[CompactionRun]) -> dict[str, Any]:
+    """Latency during background compactions against before them, and the same
+    for the twin session that was not compacted, at the same moments."""
     rounds = [describe_run(run) for run in runs]
     for run, info in zip(runs, rounds, strict=True):
         check_background(run, info)
     base = summary_ms([s for run in runs for s in run.baseline])
     during = summary_ms([s for run in runs for _, s, _, _ in run.during])
-    p50_ratio = during["p50_ms"] / base["p50_ms"]
-    p99_ratio = during["p99_ms"] / base["p99_ms"]
-    overlapped = sum(info["measured_queries_finished_before_result"] for info in rounds)
     twin_base = summary_ms([s for run in runs for s in run.twin_baseline])
     twin_during = summary_ms([s for run in runs for s in run.twin_during])
-    twin_p50_ratio = twin_during["p50_ms"] / twin_base["p50_ms"]
-    twin_p99_ratio = twin_during["p99_ms"] / twin_base["p99_ms"]
+    return {
+        "p50_ratio": during["p50_ms"] / base["p50_ms"],
+        "p99_ratio": during["p99_ms"] / base["p99_ms"],
+        "baseline": base,
+        "during_compaction": during,
+        "overlapped": sum(info["measured_queries_finished_before_result"] for info in rounds),
+        "background_rounds": rounds,
+        "twin": {
+            "p50_ratio": twin_during["p50_ms"] / twin_base["p50_ms"],
+            "p99_ratio": twin_during["p99_ms"] / twin_base["p99_ms"],
+            "baseline": twin_base,
+            "during_compaction": twin_during,
+            "compacting_vs_twin_p50_ratio": during["p50_ms"] / twin_during["p50_ms"],
+            "compacting_vs_twin_p99_ratio": during["p99_ms"] / twin_during["p99_ms"],
+        },
+    }
 
-    (blocking,) = measure_compaction(params, "blocking", 1)
-    blocked = [*blocking.during, *blocking.after]
-    rejected = sum(1 for _, _, status, _ in blocked if status != 200)
-    delayed = sum(1 for _, seconds, status, _ in blocked if status == 200 and seconds > DELAYED_S)
-    blocking_max_s = max(seconds for _, seconds, _, _ in blocked)
+
+def blocking_figures(run: CompactionRun) -> dict[str, Any]:
+    """Queries during and after a blocking compaction: refused, delayed, slowest."""
+    blocked = [*run.during, *run.after]
+    return {
+        "query_wait_s": 10,
+        "queries": len(blocked),
+        "rejected": sum(1 for _, _, status, _ in blocked if status != 200),
+        "rejected_codes": sorted({code for _, _, status, code in blocked if status != 200}),
+        "delayed": sum(1 for _, seconds, status, _ in blocked
+                       if status == 200 and seconds > DELAYED_S),
+        "delayed_threshold_s": DELAYED_S,
+        "max_latency_s": max(seconds for _, seconds, _, _ in blocked),
+        **describe_run(run),
+    }
+
+
+def row_compaction(bench: Bench) -> Row:
+    params = bench.params
+    runs = measure_compaction(params, "background", params.compaction_rounds)
+    background = background_figures(runs)
+    (blocking_run,) = measure_compaction(params, "blocking", 1)
+    blocking = blocking_figures(blocking_run)
+    base, during = background["baseline"], background["during_compaction"]
+    twin = background["twin"]
     return Row(
-        name="compaction_latency", value=max(p50_ratio, p99_ratio),
+        name="compaction_latency",
+        value=max(background["p50_ratio"], background["p99_ratio"]),
         unit="× no compaction (worse of p50, p99)", target=Target("<=", COMPACTION_MAX_RATIO),
         detail=f"background: p50 {during['p50_ms']:.1f} vs {base['p50_ms']:.1f} ms "
-               f"(×{p50_ratio:.2f}), p99 {during['p99_ms']:.1f} vs {base['p99_ms']:.1f} ms "
-               f"(×{p99_ratio:.2f}), {overlapped}/{during['n']} done before the "
+               f"(×{background['p50_ratio']:.2f}), p99 {during['p99_ms']:.1f} vs "
+               f"{base['p99_ms']:.1f} ms (×{background['p99_ratio']:.2f}), "
+               f"{background['overlapped']}/{during['n']} done before the "
                f"{SUMMARY_LATENCY_S:g} s summaries ended ({len(runs)} compaction(s)); "
-               f"twin session without compaction, same moments: p50 ×{twin_p50_ratio:.2f}, "
-               f"p99 ×{twin_p99_ratio:.2f}; "
-               f"blocking: {rejected} rejected, {delayed} delayed > {DELAYED_S:g} s "
-               f"of {len(blocked)}, max {blocking_max_s:.2f} s",
+               f"twin session without compaction, same moments: p50 ×{twin['p50_ratio']:.2f}, "
+               f"p99 ×{twin['p99_ratio']:.2f}; "
+               f"blocking: {blocking['rejected']} rejected, {blocking['delayed']} delayed > "
+               f"{DELAYED_S:g} s of {blocking['queries']}, "
+               f"max {blocking['max_latency_s']:.2f} s",
         raw={
-            "p50_ratio": p50_ratio,
-            "p99_ratio": p99_ratio,
-            "baseline": base,
-            "during_compaction": during,
-            "background_rounds": rounds,
-            "twin": {
-                "p50_ratio": twin_p50_ratio,
-                "p99_ratio": twin_p99_ratio,
-                "baseline": twin_base,
-                "during_compaction": twin_during,
-                "compacting_vs_twin_p50_ratio": during["p50_ms"] / twin_during["p50_ms"],
-                "compacting_vs_twin_p99_ratio": during["p99_ms"] / twin_during["p99_ms"],
-            },
+            **{key: value for key, value in background.items() if key != "overlapped"},
             "summary_latency_s": SUMMARY_LATENCY_S,
             "history_turns": params.compaction_history_turns,
             "queries_per_phase": params.compaction_queries,
             "tail_turns": params.compaction_tail_turns,
-            "blocking": {
-                "query_wait_s": 10,
-                "queries": len(blocked),
-                "rejected": rejected,
-                "rejected_codes": sorted({code for _, _, status, code in blocked
-                                          if status != 200}),
-                "delayed": delayed,
-                "delayed_threshold_s": DELAYED_S,
-                "max_latency_s": blocking_max_s,
-                **describe_run(blocking),
-            },
+            "blocking": blocking,
         },
     )
 
