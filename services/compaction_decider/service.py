@@ -8,7 +8,6 @@ memory, and publishes `compaction.request` when the pure decision says so.
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +33,7 @@ from services.core.tokens import Calibration, calibrate, estimate_tokens, prompt
 from services.shared.bus import Bus
 from services.shared.consumer import PullLoop, ensure_consumer
 from services.shared.live_config import LiveSettings
+from services.shared.recent import Recent
 from services.shared.runner import Endpoint
 
 CONSUMER = "compaction-decider"
@@ -59,8 +59,7 @@ class Decider:
                  max_tracked: int = MAX_TRACKED_SESSIONS) -> None:
         self._bus = bus
         self._live = LiveSettings(bus.js, settings)
-        self._tracked: OrderedDict[str, Tracked] = OrderedDict()
-        self._max_tracked = max_tracked
+        self._tracked: Recent[str, Tracked] = Recent(max_tracked)
         self._loop: PullLoop | None = None
         self._results: Subscription | None = None
         self._fired = 0
@@ -102,10 +101,8 @@ class Decider:
 
     def _track(self, sid: str) -> Tracked:
         """The session's memory, made the most recent; the oldest is forgotten."""
-        tracked = self._tracked.pop(sid, None) or Tracked()
-        self._tracked[sid] = tracked
-        if len(self._tracked) > self._max_tracked:
-            self._tracked.popitem(last=False)
+        tracked = self._tracked.get(sid) or Tracked()
+        self._tracked.put(sid, tracked)
         return tracked
 
     async def _on_message(self, msg: Msg) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
@@ -41,6 +40,7 @@ from services.shared.consumer import PullLoop, ensure_consumer
 from services.shared.history_store import HistoryConflict, HistoryStore
 from services.shared.jetstream import locks_bucket, sessions_bucket
 from services.shared.live_config import LiveSettings
+from services.shared.recent import Recent
 from services.shared.runner import Endpoint
 from services.shared.sessions import SessionNotFound, SessionStore
 from services.shared.together import together
@@ -62,14 +62,11 @@ class AnsweredQueries:
     the acknowledgement, and the session's next query must not wait for it."""
 
     def __init__(self, size: int = REMEMBERED_ANSWERS) -> None:
-        self._recent: OrderedDict[int, None] = OrderedDict()
-        self._size = size
+        self._recent: Recent[int, None] = Recent(size)
         self.count = 0
 
     def remember(self, stream_seq: int) -> None:
-        self._recent[stream_seq] = None
-        if len(self._recent) > self._size:
-            self._recent.popitem(last=False)
+        self._recent.put(stream_seq, None)
         self.count += 1
 
     def __contains__(self, stream_seq: object) -> bool:
@@ -82,15 +79,12 @@ class CrashCounts:
     lock was busy, comes again without having failed."""
 
     def __init__(self, size: int = REMEMBERED_ANSWERS) -> None:
-        self._counts: OrderedDict[str, int] = OrderedDict()
-        self._size = size
+        self._counts: Recent[str, int] = Recent(size)
 
     def add(self, query_id: str) -> int:
         """Count one more crash of this query; returns its crashes so far."""
-        crashes = self._counts.pop(query_id, 0) + 1
-        self._counts[query_id] = crashes
-        if len(self._counts) > self._size:
-            self._counts.popitem(last=False)
+        crashes = (self._counts.get(query_id) or 0) + 1
+        self._counts.put(query_id, crashes)
         return crashes
 
 
