@@ -8,6 +8,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from services.shared.jetstream import DEFAULT_LOCK_LEASE_S
 from services.shared.settings import ServiceSettings
 
 
@@ -33,7 +34,7 @@ class GeneratorSettings(ServiceSettings):
     summary_timeout_s: float = Field(default=120.0, gt=0)
     # Sessions answered at once by this process.
     max_concurrent_sessions: int = Field(default=64, ge=1)
-    lock_lease_s: float = Field(default=5.0, ge=1)
+    lock_lease_s: float = Field(default=DEFAULT_LOCK_LEASE_S, ge=1)
     lock_wait_s: float = Field(default=30.0, gt=0)
     # A query unacknowledged this long is redelivered (the process died).
     query_ack_wait_s: float = Field(default=30.0, ge=1)

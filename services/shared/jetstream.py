@@ -22,7 +22,7 @@ from schemas import subjects as s
 
 DUPLICATE_WINDOW_S = 120.0
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024
-# The generator's default `LOCK_LEASE_S`, for a lock bucket another service makes first.
+# The default `LOCK_LEASE_S` of the generator, and of a lock bucket another service makes first.
 DEFAULT_LOCK_LEASE_S = 5.0
 
 STREAMS = (
