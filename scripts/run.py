@@ -1,11 +1,17 @@
-"""`make run`: the whole system on one workstation, stopped with Ctrl-C.
+"""`make run`: the whole system on one workstation, stopped with Ctrl-C (or
+SIGTERM, or the terminal closing).
 
 - NATS: the one at NATS_URL if given, else an embedded nats-server with
   JetStream storing under .data/nats (fsync on every write: history is the
   product's memory; see ARCHITECTURE.md).
-- Ollama: the one at OLLAMA_HOST (default http://127.0.0.1:11434) if it
-  answers, else the deterministic stand-in, announced loudly.
+- Ollama: the one at OLLAMA_HOST (default http://127.0.0.1:11434; the short
+  forms Ollama accepts, such as `127.0.0.1:11434`, too) if it answers, else
+  the deterministic stand-in, announced loudly.
 - The gateway, generator, compaction-decider and tools services.
+
+NATS and the stand-in run in sessions of their own, so a Ctrl-C reaches only
+the launcher and the services: the services drain while NATS is still up, and
+the launcher stops NATS last.
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from ollama._client import _parse_host as ollama_url  # the client's own reading
+
 ROOT = Path(__file__).resolve().parent.parent
 DATA = Path(os.environ.get("DATA_DIR", ROOT / ".data"))
 SERVICES = ("services.generator", "services.compaction_decider", "services.tools",
@@ -27,24 +35,29 @@ STUB_PORT = int(os.environ.get("OLLAMA_STUB_PORT", "11435"))
 
 
 def main() -> int:
+    for stop_signal in (signal.SIGTERM, signal.SIGHUP):  # stopped as by Ctrl-C
+        signal.signal(stop_signal, signal.default_int_handler)
     env = dict(os.environ)
     children: list[subprocess.Popen[bytes]] = []
     try:
         if not env.get("NATS_URL"):
             nats_port = int(env.get("NATS_PORT", "4222"))
+            ensure_free(nats_port, "NATS", "set NATS_URL to use that server, or NATS_PORT")
             children.append(start_nats(nats_port))
+            wait_for_port(nats_port, 10, children[-1])
             env["NATS_URL"] = f"nats://127.0.0.1:{nats_port}"
-        env["OLLAMA_HOST"] = env.get("OLLAMA_HOST", "http://127.0.0.1:11434")
+        env["OLLAMA_HOST"] = ollama_url(env.get("OLLAMA_HOST"))
         if not answers(env["OLLAMA_HOST"]):
             children.append(start_stub(env["OLLAMA_HOST"]))
+            wait_for(f"http://127.0.0.1:{STUB_PORT}/api/version", 10, children[-1])
             env["OLLAMA_HOST"] = f"http://127.0.0.1:{STUB_PORT}"
+        gateway_port = env.get("GATEWAY_PORT", "8080")
+        ensure_free(int(gateway_port), "the gateway", "set GATEWAY_PORT to another")
         for module in SERVICES:
             children.append(subprocess.Popen([sys.executable, "-m", module], cwd=ROOT, env=env))
-        host = env.get("GATEWAY_HOST", "127.0.0.1")
-        port = env.get("GATEWAY_PORT", "8080")
-        wait_for(f"http://{host}:{port}/healthz", 30)
-        print(f"\n  Chat is ready: http://{host}:{port}/   (Ctrl-C stops everything)\n",
-              flush=True)
+        url = page_url(env.get("GATEWAY_HOST", "127.0.0.1"), gateway_port)
+        wait_for(f"{url}healthz", 30, children[-1])
+        print(f"\n  Chat is ready: {url}   (Ctrl-C stops everything)\n", flush=True)
         while all(child.poll() is None for child in children):
             time.sleep(0.5)
         print("a process exited; stopping the rest", file=sys.stderr)
@@ -65,9 +78,8 @@ def start_nats(port: int) -> subprocess.Popen[bytes]:
         f'jetstream {{ store_dir: "{store}", sync_interval: always }}\n'
     )
     server = Path(sys.executable).parent / "nats-server"
-    proc = subprocess.Popen([str(server), "-c", str(config)], cwd=ROOT)
-    wait_for_port(port, 10)
-    return proc
+    return subprocess.Popen([str(server), "-c", str(config)], cwd=ROOT,
+                            start_new_session=True)
 
 
 def start_stub(wanted: str) -> subprocess.Popen[bytes]:
@@ -76,42 +88,72 @@ def start_stub(wanted: str) -> subprocess.Popen[bytes]:
           f"  Starting the DETERMINISTIC STAND-IN on port {STUB_PORT}: replies are canned,\n"
           f"  not a real model. Start Ollama (or set OLLAMA_HOST) for real answers.\n{banner}\n",
           file=sys.stderr, flush=True)
-    proc = subprocess.Popen([sys.executable, "-m", "scripts.ollama_stub", "--port",
-                             str(STUB_PORT)], cwd=ROOT)
-    wait_for(f"http://127.0.0.1:{STUB_PORT}/api/version", 10)
-    return proc
+    return subprocess.Popen([sys.executable, "-m", "scripts.ollama_stub", "--port",
+                             str(STUB_PORT)], cwd=ROOT, start_new_session=True)
 
 
-def answers(ollama_url: str) -> bool:
-    return answers_http(f"{ollama_url.rstrip('/')}/api/version")
+def page_url(host: str, port: str) -> str:
+    """Where a browser on this machine finds the page."""
+    if host in ("0.0.0.0", "::", ""):
+        host = "127.0.0.1"  # listening everywhere, loopback included
+    return f"http://[{host}]:{port}/" if ":" in host else f"http://{host}:{port}/"
 
 
-def wait_for(url: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if answers_http(url):
-            return
-        time.sleep(0.2)
-    raise SystemExit(f"{url} did not answer within {timeout_s} s")
+def answers(ollama: str) -> bool:
+    return answers_http(f"{ollama.rstrip('/')}/api/version")
+
+
+# Local probes never go through a proxy the environment names.
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 def answers_http(url: str) -> bool:
     try:
-        with urllib.request.urlopen(url, timeout=1) as response:
+        with _DIRECT.open(url, timeout=1) as response:
             return bool(response.status == 200)
-    except OSError:
+    except (OSError, ValueError):
         return False
 
 
-def wait_for_port(port: int, timeout_s: float) -> None:
+def wait_for(url: str, timeout_s: float, proc: subprocess.Popen[bytes]) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        if answers_http(url):
+            return
+        exited(proc)
+        time.sleep(0.2)
+    raise SystemExit(f"{url} did not answer within {timeout_s} s")
+
+
+def wait_for_port(port: int, timeout_s: float, proc: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        exited(proc)
         try:
             with socket.create_connection(("127.0.0.1", port), 0.2):
                 return
         except OSError:
             time.sleep(0.1)
     raise SystemExit(f"nats-server did not listen on {port} within {timeout_s} s")
+
+
+def exited(proc: subprocess.Popen[bytes]) -> None:
+    """Stop waiting for a process that is gone."""
+    if proc.poll() is not None:
+        args = proc.args if isinstance(proc.args, list) else [proc.args]
+        command = " ".join(str(arg) for arg in args)
+        raise SystemExit(f"{command} exited with {proc.returncode} while starting")
+
+
+def ensure_free(port: int, what: str, advice: str) -> None:
+    """Refuse to start beside something that already listens on our port: the
+    checks for readiness would take it for ours."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), 0.2):
+            pass
+    except OSError:
+        return
+    raise SystemExit(f"port {port}, wanted for {what}, is in use; {advice}")
 
 
 def stop(children: list[subprocess.Popen[bytes]]) -> None:

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 import pytest
 
+from scripts.run import answers, ollama_url, page_url
 from tests.nats_server import free_port
 from tests.processes import REPO_ROOT
 
@@ -29,31 +33,76 @@ def wait_until_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float) 
     raise TimeoutError(f"{url} never answered")
 
 
-def test_the_launcher_starts_everything_and_stops_on_ctrl_c(tmp_path: Path) -> None:
-    gateway, dead_ollama = free_port(), free_port()
-    env = {**os.environ, "DATA_DIR": str(tmp_path), "NATS_PORT": str(free_port()),
-           "GATEWAY_PORT": str(gateway), "OLLAMA_STUB_PORT": str(free_port()),
-           "OLLAMA_HOST": f"http://127.0.0.1:{dead_ollama}", "LOG_FORMAT": "json"}
+@dataclass
+class Ports:
+    nats: int = field(default_factory=free_port)
+    gateway: int = field(default_factory=free_port)
+    stub: int = field(default_factory=free_port)
+    dead_ollama: int = field(default_factory=free_port)
+
+
+def launch(tmp_path: Path, ports: Ports) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "DATA_DIR": str(tmp_path), "NATS_PORT": str(ports.nats),
+           "GATEWAY_PORT": str(ports.gateway), "OLLAMA_STUB_PORT": str(ports.stub),
+           "OLLAMA_HOST": f"http://127.0.0.1:{ports.dead_ollama}", "LOG_FORMAT": "json"}
     env.pop("NATS_URL", None)
-    log = (tmp_path / "run.log").open("wb")
-    proc = subprocess.Popen([sys.executable, "scripts/run.py"], cwd=REPO_ROOT, env=env,
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    with (tmp_path / "run.log").open("wb") as log:  # the child keeps its own copy
+        return subprocess.Popen([sys.executable, "scripts/run.py"], cwd=REPO_ROOT, env=env,
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def listening(port: int) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
+        return True
+    return False
+
+
+@pytest.mark.parametrize("stop", ["ctrl-c", "sigterm"])
+def test_the_launcher_starts_everything_and_stops_it_all(tmp_path: Path, stop: str) -> None:
+    ports = Ports()
+    proc = launch(tmp_path, ports)
     try:
-        base = f"http://127.0.0.1:{gateway}"
+        base = f"http://127.0.0.1:{ports.gateway}"
         wait_until_ready(f"{base}/healthz", proc, 60)
         sid = httpx.post(f"{base}/api/sessions", json={}).json()["session_id"]
         reply = httpx.post(f"{base}/api/sessions/{sid}/messages", json={"content": "hi"},
                            timeout=30)
         assert reply.json()["reply"] == "Echo: hi (turn 1)"
         assert "<!doctype html>" in httpx.get(base).text.lower()
-        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does in a terminal
+        if stop == "ctrl-c":
+            os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does in a terminal
+        else:
+            proc.terminate()  # the launcher alone, as `kill` or a supervisor does
         assert proc.wait(30) == 0
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     output = (tmp_path / "run.log").read_text()
     assert "DETERMINISTIC STAND-IN" in output
-    assert f"Chat is ready: http://127.0.0.1:{gateway}/" in output
+    assert f"Chat is ready: http://127.0.0.1:{ports.gateway}/" in output
     assert (tmp_path / "nats" / "jetstream").is_dir()
     with pytest.raises(ProcessLookupError):  # nothing of the launcher's group is left
         os.killpg(proc.pid, 0)
+    # NATS and the stand-in run in sessions of their own: stopped by the launcher.
+    assert not any(listening(port) for port in (ports.nats, ports.stub, ports.gateway))
+
+
+def test_the_launcher_refuses_a_nats_port_someone_else_listens_on(tmp_path: Path) -> None:
+    ports = Ports()
+    with socket.create_server(("127.0.0.1", ports.nats)):
+        proc = launch(tmp_path, ports)
+        assert proc.wait(30) != 0
+    assert f"port {ports.nats}, wanted for NATS, is in use" in (tmp_path / "run.log").read_text()
+
+
+def test_ollama_is_found_by_its_short_address_and_not_through_a_proxy(
+        stub_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("http_proxy", "http://127.0.0.1:9")  # nothing listens there
+    short = stub_url.removeprefix("http://")  # 127.0.0.1:PORT, as OLLAMA_HOST may say
+    assert answers(ollama_url(short))
+
+
+def test_the_page_address_is_one_a_browser_here_can_open() -> None:
+    assert page_url("127.0.0.1", "8080") == "http://127.0.0.1:8080/"
+    assert page_url("0.0.0.0", "8080") == "http://127.0.0.1:8080/"
+    assert page_url("::1", "8080") == "http://[::1]:8080/"

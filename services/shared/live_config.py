@@ -69,7 +69,8 @@ class LiveSettings(Generic[S]):
             return  # a setting of another service
         if key not in LIVE_KEYS:
             log.warning("live_setting_ignored", key=key, value=raw,
-                        error="takes effect only at the next start")
+                        error="not a live setting: set it in the environment or "
+                        "the settings file")
             return
         try:
             updated = type(self.current).model_validate(
