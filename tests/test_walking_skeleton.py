@@ -89,6 +89,20 @@ def test_unknown_session_is_404_with_a_json_error(client: httpx.Client) -> None:
         assert response.json()["error"]["code"] == "unknown_session"
 
 
+def test_an_unknown_path_or_method_is_a_json_error(client: httpx.Client) -> None:
+    for response, status in ((client.get("/api/nothing-here"), 404),
+                             (client.delete("/api/sessions"), 405)):
+        assert response.status_code == status
+        assert response.json()["error"]["message"].endswith(
+            "Not Found" if status == 404 else "Method Not Allowed")
+
+
+def test_the_event_stream_takes_an_empty_session_filter_as_none(client: httpx.Client) -> None:
+    with client.stream("GET", "/api/events", params={"session_id": ""}) as events:
+        assert events.status_code == 200
+        assert next(events.iter_text()).startswith(": connected")
+
+
 @pytest.mark.parametrize("body, field", [
     ({}, "content"),
     ({"content": ""}, "content"),

@@ -226,7 +226,7 @@ class Api:
         return JSONResponse({"status": "compaction_requested"}, status_code=202)
 
     async def events(self, request: Request) -> Response:
-        sid = request.query_params.get("session_id")
+        sid = request.query_params.get("session_id") or None  # empty: every session
         if sid is not None and not subjects.is_valid_session_id(sid):
             return error(400, "invalid_session_id", "invalid session_id parameter")
         return StreamingResponse(self._live.stream(sid), media_type="text/event-stream")

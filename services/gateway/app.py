@@ -11,6 +11,7 @@ from typing import Any
 import structlog
 import uvicorn
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -31,13 +32,20 @@ def build_app(api: Api) -> Starlette:
         assert isinstance(exc, HttpError)
         return exc.response
 
+    async def on_no_route(request: Request, exc: Exception) -> Response:
+        # An unknown path or method: JSON like every other error.
+        assert isinstance(exc, HTTPException)
+        code = "not_found" if exc.status_code == 404 else "http_error"
+        return error(exc.status_code, code, f"{request.method} {request.url.path}: {exc.detail}")
+
     async def on_unexpected(request: Request, exc: Exception) -> Response:
         log.exception("request_failed", path=request.url.path)
         return error(500, "internal_error", f"{type(exc).__name__}: {exc}")
 
     return Starlette(
         routes=api.routes(),
-        exception_handlers={HttpError: on_http_error, Exception: on_unexpected},
+        exception_handlers={HttpError: on_http_error, HTTPException: on_no_route,
+                            Exception: on_unexpected},
     )
 
 

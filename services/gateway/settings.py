@@ -11,8 +11,8 @@ class GatewaySettings(ServiceSettings):
     # Loopback unless told otherwise: the API has no authentication.
     gateway_host: str = "127.0.0.1"
     gateway_port: int = Field(default=8080, ge=0, le=65535)
-    # Shown on the page and used for the context gauge; the generator's own
-    # reports take precedence once a session has one.
+    # The window and budget of the page's gauge for the next prompt. (The gauge
+    # of the last prompt uses the window the generator reported with it.)
     num_ctx: int = Field(default=8192, ge=256)
     output_headroom: int | None = Field(default=None, ge=0)
     model: str = "llama3.2"
