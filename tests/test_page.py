@@ -202,9 +202,17 @@ for (const chunk of [": connected\n\nevent: tok", "en\ndata: {\"text\": \"Hi\", 
 }
 out.push(...p.finish());
 const levels = [0, 0.79, 0.8, 0.949, 0.95, 1.2].map((r) => mod.gaugeLevel(r * 1000, 1000));
+// A compaction starts; a second request is skipped; then the first one ends.
+const banner = [];
+let running = null;
+for (const [type, id, event] of [["compaction.event", "c1", "started"],
+                                 ["compaction.result", "c2"], ["compaction.result", "c1"]]) {
+  running = mod.compactingAfter(running, type, id, event);
+  banner.push(running);
+}
 console.log(JSON.stringify({
   events: out, levels, fmt: mod.fmt(1234567), pct: mod.percent(1234, 3584),
-  types: mod.LIVE_EVENT_TYPES,
+  types: mod.LIVE_EVENT_TYPES, banner,
 }));
 """
 
@@ -234,3 +242,4 @@ def test_sse_parser_and_helpers_under_node(tmp_path: Path) -> None:
     assert result["fmt"] == "1,234,567"
     assert result["pct"] == 34
     assert result["types"] == list(LIVE_EVENT_TYPES)
+    assert result["banner"] == ["c1", "c1", None]

@@ -107,6 +107,17 @@ export function gaugeLevel(tokens, budget) {
   return "ok";
 }
 
+// The compaction the "compacting" banner stands for (its correlation id), after
+// a live event. Only that compaction's own result ends it: a second request,
+// skipped because one already runs, must not hide the banner.
+export function compactingAfter(current, type, correlationId, event) {
+  if (type === "compaction.event" && event === "started") return correlationId ?? "unknown";
+  if (type === "compaction.result" && (correlationId == null || correlationId === current)) {
+    return null;
+  }
+  return current;
+}
+
 function clockTime(timestamp) {
   const date = timestamp ? new Date(timestamp) : new Date();
   const valid = Number.isNaN(date.getTime()) ? new Date() : date;
@@ -200,7 +211,7 @@ const app = {
   reloadAfterTurn: false, // a reload was asked for while an answer was streaming
   loadSeq: 0,
   refreshTimer: null,
-  compacting: false,
+  compacting: null, // correlation id of the compaction running, if one is
 };
 
 const ui = {};
@@ -315,7 +326,7 @@ function selectSession(id, { updateHash = true } = {}) {
   app.session = null;
   app.lastGeneration = null;
   app.lastReply = null;
-  app.compacting = false;
+  app.compacting = null;
   try {
     localStorage.setItem(STORE_CURRENT, id);
   } catch {
@@ -654,7 +665,7 @@ function setState(stateName, detail = "") {
 }
 
 function renderCompacting() {
-  const visible = app.compacting || ui.stateBadge.dataset.state === "compacting";
+  const visible = app.compacting !== null || ui.stateBadge.dataset.state === "compacting";
   show(ui.compactingBanner, visible);
   document.body.classList.toggle("is-compacting", visible);
 }
@@ -733,9 +744,11 @@ async function requestCompaction(event) {
   ui.compactStatus.textContent = "Requesting compaction…";
   try {
     await requestJson(API.compact(id), { method: "POST", body: instructions ? { instructions } : {} });
+    if (app.sessionId !== id) return; // the user moved to another session meanwhile
     ui.compactStatus.textContent = "Compaction requested — progress shows in the events below.";
     ui.compactInstructions.value = "";
   } catch (err) {
+    if (app.sessionId !== id) return;
     ui.compactStatus.dataset.kind = "error";
     ui.compactStatus.textContent = `Compaction not requested: ${err.message}`;
   } finally {
@@ -825,17 +838,15 @@ function onLiveEvent(type, raw) {
       break;
     }
     case "compaction.event": {
-      if (p.event === "started") {
-        app.compacting = true;
-        renderCompacting();
-      }
+      app.compacting = compactingAfter(app.compacting, type, envelope.correlation_id, p.event);
+      renderCompacting();
       logLine(type, `compaction ${p.event ?? "?"} (${p.level ?? "?"}, ${p.auto ? "auto" : "manual"})` +
         `${typeof p.tokens_before === "number" ? ` at ${fmt(p.tokens_before)} tokens` : ""}` +
         `${p.reason ? `: ${p.reason}` : ""}`, ts);
       break;
     }
     case "compaction.result": {
-      app.compacting = false;
+      app.compacting = compactingAfter(app.compacting, type, envelope.correlation_id);
       renderCompacting();
       const status = p.status ?? "completed";
       let text;
