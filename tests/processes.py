@@ -21,18 +21,23 @@ class ServiceProcess:
     def __init__(self, module: str, env: dict[str, str]) -> None:
         self.module = module
         self.env = env
-        self.log_path = Path(tempfile.mkstemp(prefix=f"{module.rsplit('.', 1)[-1]}-",
-                                              suffix=".log")[1])
+        fd, path = tempfile.mkstemp(prefix=f"{module.rsplit('.', 1)[-1]}-", suffix=".log")
+        os.close(fd)
+        self.log_path = Path(path)
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, wait_s: float = 20.0) -> ServiceProcess:
         # Restarts append to the same log: wait for one more ready line than before.
         before = self.log().count(READY_MARK)
-        log = self.log_path.open("ab")
         full_env = {**os.environ, "LOG_FORMAT": "json", "PYTHONUNBUFFERED": "1", **self.env}
-        self.proc = subprocess.Popen([sys.executable, "-m", self.module], cwd=REPO_ROOT,
-                                     env=full_env, stdout=log, stderr=subprocess.STDOUT)
-        self.wait_for(READY_MARK, wait_s, since=before)
+        with self.log_path.open("ab") as log:  # the child keeps its own copy
+            self.proc = subprocess.Popen([sys.executable, "-m", self.module], cwd=REPO_ROOT,
+                                         env=full_env, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            self.wait_for(READY_MARK, wait_s, since=before)
+        except BaseException:
+            self.kill()  # never left running by a start that failed
+            raise
         return self
 
     def wait_for(self, text: str, timeout_s: float, since: int = 0) -> None:

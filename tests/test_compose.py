@@ -11,7 +11,8 @@ from pathlib import Path
 import nats
 import yaml
 
-from services.shared.jetstream import MAX_MESSAGE_BYTES
+from schemas import subjects
+from services.shared.jetstream import MAX_MESSAGE_BYTES, ensure_layout
 from tests.nats_server import free_port, nats_server_binary, wait_for_port
 
 COMPOSE = Path(__file__).resolve().parents[1] / "compose.yaml"
@@ -52,6 +53,11 @@ async def test_the_compose_configuration_takes_the_largest_history_entry(
         nc = await nats.connect(f"nats://127.0.0.1:{port}")
         try:
             assert nc.max_payload >= MAX_MESSAGE_BYTES
-            assert (await nc.jetstream().account_info()).limits is not None
+            js = nc.jetstream()
+            await ensure_layout(js)
+            entry = b"x" * (MAX_MESSAGE_BYTES - 64 * 1024)  # room for headers
+            ack = await js.publish(subjects.history("big"), entry, timeout=10)
+            assert ack.stream == subjects.HISTORY_STREAM
         finally:
             await nc.close()
+    assert (tmp_path / "jetstream").is_dir()  # on the store the configuration names

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import nats
+import pytest
 
 from schemas import subjects
 from schemas.messages import GenerationReport
@@ -36,6 +37,8 @@ async def test_no_more_sessions_are_remembered_than_the_bound(
             if info.ack_floor.stream_seq >= 4:
                 break
             await asyncio.sleep(0.05)
+        else:
+            pytest.fail("the decider did not take all four reports in 10 s")
         assert decider.status()["tracked_sessions"] == 2
     finally:
         await decider.stop()

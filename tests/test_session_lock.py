@@ -92,9 +92,12 @@ async def test_waiters_get_the_lock_when_it_is_released(locks: SessionLocks) -> 
     assert (await asyncio.wait_for(waiter, 5)).revision > held.revision
 
 
-async def test_the_product_bucket_expires_keys_by_lease(nc: NATS) -> None:
-    kv = await locks_bucket(nc.jetstream(), 5.0)
-    status = await kv.status()
+async def test_the_product_bucket_expires_keys_by_lease(private_nats: NatsServer) -> None:
+    client = await nats.connect(private_nats.url)  # setting a lease is for a server of our own
+    try:
+        status = await (await locks_bucket(client.jetstream(), 5.0)).status()
+    finally:
+        await client.close()
     assert status.bucket == subjects.LOCKS_BUCKET
     assert status.ttl == 5.0
     assert status.history == 1

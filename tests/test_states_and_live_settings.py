@@ -47,16 +47,18 @@ async def test_settings_change_without_a_restart(nc: NATS) -> None:
 
     await live.start()
     kv = await nc.jetstream().key_value(subjects.CONFIG_BUCKET)
-    await kv.put("compaction_threshold", b"0.5")
-    await kv.put("compaction_cooldown_s", b"not a number")  # rejected, logged, ignored
-    await kv.put("gateway_port", b"1")  # another service's setting
-    await settled(0.5)
-    assert live.current.compaction_cooldown_s == 30.0
-    await kv.put("compaction_threshold", b"0")
-    await settled(0)
-    await live.stop()
-    await kv.delete("compaction_threshold")
-    await kv.delete("compaction_cooldown_s")
+    try:
+        await kv.put("compaction_threshold", b"0.5")
+        await kv.put("compaction_cooldown_s", b"not a number")  # rejected, logged, ignored
+        await kv.put("gateway_port", b"1")  # another service's setting
+        await settled(0.5)
+        assert live.current.compaction_cooldown_s == 30.0
+        await kv.put("compaction_threshold", b"0")
+        await settled(0)
+    finally:  # the bucket is the shared server's: later services would read these
+        await live.stop()
+        for key in ("compaction_threshold", "compaction_cooldown_s", "gateway_port"):
+            await kv.delete(key)
 
 
 async def test_only_live_settings_change_and_bad_bytes_stop_nothing(nc: NATS) -> None:
