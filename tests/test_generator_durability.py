@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Iterator
 import httpx
 import nats
 import pytest
+from nats.aio.msg import Msg
 
 from schemas import subjects
 from schemas.messages import Query
@@ -68,14 +69,22 @@ async def say(http: httpx.AsyncClient, sid: str, content: str) -> httpx.Response
     return await http.post(f"/api/sessions/{sid}/messages", json={"content": content})
 
 
-async def in_order(http: httpx.AsyncClient, sid: str, contents: list[str]) -> list[str]:
-    """Send the queries a little apart (so their arrival order is known) without
-    waiting for answers; return the replies."""
-    tasks = []
-    for content in contents:
-        tasks.append(asyncio.create_task(say(http, sid, content)))
-        await asyncio.sleep(0.05)
-    return [str((await task).json().get("reply")) for task in tasks]
+async def in_order(http: httpx.AsyncClient, nats_url: str, sid: str,
+                   contents: list[str]) -> list[str]:
+    """Send the queries without waiting for answers, each once the one before is
+    in the queue (so their order is known); return the replies."""
+    nc = await nats.connect(nats_url)
+    queued: asyncio.Queue[Msg] = asyncio.Queue()
+    sub = await nc.subscribe(subjects.query(sid), cb=queued.put)
+    try:
+        tasks = []
+        for content in contents:
+            tasks.append(asyncio.create_task(say(http, sid, content)))
+            await asyncio.wait_for(queued.get(), 10)
+        return [str((await task).json().get("reply")) for task in tasks]
+    finally:
+        await sub.unsubscribe()
+        await nc.close()
 
 
 def max_concurrent_generations(watcher: Watcher) -> int:
@@ -114,7 +123,7 @@ async def test_queries_of_one_session_are_answered_one_after_the_other_in_order(
     launch(system, "gen-a")
     sid = await create(http)
     async with watching(private_nats.url, STATES) as watcher:
-        replies = await in_order(http, sid, ["one", "two", "three", "four"])
+        replies = await in_order(http, private_nats.url, sid, ["one", "two", "three", "four"])
         await turns_finished(watcher, sid, 4)
     assert replies == [f"Echo: {w} (turn {i})" for i, w in
                        enumerate(["one", "two", "three", "four"], 1)]
@@ -131,7 +140,8 @@ async def test_two_generator_processes_share_sessions_and_never_interleave_one(
     sids = [await create(http) for _ in range(10)]
     words = ["alpha", "beta", "gamma"]
     async with watching(private_nats.url, STATES) as watcher:
-        results = await asyncio.gather(*(in_order(http, sid, words) for sid in sids))
+        results = await asyncio.gather(*(in_order(http, private_nats.url, sid, words)
+                                         for sid in sids))
         for sid in sids:
             await turns_finished(watcher, sid, 3)
     expected = [f"Echo: {w} (turn {i})" for i, w in enumerate(words, 1)]

@@ -16,6 +16,7 @@ import pytest
 from schemas import subjects
 from schemas.envelope import Envelope
 from schemas.messages import GenerationReport
+from tests.nats_server import NatsServer
 from tests.system import System, ask, new_session, running_system
 
 
@@ -187,8 +188,10 @@ async def test_malformed_messages_are_reported_and_kill_nothing(
         assert system[name].proc is not None and system[name].proc.poll() is None
 
 
-def test_history_survives_restarting_every_service(nats_url: str, stub_url: str) -> None:
-    with running_system(nats_url, stub_url) as system, system.client() as client:
+def test_history_survives_restarting_every_service(private_nats: NatsServer,
+                                                   stub_url: str) -> None:
+    # A server of its own: the module's services must not answer for the restarted ones.
+    with running_system(private_nats.url, stub_url) as system, system.client() as client:
         sid = new_session(client, system="Remember me.")
         ask(client, sid, "first")
         ask(client, sid, "second")
