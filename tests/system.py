@@ -41,8 +41,12 @@ class System:
         return self.processes[name]
 
     def start(self) -> System:
-        for process in self.processes.values():
-            process.start()
+        try:
+            for process in self.processes.values():
+                process.start()
+        except BaseException:
+            self.stop()  # none left running by a start that failed half-way
+            raise
         return self
 
     def stop(self) -> dict[str, int | None]:
