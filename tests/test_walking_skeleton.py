@@ -16,6 +16,9 @@ import pytest
 from schemas import subjects
 from schemas.envelope import Envelope
 from schemas.messages import GenerationReport
+from services.core.tokens import Calibration, estimate_tokens
+from services.shared.jetstream import sessions_bucket
+from services.shared.sessions import SessionStore
 from tests.nats_server import NatsServer
 from tests.system import System, ask, new_session, running_system
 
@@ -72,7 +75,15 @@ async def test_each_generation_is_reported_with_the_providers_count(
         reply = (await http.post(f"/api/sessions/{sid}/messages",
                                  json={"content": "count me"})).json()
     report = await asyncio.wait_for(reports.get(), 10)
+    record = await SessionStore(await sessions_bucket(nc.jetstream())).get(sid)
     await nc.drain()
+    # The page's gauge shows the next prompt as the generator and the decider
+    # count it, the offered tools included.
+    async with httpx.AsyncClient(base_url=system.base_url, timeout=30) as http:
+        shown = (await http.get(f"/api/sessions/{sid}")).json()["token_count"]
+    assert shown == estimate_tokens(report.payload.next_prompt_chars or 0,
+                                    Calibration(record.tokens_per_char),
+                                    report.payload.next_prompt_messages)
     assert report.sender_id == "generator"
     assert report.session_id == sid
     assert report.payload.model == "stub-model"

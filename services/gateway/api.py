@@ -28,6 +28,7 @@ from services.gateway.settings import GatewaySettings
 from services.shared.bus import Bus
 from services.shared.history_store import HistoryStore
 from services.shared.sessions import SessionNotFound, SessionStore
+from services.shared.tool_catalogue import ToolCatalogue
 
 STATIC = Path(__file__).parent / "static"
 DEFAULT_LISTED = 50
@@ -108,6 +109,7 @@ class Api:
         self._settings = settings
         self._sessions = sessions
         self._history = HistoryStore(bus.js)
+        self._tools = ToolCatalogue(bus.nc)
         self._replies = replies
         self._live = live
         self._known: set[str] = set()
@@ -155,8 +157,10 @@ class Api:
         record = await self._record(session_id_of(request))
         sid = record.session_id
         view = await self._history.read(sid)
+        # As the generator's fit check counts it: the offered tools included.
         tokens = estimate_prompt(render_messages(record.system, view.conversation),
-                                 Calibration(record.tokens_per_char))
+                                 Calibration(record.tokens_per_char),
+                                 await self._tools.definitions())
         return JSONResponse({
             "session_id": sid,
             "system": record.system,

@@ -8,8 +8,6 @@ which can then recover; they never fail the turn.
 
 from __future__ import annotations
 
-import json
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,8 +20,8 @@ from schemas import subjects
 from schemas.history import ChatMessage, ToolCall
 from schemas.messages import ToolInvocation, ToolOutcome
 from services.shared.bus import Bus, decode
+from services.shared.tool_catalogue import ToolCatalogue
 
-DEFINITIONS_TTL_S = 30.0
 log = structlog.get_logger()
 
 
@@ -37,21 +35,11 @@ class Toolbox:
     def __init__(self, bus: Bus, timeout_s: float) -> None:
         self._bus = bus
         self._timeout_s = timeout_s
-        self._definitions: list[dict[str, Any]] = []
-        self._fetched_at = -DEFINITIONS_TTL_S
+        self._catalogue = ToolCatalogue(bus.nc)
 
     async def definitions(self) -> list[dict[str, Any]]:
         """Ollama tool definitions offered by whoever answers `tool.list` (cached)."""
-        if time.monotonic() - self._fetched_at < DEFINITIONS_TTL_S:
-            return self._definitions
-        try:
-            msg = await self._bus.nc.request(subjects.TOOL_LIST, b"", timeout=0.5)
-            loaded = json.loads(msg.data)
-            self._definitions = loaded if isinstance(loaded, list) else []
-        except (NatsTimeout, NoRespondersError, ValueError):
-            self._definitions = []
-        self._fetched_at = time.monotonic()
-        return self._definitions
+        return await self._catalogue.definitions()
 
     async def run(self, call: ToolCall, query_id: str, correlation_id: str) -> ToolRun:
         try:
