@@ -154,11 +154,15 @@ async def test_a_renewal_in_flight_when_the_holder_finishes_does_not_strand_the_
     try:
         locks = await new_locks(client)
 
+        held = asyncio.Event()
+
         async def hold_past_one_renewal() -> None:
             async with locks.hold("s1", "query"):
+                held.set()
                 await asyncio.sleep(LEASE_S / 3 + 0.15)  # the renewal went out at lease/3
 
         holder = asyncio.create_task(hold_past_one_renewal())
+        await asyncio.wait_for(held.wait(), 5)  # the renewal clock starts now
         await asyncio.sleep(LEASE_S / 3 - 0.1)
         private_nats.signal(signal.SIGSTOP)
         try:
