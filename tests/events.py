@@ -74,3 +74,18 @@ async def server_sent_events(response: Any) -> AsyncIterator[tuple[str, dict[str
             name = line[7:]
         elif line.startswith("data: "):
             yield name, json.loads(line[6:])
+
+
+async def consumer_caught_up(nats_url: str, stream: str, durable: str,
+                             timeout_s: float = 20.0) -> None:
+    """Wait until a durable consumer has taken and settled every message so far."""
+    nc = await nats.connect(nats_url)
+    try:
+        for _ in range(int(timeout_s / 0.05)):
+            info = await nc.jetstream().consumer_info(stream, durable)
+            if info.num_pending == 0 and info.num_ack_pending == 0:
+                return
+            await asyncio.sleep(0.05)
+        raise TimeoutError(f"{durable} on {stream} still busy after {timeout_s} s")
+    finally:
+        await nc.close()

@@ -6,7 +6,6 @@ The window is small (NUM_CTX 2048, budget 1792 tokens) so a few turns of
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
@@ -19,7 +18,7 @@ from nats.aio.msg import Msg
 from schemas import subjects
 from schemas.messages import ToolOutcome
 from services.shared.bus import Bus
-from tests.events import Watcher, watching
+from tests.events import Watcher, consumer_caught_up, watching
 from tests.nats_server import NatsServer
 from tests.stub_server import running_stub
 from tests.system import System
@@ -73,21 +72,6 @@ async def chat(http: httpx.AsyncClient, sid: str, turns: int, filler: int = 300,
 
 async def session(http: httpx.AsyncClient, sid: str) -> dict[str, Any]:
     return dict((await http.get(f"/api/sessions/{sid}")).json())
-
-
-async def decider_caught_up(nats_url: str, timeout_s: float = 10.0) -> None:
-    """Wait until the decider has taken every `response.generation` so far."""
-    nc = await nats.connect(nats_url)
-    try:
-        for _ in range(int(timeout_s / 0.05)):
-            info = await nc.jetstream().consumer_info(subjects.GENERATIONS_STREAM,
-                                                      "compaction-decider")
-            if info.num_pending == 0 and info.num_ack_pending == 0:
-                return
-            await asyncio.sleep(0.05)
-        pytest.fail(f"the decider did not catch up in {timeout_s} s")
-    finally:
-        await nc.close()
 
 
 async def stub_stats(stub: str) -> dict[str, Any]:
@@ -271,7 +255,9 @@ async def test_without_automatic_compaction_an_oversized_prompt_is_refused(
     sid = await create(http, **body)
     async with watching(private_nats.url, *EVENTS) as watcher:
         replies = await chat(http, sid, 12, filler=600)
-        await decider_caught_up(private_nats.url)  # it has judged every report
+        # The decider has judged every report.
+        await consumer_caught_up(private_nats.url, subjects.GENERATIONS_STREAM,
+                                 "compaction-decider")
     refused = [r for r in replies if r.status_code != 200]
     assert refused, "the window never filled"
     assert refused[0].status_code == 413

@@ -3,10 +3,7 @@ each session stays bounded however many sessions report."""
 
 from __future__ import annotations
 
-import asyncio
-
 import nats
-import pytest
 
 from schemas import subjects
 from schemas.messages import GenerationReport
@@ -14,6 +11,7 @@ from services.compaction_decider.service import Decider
 from services.compaction_decider.settings import DeciderSettings
 from services.shared.bus import Bus
 from services.shared.jetstream import ensure_layout
+from tests.events import consumer_caught_up
 from tests.nats_server import NatsServer
 
 
@@ -32,13 +30,8 @@ async def test_no_more_sessions_are_remembered_than_the_bound(
     try:
         for sid in ("a", "b", "c", "a"):
             await bus.js_publish(subjects.RESPONSE_GENERATION, report(sid), session_id=sid)
-        for _ in range(200):  # until all four are acknowledged, at most 10 s
-            info = await bus.js.consumer_info(subjects.GENERATIONS_STREAM, "compaction-decider")
-            if info.ack_floor.stream_seq >= 4:
-                break
-            await asyncio.sleep(0.05)
-        else:
-            pytest.fail("the decider did not take all four reports in 10 s")
+        await consumer_caught_up(private_nats.url, subjects.GENERATIONS_STREAM,
+                                 "compaction-decider")
         assert decider.status()["tracked_sessions"] == 2
     finally:
         await decider.stop()

@@ -18,7 +18,14 @@ from nats.aio.msg import Msg
 from schemas import subjects
 from schemas.messages import Query
 from services.shared.bus import Bus
-from tests.events import Watcher, server_sent_events, transitions, turns_finished, watching
+from tests.events import (
+    Watcher,
+    consumer_caught_up,
+    server_sent_events,
+    transitions,
+    turns_finished,
+    watching,
+)
 from tests.nats_server import NatsServer
 from tests.stub_server import running_stub
 from tests.system import System
@@ -208,7 +215,8 @@ async def test_a_frozen_holder_past_its_lease_cannot_write(
         frozen.signal(signal.SIGCONT)
     assert reply["reply"] == "Echo: freeze me (turn 1)"
     await asyncio.to_thread(frozen.wait_for, "stale_history_write_rejected", 20.0)
-    await asyncio.sleep(1.0)  # let the woken holder's redelivery settle
+    # The woken holder's query is done with: nothing more can be written.
+    await consumer_caught_up(private_nats.url, subjects.QUERIES_STREAM, "generator")
     assert await history(http, sid) == [("user", "freeze me"),
                                         ("assistant", "Echo: freeze me (turn 1)")]
 
