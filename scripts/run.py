@@ -41,22 +41,9 @@ def main() -> int:
     children: list[subprocess.Popen[bytes]] = []
     try:
         if not env.get("NATS_URL"):
-            nats_port = int(env.get("NATS_PORT", "4222"))
-            ensure_free(nats_port, "NATS", "set NATS_URL to use that server, or NATS_PORT")
-            children.append(start_nats(nats_port))
-            wait_for_port(nats_port, 10, children[-1])
-            env["NATS_URL"] = f"nats://127.0.0.1:{nats_port}"
-        env["OLLAMA_HOST"] = ollama_url(env.get("OLLAMA_HOST"))
-        if not answers(env["OLLAMA_HOST"]):
-            children.append(start_stub(env["OLLAMA_HOST"]))
-            wait_for(f"http://127.0.0.1:{STUB_PORT}/api/version", 10, children[-1])
-            env["OLLAMA_HOST"] = f"http://127.0.0.1:{STUB_PORT}"
-        gateway_port = env.get("GATEWAY_PORT", "8080")
-        ensure_free(int(gateway_port), "the gateway", "set GATEWAY_PORT to another")
-        for module in SERVICES:
-            children.append(subprocess.Popen([sys.executable, "-m", module], cwd=ROOT, env=env))
-        url = page_url(env.get("GATEWAY_HOST", "127.0.0.1"), gateway_port)
-        wait_for(f"{url}healthz", 30, children[-1])
+            env["NATS_URL"] = embedded_nats(children)
+        env["OLLAMA_HOST"] = ollama_or_stand_in(env.get("OLLAMA_HOST"), children)
+        url = start_services(env, children)
         print(f"\n  Chat is ready: {url}   (Ctrl-C stops everything)\n", flush=True)
         while all(child.poll() is None for child in children):
             time.sleep(0.5)
@@ -66,6 +53,38 @@ def main() -> int:
         return 0
     finally:
         stop(children)
+
+
+# Each starter adds what it starts to `children` before waiting for it, so
+# that a start that times out still stops it.
+
+def embedded_nats(children: list[subprocess.Popen[bytes]]) -> str:
+    port = int(os.environ.get("NATS_PORT", "4222"))
+    ensure_free(port, "NATS", "set NATS_URL to use that server, or NATS_PORT")
+    children.append(start_nats(port))
+    wait_for_port(port, 10, children[-1])
+    return f"nats://127.0.0.1:{port}"
+
+
+def ollama_or_stand_in(wanted: str | None, children: list[subprocess.Popen[bytes]]) -> str:
+    """OLLAMA_HOST as the generator's client reads it, or the stand-in's address."""
+    ollama = ollama_url(wanted)
+    if answers(ollama):
+        return ollama
+    children.append(start_stub(ollama))
+    wait_for(f"http://127.0.0.1:{STUB_PORT}/api/version", 10, children[-1])
+    return f"http://127.0.0.1:{STUB_PORT}"
+
+
+def start_services(env: dict[str, str], children: list[subprocess.Popen[bytes]]) -> str:
+    """Start the four services; returns the page's address once it answers."""
+    port = env.get("GATEWAY_PORT", "8080")
+    ensure_free(int(port), "the gateway", "set GATEWAY_PORT to another")
+    for module in SERVICES:
+        children.append(subprocess.Popen([sys.executable, "-m", module], cwd=ROOT, env=env))
+    url = page_url(env.get("GATEWAY_HOST", "127.0.0.1"), port)
+    wait_for(f"{url}healthz", 30, children[-1])
+    return url
 
 
 def start_nats(port: int) -> subprocess.Popen[bytes]:
