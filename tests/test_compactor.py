@@ -52,6 +52,14 @@ async def compactor_on(nc: NATS, stub: str
     return compactor, history, sessions, provider
 
 
+async def next_about(sid: str, queue: asyncio.Queue[Msg]) -> Msg:
+    """The next message about this session (the server is shared with other tests)."""
+    while True:
+        msg = await asyncio.wait_for(queue.get(), 5)
+        if (msg.headers or {}).get("Session-Id") == sid:
+            return msg
+
+
 async def test_an_emergency_compaction_whose_splice_is_refused_still_reports_it(
         nc: NATS, slow_summariser: str) -> None:
     """A turn's emergency compaction loses its splice to a write behind its back
@@ -66,24 +74,24 @@ async def test_an_emergency_compaction_whose_splice_is_refused_still_reports_it(
         view = await history.append(sid, view, [
             ChatMessage(role="user", content=f"question {turn} " + "words " * 50),
             ChatMessage(role="assistant", content=f"answer {turn} " + "words " * 50)])
+    started: asyncio.Queue[Msg] = asyncio.Queue()
     results: asyncio.Queue[Msg] = asyncio.Queue()
-    sub = await nc.subscribe(subjects.COMPACTION_RESULT, cb=results.put)
+    subs = [await nc.subscribe(subjects.COMPACTION_EVENT, cb=started.put),
+            await nc.subscribe(subjects.COMPACTION_RESULT, cb=results.put)]
     try:
         compacting = asyncio.create_task(
             compactor.compact_within_turn(record, view, uuid.uuid4().hex))
-        await asyncio.sleep(SUMMARY_S / 2)  # the summary is being written
+        await next_about(sid, started)  # the summary is being written now
         behind = HistoryStore(nc.jetstream())
         await behind.append(sid, await behind.read(sid), [
             ChatMessage(role="user", content="written by a newer holder")])
         with pytest.raises(HistoryConflict):
             await compacting
-        while True:
-            msg = await asyncio.wait_for(results.get(), 5)
-            result = decode(msg.data, CompactionResult, msg.subject).payload
-            if result.session_id == sid:
-                break
+        msg = await next_about(sid, results)
+        result = decode(msg.data, CompactionResult, msg.subject).payload
         assert (result.status, result.level) == ("failed", "emergency")
         assert result.error and "HistoryConflict" in result.error
     finally:
-        await sub.unsubscribe()
+        for sub in subs:
+            await sub.unsubscribe()
         await provider.close()
