@@ -1,6 +1,8 @@
-"""A generator whose handler crashes (a bug, not a model failure) retries the
-query a few times, then answers with an error: on a real NATS, in process,
-with a test model in place of Ollama."""
+"""A generator after a crash, on a real NATS, in process, with a test model in
+place of Ollama: its own handler crashing (a bug, not a model failure) is
+retried a few times, then answered with an error; a query whose answer was
+stored by a generator that died before acknowledging it is answered from
+history."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from nats.aio.msg import Msg
 
 from schemas import subjects
 from schemas.envelope import Envelope
+from schemas.history import ChatMessage
 from schemas.messages import Query, Reply
 from schemas.session import SessionRecord
 from services.generator.provider import ChatRequest, ChatResult, OnToken
@@ -18,6 +21,7 @@ from services.generator.service import MAX_CRASHES, Generator
 from services.generator.session_lock import SessionLocks
 from services.generator.settings import GeneratorSettings
 from services.shared.bus import Bus, decode
+from services.shared.history_store import HistoryStore
 from services.shared.jetstream import ensure_layout, locks_bucket, sessions_bucket
 from services.shared.sessions import SessionStore
 from tests.nats_server import NatsServer
@@ -38,6 +42,43 @@ class BrokenModel:
 
     async def close(self) -> None:
         pass
+
+
+async def test_a_query_whose_answer_was_stored_is_answered_from_history(
+        private_nats: NatsServer) -> None:
+    """The turn was appended, then its generator died before the acknowledgement:
+    the redelivered query gets the stored answer, and the model is not asked."""
+    nc = await nats.connect(private_nats.url)
+    bus = Bus(nc, "generator")
+    settings = GeneratorSettings(model="stub-model")
+    await ensure_layout(bus.js, settings.lock_lease_s)
+    sessions = SessionStore(await sessions_bucket(bus.js))
+    await sessions.create(SessionRecord(session_id=SID))
+    history = HistoryStore(bus.js)
+    await history.append(SID, await history.read(SID), [
+        ChatMessage(role="user", content="hi", query_id="q-1"),
+        ChatMessage(role="assistant", content="stored answer", query_id="q-1")])
+    model = BrokenModel()
+    generator = Generator(bus, settings, model, sessions, SessionLocks(
+        await locks_bucket(bus.js, settings.lock_lease_s), settings.generator_id,
+        settings.lock_lease_s, settings.lock_wait_s))
+    replies: asyncio.Queue[Envelope[Reply]] = asyncio.Queue()
+
+    async def on_reply(msg: Msg) -> None:
+        replies.put_nowait(decode(msg.data, Reply, msg.subject))
+
+    await nc.subscribe(subjects.reply(SID), cb=on_reply)
+    await generator.start()
+    try:
+        await bus.js_publish(subjects.query(SID), Query(session_id=SID, content="hi"),
+                             session_id=SID, message_id="q-1")
+        reply = (await asyncio.wait_for(replies.get(), 10)).payload
+        assert (reply.reply, reply.error) == ("stored answer", None)
+        assert model.calls == 0
+        assert len((await history.read(SID)).conversation.messages) == 2
+    finally:
+        await generator.stop()
+        await nc.close()
 
 
 async def test_waiting_for_the_lock_does_not_use_up_the_retries(

@@ -84,6 +84,9 @@ def _turn_table() -> dict[tuple[Phase, Action], Phase]:
     table: dict[tuple[Phase, Action], Phase] = {
         (Phase.idle, Action.receive): Phase.receiving,
         (Phase.receiving, Action.start_generation): Phase.generating,
+        # A redelivered query whose answer was stored before its generator died:
+        # the stored answer is the reply, with nothing to generate.
+        (Phase.receiving, Action.reset): Phase.idle,
         (Phase.generating, Action.dispatch_tool): Phase.dispatching_tool,
         (Phase.dispatching_tool, Action.await_result): Phase.waiting_for_tool,
         (Phase.waiting_for_tool, Action.tool_result): Phase.generating,

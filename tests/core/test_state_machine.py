@@ -24,7 +24,7 @@ ALL = list(itertools.product(ALL_STATES, Action, CompactionMode))
 # The turn path, spelled out as the brief states it (not copied from the module).
 TURN_STEPS = {
     P.idle: {A.receive: P.receiving},
-    P.receiving: {A.start_generation: P.generating},
+    P.receiving: {A.start_generation: P.generating, A.reset: P.idle},
     P.generating: {A.dispatch_tool: P.dispatching_tool, A.publish: P.publishing},
     P.dispatching_tool: {A.await_result: P.waiting_for_tool},
     P.waiting_for_tool: {A.tool_result: P.generating, A.tool_timeout: P.generating},
