@@ -4,6 +4,7 @@ rollup splices, idempotent retries, and a bounded cache."""
 from __future__ import annotations
 
 import asyncio
+import signal
 import uuid
 from collections.abc import Callable
 
@@ -184,3 +185,30 @@ async def test_following_picks_up_again_after_the_server_restarts(
         await following.unsubscribe()
     finally:
         await nc.close()
+
+
+async def test_a_write_left_unanswered_leaves_no_view_to_trust(
+        private_nats: NatsServer) -> None:
+    """The server does not answer the append in time (here: frozen), but stores it
+    once it wakes. The cached view must not be offered as current after that."""
+    client = await nats.connect(private_nats.url)
+    try:
+        js = client.jetstream(timeout=0.5)
+        await ensure_layout(js)
+        store, sid = HistoryStore(js), new_sid()
+        view = await store.read(sid)
+        private_nats.signal(signal.SIGSTOP)
+        try:
+            with pytest.raises(nats.errors.TimeoutError):
+                await store.append(sid, view, [ChatMessage(role="user", content="late")])
+        finally:
+            private_nats.signal(signal.SIGCONT)
+        assert store.cached(sid) is None
+        for _ in range(100):  # stored after all, once the server woke
+            if (await store.read(sid, current=True)).conversation.messages:
+                break
+            await asyncio.sleep(0.05)
+        else:
+            pytest.fail("the append was never stored")
+    finally:
+        await client.close()

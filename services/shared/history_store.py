@@ -170,10 +170,15 @@ class HistoryStore:
                 subjects.history(sid), entry.model_dump_json().encode(), headers=headers
             )
         except APIError as err:
+            self.forget(sid)
             if err.err_code in WRONG_LAST_SEQUENCE:
-                self.forget(sid)
                 raise HistoryConflict(
                     f"history of {sid} changed since sequence {expected}") from err
+            raise
+        except Exception:
+            # No answer (a timeout, a lost connection): the write may be stored all
+            # the same, and following skips our own writes. Read afresh next time.
+            self.forget(sid)
             raise
         finally:
             self._writing.pop(sid, None)
