@@ -175,3 +175,21 @@ async def test_a_renewal_in_flight_when_the_holder_finishes_does_not_strand_the_
         assert taken is not None
     finally:
         await client.close()
+
+
+async def test_a_lease_given_back_unused_after_someone_else_held_it_is_not_resumed(
+        locks: SessionLocks) -> None:
+    """We take over another holder's marker but give the lease back without
+    reading the history (an earlier query still waits): our view never took in
+    their writes, so the next lease must send us to the server."""
+    theirs = await other_holder(locks).acquire("s1", "query")
+    await other_holder(locks).release(theirs)
+    unused = await locks.try_acquire("s1", "query")
+    assert unused is not None and not unused.resumed
+    await locks.release(unused, used=False)
+    again = await locks.try_acquire("s1", "query")
+    assert again is not None and not again.resumed
+    await locks.release(again)
+    resumed = await locks.acquire("s1", "query")
+    assert resumed.resumed  # a lease that was used is resumable
+    await locks.release(resumed)

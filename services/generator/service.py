@@ -284,7 +284,7 @@ class Generator:
             raise taken
         if pending is not False:  # an earlier query waits, or the check failed
             if taken is not None:
-                await self._locks.release(taken)  # not ours to use yet
+                await self._locks.release(taken, used=False)  # not ours to use yet
             if isinstance(pending, Exception):
                 raise pending
             return True, None

@@ -160,7 +160,11 @@ class SessionLocks:
         purpose = json.loads(entry.value).get("purpose")
         return str(purpose) if purpose else None
 
-    async def release(self, lease: Lease) -> None:
+    async def release(self, lease: Lease, used: bool = True) -> None:
+        """Free the session. A lease won from someone else's marker and given
+        back `used=False` (the history was never read under it) leaves no
+        marker of ours to resume from: our view was never brought up to their
+        writes, so taking the session back must not count as resumed."""
         try:
             freed_at = await self._kv.update(lease.session_id, FREE, last=lease.revision)
         except APIError as err:
@@ -170,6 +174,8 @@ class SessionLocks:
             # Our lease lapsed and the key expired or changed hands: not ours to delete.
             log.warning("lock_release_skipped", session_id=lease.session_id,
                         revision=lease.revision)
+            return
+        if not (used or lease.resumed):
             return
         if len(self._freed_at) > MAX_REMEMBERED:
             self._freed_at.clear()
