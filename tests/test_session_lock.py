@@ -193,3 +193,21 @@ async def test_a_lease_given_back_unused_after_someone_else_held_it_is_not_resum
     resumed = await locks.acquire("s1", "query")
     assert resumed.resumed  # a lease that was used is resumable
     await locks.release(resumed)
+
+
+async def test_a_release_the_server_does_not_answer_leaves_the_blocks_outcome(
+        private_nats: NatsServer) -> None:
+    """The work under the lock is done (a reply sent); the release then gets no
+    answer. The block's result stands, and the lock lapses by itself."""
+    client = await nats.connect(private_nats.url)
+    try:
+        js = client.jetstream(timeout=0.5)
+        kv = await js.create_key_value(KeyValueConfig(bucket="locks_unanswered", history=1,
+                                                      ttl=LEASE_S, storage=StorageType.FILE))
+        locks = SessionLocks(kv, "holder-a", LEASE_S, wait_s=0.3)
+        async with locks.hold("s1", "query"):
+            private_nats.signal(signal.SIGSTOP)  # the work is done; the release is not answered
+        # Nothing raised out of the block: its outcome stands.
+    finally:
+        private_nats.signal(signal.SIGCONT)
+        await client.close()

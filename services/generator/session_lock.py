@@ -93,7 +93,13 @@ class SessionLocks:
                 # published last (a reply): the session's next query, maybe
                 # on another generator, then finds the session free.
                 renewer.cancel()
-            await self.release(lease)
+            try:
+                await self.release(lease)
+            except Exception as err:
+                # The block's own outcome stands (a reply already sent, a splice
+                # already made); an unreleased lock lapses within one lease.
+                log.warning("lock_release_failed", session_id=sid, purpose=purpose,
+                            error=f"{type(err).__name__}: {err}")
 
     async def acquire(self, sid: str, purpose: Purpose, wait_s: float | None = None) -> Lease:
         """Wait for the session's lock. The first attempt comes at once, even
