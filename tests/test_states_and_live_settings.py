@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import nats
 import pytest
 from nats.aio.client import Client as NATS
 
@@ -81,3 +82,15 @@ async def test_only_live_settings_change_and_bad_bytes_stop_nothing(nc: NATS) ->
     finally:
         for key in ("compaction_mode", "compaction_min_relief", "compaction_threshold"):
             await kv.delete(key)
+
+
+async def test_a_state_change_that_cannot_be_published_still_happens(nats_url: str) -> None:
+    """Publishing is for watchers: a closed connection must not leave a turn or a
+    compaction half-way, its state changed here but its cleanup skipped."""
+    closed = await nats.connect(nats_url)
+    await closed.close()
+    machine = SessionStates(Bus(closed, "generator"), "gen-test", CompactionMode.background)
+    await machine.apply("s-unseen", Action.start_compaction)
+    assert machine.current("s-unseen").visible.value == "compacting"
+    await machine.apply("s-unseen", Action.complete_compaction)
+    assert machine.current("s-unseen").visible.value == "idle"

@@ -74,10 +74,14 @@ class SessionStates:
         # log lines a turn cost real CPU at a few hundred turns a second.
         log.debug("state_changed", session_id=sid, from_state=before.visible.value,
                   to_state=after.visible.value, action=action.value)
-        await self._bus.publish(
-            subjects.state(sid),
-            StateChange(session_id=sid, from_state=before.visible.value,
-                        to_state=after.visible.value, action=action.value,
-                        generator_id=self._generator_id),
-            correlation_id=correlation_id, session_id=sid,
-        )
+        change = StateChange(session_id=sid, from_state=before.visible.value,
+                             to_state=after.visible.value, action=action.value,
+                             generator_id=self._generator_id)
+        try:
+            await self._bus.publish(subjects.state(sid), change,
+                                    correlation_id=correlation_id, session_id=sid)
+        except Exception as err:
+            # The state has changed here either way; a turn or a compaction must
+            # not stop half-way (its cleanup skipped) because watchers missed it.
+            log.warning("state_publish_failed", session_id=sid, to_state=change.to_state,
+                        error=f"{type(err).__name__}: {err}")
