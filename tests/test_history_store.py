@@ -212,3 +212,19 @@ async def test_a_write_left_unanswered_leaves_no_view_to_trust(
             pytest.fail("the append was never stored")
     finally:
         await client.close()
+
+
+async def test_a_long_read_never_takes_the_cache_back_behind_a_write(nc: NATS) -> None:
+    """A compaction reads without the lock, entry by entry, while this process
+    appends a turn: the read ends last but must not put the older view back."""
+    await ensure_layout(nc.jetstream())
+    writer, ours, sid = HistoryStore(nc.jetstream()), HistoryStore(nc.jetstream()), new_sid()
+    view = await writer.read(sid)
+    for turn in range(30):
+        view = await writer.append(sid, view, [ChatMessage(role="user", content=f"q{turn}")])
+    reading = asyncio.ensure_future(ours.read(sid))  # thirty round trips
+    await asyncio.sleep(0)
+    appended = await ours.append(sid, view, [ChatMessage(role="user", content="newer")])
+    assert (await reading).last_seq < appended.last_seq
+    cached = ours.cached(sid)
+    assert cached is not None and cached.last_seq == appended.last_seq

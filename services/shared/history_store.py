@@ -129,6 +129,7 @@ class HistoryStore:
                 self._cache.move_to_end(sid)
             return cached
         if last < cached.last_seq:  # rewritten below what we have: start over
+            self.forget(sid)
             cached, first_new = EMPTY, None
         view = await self._read_up_to(subject, last, cached, first_new)
         self._remember(sid, view)
@@ -212,6 +213,11 @@ class HistoryStore:
         return HistoryView(conversation, seq)
 
     def _remember(self, sid: str, view: HistoryView) -> None:
+        known = self._cache.get(sid)
+        if known is not None and known.last_seq > view.last_seq:
+            # A read without the lock (a compaction's) finished after a newer
+            # view came in (our append, or following): keep the newer one.
+            return
         self._cache[sid] = view
         self._cache.move_to_end(sid)
         if self._seen.get(sid, 0) <= view.last_seq:
