@@ -9,14 +9,18 @@ import nats
 from nats.aio.msg import Msg
 
 from schemas import subjects
-from schemas.messages import Query
+from schemas.history import ChatMessage
+from schemas.messages import CompactionRequest, Query
 from schemas.session import SessionRecord
 from services.generator.service import build
 from services.generator.settings import GeneratorSettings
 from services.shared.bus import Bus
+from services.shared.history_store import HistoryStore
 from services.shared.jetstream import ensure_layout, sessions_bucket
 from services.shared.sessions import SessionStore
+from tests.events import watching
 from tests.nats_server import NatsServer
+from tests.stub_server import running_stub
 
 
 async def test_a_query_gives_its_slot_back_as_its_reply_goes_out(
@@ -46,3 +50,45 @@ async def test_a_query_gives_its_slot_back_as_its_reply_goes_out(
     finally:
         await generator.stop()
         await nc.close()
+
+
+async def test_compaction_requests_in_a_burst_run_one_at_a_time(
+        private_nats: NatsServer) -> None:
+    """Compactions share the query slots but keep at most one beyond them: a
+    burst of requests must not fill every slot while the queries' pull requests
+    still stand."""
+    with running_stub("--model-latency", "summariser=300") as stub:
+        nc = await nats.connect(private_nats.url)
+        bus = Bus(nc, "generator")
+        await ensure_layout(bus.js)
+        generator = await build(bus, GeneratorSettings(
+            ollama_host=stub, model="stub-model", compaction_model="summariser",
+            compaction_tail_turns=1, max_concurrent_sessions=2))
+        sessions, history = SessionStore(await sessions_bucket(bus.js)), HistoryStore(bus.js)
+        sids = [f"burst{n}" for n in range(3)]
+        for sid in sids:
+            await sessions.create(SessionRecord(session_id=sid))
+            view = await history.read(sid)
+            for turn in range(3):
+                view = await history.append(sid, view, [
+                    ChatMessage(role="user", content=f"question {turn} " + "words " * 40),
+                    ChatMessage(role="assistant", content=f"answer {turn} " + "words " * 40)])
+        await generator.start()
+        try:
+            async with watching(private_nats.url, subjects.COMPACTION_EVENT,
+                                subjects.COMPACTION_RESULT) as watcher:
+                for sid in sids:
+                    await bus.js_publish(subjects.COMPACTION_REQUEST,
+                                         CompactionRequest(session_id=sid, auto=False),
+                                         session_id=sid)
+                await watcher.wait_until(
+                    lambda: len(watcher.payloads("compaction.result")) == len(sids))
+        finally:
+            await generator.stop()
+            await nc.close()
+    running, most = 0, 0
+    for event in watcher.events:
+        running += 1 if event["message_type"] == "compaction.event" else -1
+        most = max(most, running)
+    assert most == 1
+    assert {r["status"] for r in watcher.payloads("compaction.result")} == {"completed"}

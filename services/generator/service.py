@@ -112,6 +112,7 @@ class Generator:
         # is bookkeeping, and with every slot taken the session's next query
         # would otherwise find no pull request standing for it.
         self._occupying: set[asyncio.Task[None]] = set()
+        self._compacting = False  # a compaction request is being handled here
         self._loops: list[PullLoop] = []
         self._answered = AnsweredQueries()
         self._crashes = CrashCounts()
@@ -172,25 +173,30 @@ class Generator:
         """Compactions and queries share `max_concurrent_sessions`, and each
         loop keeps requests standing for the room it may fill. Splitting the
         room exactly would leave one of them a standing share it may never
-        use (with one slot, nothing at all for the other); so both see all of
-        it, and compactions, rare and handed over at once, keep one request
-        standing: at most one compaction beyond the setting."""
-        return min(1, self._capacity())
+        use (with one slot, nothing at all for the other); so queries see all
+        of it, and compactions, rare, run one at a time: at most one
+        compaction beyond the setting. (Were each to ask for the next, a burst
+        of them could fill every slot while the queries' requests still stood.)"""
+        return 0 if self._compacting else min(1, self._capacity())
 
     async def _spawn_query(self, msg: Msg) -> None:
         self._spawn(self._handle(msg))
 
     async def _spawn_compaction(self, msg: Msg) -> None:
+        self._compacting = True  # until its task ends: see `_compaction_capacity`
         self._spawn(self._handle_compaction(msg))
 
     async def _handle_compaction(self, msg: Msg) -> None:
-        env = await self._bus.decode_or_report(msg, CompactionRequest)
-        if env is None:
-            await msg.term()  # a malformed request would only come back
-            return
-        async with self._working_on(msg, env.payload.session_id, env.correlation_id):
-            await self._compactor.handle(env)
-        await msg.ack()
+        try:
+            env = await self._bus.decode_or_report(msg, CompactionRequest)
+            if env is None:
+                await msg.term()  # a malformed request would only come back
+                return
+            async with self._working_on(msg, env.payload.session_id, env.correlation_id):
+                await self._compactor.handle(env)
+            await msg.ack()
+        finally:
+            self._compacting = False
 
     @contextlib.asynccontextmanager
     async def _working_on(self, msg: Msg, sid: str, correlation_id: str,
