@@ -170,16 +170,13 @@ class HistoryStore:
             ack = await self._js.publish(
                 subjects.history(sid), entry.model_dump_json().encode(), headers=headers
             )
-        except APIError as err:
+        except Exception as err:
+            # Refused, or not answered (then it may be stored all the same, and
+            # following skips our own writes): read afresh next time.
             self.forget(sid)
-            if err.err_code in WRONG_LAST_SEQUENCE:
+            if isinstance(err, APIError) and err.err_code in WRONG_LAST_SEQUENCE:
                 raise HistoryConflict(
                     f"history of {sid} changed since sequence {expected}") from err
-            raise
-        except Exception:
-            # No answer (a timeout, a lost connection): the write may be stored all
-            # the same, and following skips our own writes. Read afresh next time.
-            self.forget(sid)
             raise
         finally:
             self._writing.pop(sid, None)
