@@ -112,7 +112,8 @@ class Generator:
         # is bookkeeping, and with every slot taken the session's next query
         # would otherwise find no pull request standing for it.
         self._occupying: set[asyncio.Task[None]] = set()
-        self._compacting = False  # a compaction request is being handled here
+        # The compaction request being handled here, if any.
+        self._compaction: asyncio.Task[None] | None = None
         self._loops: list[PullLoop] = []
         self._answered = AnsweredQueries()
         self._crashes = CrashCounts()
@@ -177,26 +178,24 @@ class Generator:
         of it, and compactions, rare, run one at a time: at most one
         compaction beyond the setting. (Were each to ask for the next, a burst
         of them could fill every slot while the queries' requests still stood.)"""
-        return 0 if self._compacting else min(1, self._capacity())
+        if self._compaction is not None and not self._compaction.done():
+            return 0
+        return min(1, self._capacity())
 
     async def _spawn_query(self, msg: Msg) -> None:
         self._spawn(self._handle(msg))
 
     async def _spawn_compaction(self, msg: Msg) -> None:
-        self._compacting = True  # until its task ends: see `_compaction_capacity`
-        self._spawn(self._handle_compaction(msg))
+        self._compaction = self._spawn(self._handle_compaction(msg))
 
     async def _handle_compaction(self, msg: Msg) -> None:
-        try:
-            env = await self._bus.decode_or_report(msg, CompactionRequest)
-            if env is None:
-                await msg.term()  # a malformed request would only come back
-                return
-            async with self._working_on(msg, env.payload.session_id, env.correlation_id):
-                await self._compactor.handle(env)
-            await msg.ack()
-        finally:
-            self._compacting = False
+        env = await self._bus.decode_or_report(msg, CompactionRequest)
+        if env is None:
+            await msg.term()  # a malformed request would only come back
+            return
+        async with self._working_on(msg, env.payload.session_id, env.correlation_id):
+            await self._compactor.handle(env)
+        await msg.ack()
 
     @contextlib.asynccontextmanager
     async def _working_on(self, msg: Msg, sid: str, correlation_id: str,
@@ -213,13 +212,15 @@ class Generator:
         finally:
             heartbeat.cancel()
 
-    def _spawn(self, work: Coroutine[Any, Any, None], busy: bool = True) -> None:
+    def _spawn(self, work: Coroutine[Any, Any, None], busy: bool = True
+               ) -> asyncio.Task[None]:
         task = asyncio.create_task(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         if busy:
             self._occupying.add(task)
             task.add_done_callback(self._give_room_back)
+        return task
 
     def _give_room_back(self, task: asyncio.Task[Any] | None) -> None:
         if task not in self._occupying:
