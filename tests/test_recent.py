@@ -12,3 +12,9 @@ def test_the_least_recently_put_key_goes_first() -> None:
     assert "b" not in recent and len(recent) == 2
     assert recent.items() == [("a", 3), ("c", 4)]
     assert recent.get("a") == 3 and recent.get("b") is None
+
+
+def test_a_key_taken_out_is_gone() -> None:
+    recent: Recent[str, int] = Recent(2)
+    recent.put("a", 1)
+    assert recent.pop("a") == 1 and recent.pop("a") is None and len(recent) == 0

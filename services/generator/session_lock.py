@@ -33,6 +33,7 @@ from nats.js.errors import APIError, KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
 from services.shared.history_store import WRONG_LAST_SEQUENCE
+from services.shared.recent import Recent
 from services.shared.together import together
 
 Purpose = Literal["query", "compaction"]
@@ -68,7 +69,7 @@ class SessionLocks:
         self._lease_s = lease_s
         self._wait_s = wait_s
         # Revision of the free marker this process wrote, per session.
-        self._freed_at: dict[str, int] = {}
+        self._freed_at: Recent[str, int] = Recent(MAX_REMEMBERED)
 
     @contextlib.asynccontextmanager
     async def hold(self, sid: str, purpose: Purpose, wait_s: float | None = None,
@@ -121,7 +122,7 @@ class SessionLocks:
     async def try_acquire(self, sid: str, purpose: Purpose) -> Lease | None:
         """The lease if the session is free right now, else None; never waits."""
         value = self._value(purpose)
-        freed_at = self._freed_at.pop(sid, None)
+        freed_at = self._freed_at.pop(sid)
         if freed_at is not None:
             with contextlib.suppress(KeyWrongLastSequenceError):
                 revision = await self._kv.update(sid, value, last=freed_at)
@@ -183,9 +184,7 @@ class SessionLocks:
             return
         if not (used or lease.resumed):
             return
-        if len(self._freed_at) > MAX_REMEMBERED:
-            self._freed_at.clear()
-        self._freed_at[lease.session_id] = freed_at
+        self._freed_at.put(lease.session_id, freed_at)
 
     async def _keep_renewed(self, lease: Lease, done: asyncio.Event) -> None:
         while True:

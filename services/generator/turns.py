@@ -51,6 +51,7 @@ from services.generator.toolbox import Toolbox
 from services.shared.bus import Bus
 from services.shared.history_store import HistoryStore, HistoryView
 from services.shared.live_config import LiveSettings
+from services.shared.recent import Recent
 from services.shared.sessions import SessionStore
 
 log = structlog.get_logger()
@@ -111,7 +112,8 @@ class TurnRunner:
         self.head_starts = HeadStartCount()
         # Each session's last prompt and tools sent from this process: a prompt
         # that extends it may be counted only in part by a caching provider.
-        self._last_prompts: dict[str, tuple[Messages, Messages]] = {}
+        self._last_prompts: Recent[str, tuple[Messages, Messages]] = Recent(
+            MAX_REMEMBERED_PROMPTS)
 
     @property
     def _settings(self) -> GeneratorSettings:
@@ -217,10 +219,8 @@ class TurnRunner:
         return prompt
 
     def _reused_chars(self, sid: str, prompt: Messages, tools: Messages) -> int:
-        previous, previous_tools = self._last_prompts.pop(sid, ([], []))
-        if len(self._last_prompts) >= MAX_REMEMBERED_PROMPTS:
-            self._last_prompts.clear()
-        self._last_prompts[sid] = (prompt, tools)
+        previous, previous_tools = self._last_prompts.pop(sid) or ([], [])
+        self._last_prompts.put(sid, (prompt, tools))
         return reusable_chars(previous, prompt, previous_tools=previous_tools, tools=tools)
 
     def _may_compact(self, record: SessionRecord) -> bool:

@@ -32,5 +32,9 @@ class Recent(Generic[K, V]):
         if len(self._items) > self._size:
             self._items.popitem(last=False)
 
+    def pop(self, key: K) -> V | None:
+        """Take the value out, if kept."""
+        return self._items.pop(key, None)
+
     def items(self) -> list[tuple[K, V]]:
         return list(self._items.items())

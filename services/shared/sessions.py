@@ -8,6 +8,7 @@ from nats.js.errors import KeyNotFoundError, NoKeysError
 from nats.js.kv import KeyValue
 
 from schemas.session import SessionRecord
+from services.shared.recent import Recent
 
 
 class SessionNotFound(LookupError):
@@ -25,15 +26,15 @@ class SessionStore:
     def __init__(self, kv: KeyValue, cached: bool = True, cached_sessions: int = 10_000) -> None:
         self._kv = kv
         self._cached = cached
-        self._cache: dict[str, SessionRecord] = {}
-        self._cached_sessions = cached_sessions
+        self._cache: Recent[str, SessionRecord] = Recent(cached_sessions)
 
     async def create(self, record: SessionRecord) -> None:
         await self._kv.create(record.session_id, record.model_dump_json().encode())
 
     async def get(self, sid: str) -> SessionRecord:
-        if self._cached and sid in self._cache:
-            return self._cache[sid]
+        known = self._cache.get(sid) if self._cached else None
+        if known is not None:
+            return known
         record = await self._load(sid)
         self._remember(record)
         return record
@@ -72,8 +73,5 @@ class SessionStore:
         self._remember(record)
 
     def _remember(self, record: SessionRecord) -> None:
-        if not self._cached:
-            return
-        if len(self._cache) >= self._cached_sessions:
-            self._cache.clear()  # crude but bounded; records reload in one round trip
-        self._cache[record.session_id] = record
+        if self._cached:
+            self._cache.put(record.session_id, record)
