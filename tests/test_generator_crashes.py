@@ -7,12 +7,14 @@ history."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import nats
 from nats.aio.msg import Msg
 
 from schemas import subjects
-from schemas.envelope import Envelope
 from schemas.history import ChatMessage
 from schemas.messages import Query, Reply
 from schemas.session import SessionRecord
@@ -44,41 +46,55 @@ class BrokenModel:
         pass
 
 
-async def test_a_query_whose_answer_was_stored_is_answered_from_history(
-        private_nats: NatsServer) -> None:
-    """The turn was appended, then its generator died before the acknowledgement:
-    the redelivered query gets the stored answer, and the model is not asked."""
-    nc = await nats.connect(private_nats.url)
+@dataclass
+class Rig:
+    """A generator running in this process with the broken model, and the
+    replies it sends for the session."""
+
+    bus: Bus
+    model: BrokenModel
+    replies: asyncio.Queue[Reply]
+
+
+@contextlib.asynccontextmanager
+async def broken_generator(nats_url: str, settings: GeneratorSettings) -> AsyncIterator[Rig]:
+    nc = await nats.connect(nats_url)
     bus = Bus(nc, "generator")
-    settings = GeneratorSettings(model="stub-model")
     await ensure_layout(bus.js, settings.lock_lease_s)
     sessions = SessionStore(await sessions_bucket(bus.js))
     await sessions.create(SessionRecord(session_id=SID))
-    history = HistoryStore(bus.js)
-    await history.append(SID, await history.read(SID), [
-        ChatMessage(role="user", content="hi", query_id="q-1"),
-        ChatMessage(role="assistant", content="stored answer", query_id="q-1")])
-    model = BrokenModel()
-    generator = Generator(bus, settings, model, sessions, SessionLocks(
+    rig = Rig(bus, BrokenModel(), asyncio.Queue())
+    generator = Generator(bus, settings, rig.model, sessions, SessionLocks(
         await locks_bucket(bus.js, settings.lock_lease_s), settings.generator_id,
         settings.lock_lease_s, settings.lock_wait_s))
-    replies: asyncio.Queue[Envelope[Reply]] = asyncio.Queue()
 
     async def on_reply(msg: Msg) -> None:
-        replies.put_nowait(decode(msg.data, Reply, msg.subject))
+        rig.replies.put_nowait(decode(msg.data, Reply, msg.subject).payload)
 
     await nc.subscribe(subjects.reply(SID), cb=on_reply)
     await generator.start()
     try:
-        await bus.js_publish(subjects.query(SID), Query(session_id=SID, content="hi"),
-                             session_id=SID, message_id="q-1")
-        reply = (await asyncio.wait_for(replies.get(), 10)).payload
-        assert (reply.reply, reply.error) == ("stored answer", None)
-        assert model.calls == 0
-        assert len((await history.read(SID)).conversation.messages) == 2
+        yield rig
     finally:
         await generator.stop()
         await nc.close()
+
+
+async def test_a_query_whose_answer_was_stored_is_answered_from_history(
+        private_nats: NatsServer) -> None:
+    """The turn was appended, then its generator died before the acknowledgement:
+    the redelivered query gets the stored answer, and the model is not asked."""
+    async with broken_generator(private_nats.url, GeneratorSettings(model="stub-model")) as rig:
+        history = HistoryStore(rig.bus.js)
+        await history.append(SID, await history.read(SID), [
+            ChatMessage(role="user", content="hi", query_id="q-1"),
+            ChatMessage(role="assistant", content="stored answer", query_id="q-1")])
+        await rig.bus.js_publish(subjects.query(SID), Query(session_id=SID, content="hi"),
+                                 session_id=SID, message_id="q-1")
+        reply = await asyncio.wait_for(rig.replies.get(), 10)
+        assert (reply.reply, reply.error) == ("stored answer", None)
+        assert rig.model.calls == 0
+        assert len((await history.read(SID)).conversation.messages) == 2
 
 
 async def test_waiting_for_the_lock_does_not_use_up_the_retries(
@@ -86,33 +102,15 @@ async def test_waiting_for_the_lock_does_not_use_up_the_retries(
     """The query is handed back twice while the lock is held elsewhere (it is
     delivered a third time), then crashes: it is still tried MAX_CRASHES times
     before the caller gets `internal_error`."""
-    nc = await nats.connect(private_nats.url)
-    bus = Bus(nc, "generator")
     settings = GeneratorSettings(model="stub-model", lock_wait_s=LOCK_WAIT_S, lock_lease_s=2)
-    await ensure_layout(bus.js, settings.lock_lease_s)
-    kv = await locks_bucket(bus.js, settings.lock_lease_s)
-    sessions = SessionStore(await sessions_bucket(bus.js))
-    await sessions.create(SessionRecord(session_id=SID))
-    model = BrokenModel()
-    generator = Generator(bus, settings, model, sessions, SessionLocks(
-        kv, settings.generator_id, settings.lock_lease_s, LOCK_WAIT_S))
-    replies: asyncio.Queue[Envelope[Reply]] = asyncio.Queue()
-
-    async def on_reply(msg: Msg) -> None:
-        replies.put_nowait(decode(msg.data, Reply, msg.subject))
-
-    await nc.subscribe(subjects.reply(SID), cb=on_reply)
-    elsewhere = SessionLocks(kv, "elsewhere", settings.lock_lease_s, 1.0)
-    await generator.start()
-    try:
+    async with broken_generator(private_nats.url, settings) as rig:
+        elsewhere = SessionLocks(await locks_bucket(rig.bus.js, settings.lock_lease_s),
+                                 "elsewhere", settings.lock_lease_s, 1.0)
         async with elsewhere.hold(SID, "query"):
-            await bus.js_publish(subjects.query(SID), Query(session_id=SID, content="hi"),
-                                 session_id=SID)
+            await rig.bus.js_publish(subjects.query(SID), Query(session_id=SID, content="hi"),
+                                     session_id=SID)
             await asyncio.sleep(2.0)  # two lock timeouts, each handing the query back
-            assert model.calls == 0
-        reply = (await asyncio.wait_for(replies.get(), 15)).payload
+            assert rig.model.calls == 0
+        reply = await asyncio.wait_for(rig.replies.get(), 15)
         assert reply.error_code == "internal_error"
-        assert model.calls == MAX_CRASHES
-    finally:
-        await generator.stop()
-        await nc.close()
+        assert rig.model.calls == MAX_CRASHES
