@@ -200,7 +200,7 @@ async def test_a_write_left_unanswered_leaves_no_view_to_trust(
         private_nats.signal(signal.SIGSTOP)
         try:
             with pytest.raises(nats.errors.TimeoutError):
-                await store.append(sid, view, [ChatMessage(role="user", content="late")])
+                await store.append(sid, view, turn(1))
         finally:
             private_nats.signal(signal.SIGCONT)
         assert store.cached(sid) is None
@@ -220,11 +220,11 @@ async def test_a_long_read_never_takes_the_cache_back_behind_a_write(nc: NATS) -
     await ensure_layout(nc.jetstream())
     writer, ours, sid = HistoryStore(nc.jetstream()), HistoryStore(nc.jetstream()), new_sid()
     view = await writer.read(sid)
-    for turn in range(30):
-        view = await writer.append(sid, view, [ChatMessage(role="user", content=f"q{turn}")])
+    for i in range(30):
+        view = await writer.append(sid, view, turn(i))
     reading = asyncio.ensure_future(ours.read(sid))  # thirty round trips
     await asyncio.sleep(0)
-    appended = await ours.append(sid, view, [ChatMessage(role="user", content="newer")])
+    appended = await ours.append(sid, view, turn(30))
     assert (await reading).last_seq < appended.last_seq
     cached = ours.cached(sid)
     assert cached is not None and cached.last_seq == appended.last_seq
