@@ -35,9 +35,10 @@ def free_port() -> int:
 class NatsServer:
     """Start, stop, kill and restart one server; the store survives restarts."""
 
-    def __init__(self, store_dir: str, port: int | None = None) -> None:
+    def __init__(self, store_dir: str, port: int | None = None, extra_config: str = "") -> None:
         self.port = port or free_port()
         self.store_dir = store_dir
+        self.extra_config = extra_config  # e.g. an `authorization` block
         self.url = f"nats://127.0.0.1:{self.port}"
         self._proc: subprocess.Popen[bytes] | None = None
 
@@ -47,6 +48,7 @@ class NatsServer:
             f"listen: 127.0.0.1:{self.port}\n"
             "max_payload: 8MB\n"
             f'jetstream {{ store_dir: "{self.store_dir}" }}\n'
+            f"{self.extra_config}\n"
         )
         self._proc = subprocess.Popen(
             [nats_server_binary(), "-c", str(config)],
@@ -84,9 +86,9 @@ def wait_for_port(port: int, timeout_s: float) -> None:
 
 
 @contextlib.contextmanager
-def running_nats() -> Iterator[NatsServer]:
+def running_nats(extra_config: str = "") -> Iterator[NatsServer]:
     store = tempfile.mkdtemp(prefix="nats-test-")
-    server = NatsServer(store)
+    server = NatsServer(store, extra_config=extra_config)
     try:
         server.start()
         yield server

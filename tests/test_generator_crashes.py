@@ -1,8 +1,10 @@
-"""A generator after a crash, on a real NATS, in process, with a test model in
-place of Ollama: its own handler crashing (a bug, not a model failure) is
-retried a few times, then answered with an error; a query whose answer was
-stored by a generator that died before acknowledging it is answered from
-history."""
+"""A generator after a crash or a lost acknowledgement, on a real NATS, in
+process, with a test model in place of Ollama: its own handler crashing (a
+bug, not a model failure) is retried a few times, then answered with an
+error; a query whose answer was stored by a generator that died before
+acknowledging it is answered from history; a query answered with an error
+whose acknowledgement never arrived gets the same error again, and is not
+answered anew."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from schemas import subjects
 from schemas.history import ChatMessage
 from schemas.messages import Query, Reply
 from schemas.session import SessionRecord
-from services.generator.provider import ChatRequest, ChatResult, OnToken
+from services.generator.provider import ChatRequest, ChatResult, OnToken, ProviderError
 from services.generator.service import MAX_CRASHES, Generator
 from services.generator.session_lock import SessionLocks
 from services.generator.settings import GeneratorSettings
@@ -26,7 +28,7 @@ from services.shared.bus import Bus, decode
 from services.shared.history_store import HistoryStore
 from services.shared.jetstream import ensure_layout, locks_bucket, sessions_bucket
 from services.shared.sessions import SessionStore
-from tests.nats_server import NatsServer
+from tests.nats_server import NatsServer, running_nats
 
 SID = "crashing"
 LOCK_WAIT_S = 0.2
@@ -46,9 +48,29 @@ class BrokenModel:
         pass
 
 
+class UnreachableOnce(BrokenModel):
+    """Unreachable on the first call, as Ollama is while it restarts; then it answers."""
+
+    async def chat(self, request: ChatRequest, on_token: OnToken | None = None) -> ChatResult:
+        self.calls += 1
+        if self.calls == 1:
+            raise ProviderError("ollama_unreachable", "Ollama is not reachable")
+        return ChatResult(content="a late answer")
+
+
+# The generator may publish anything but the acknowledgements of queries: each
+# is refused by the server, so every query comes back after the ack wait.
+ACKS_REFUSED = """authorization {
+  users = [
+    {user: generator, password: generator,
+     permissions: {publish: {allow: ">", deny: "$JS.ACK.QUERIES.>"}}}
+  ]
+}"""
+
+
 @dataclass
 class Rig:
-    """A generator running in this process with the broken model, and the
+    """A generator running in this process with a test model, and the
     replies it sends for the session."""
 
     bus: Bus
@@ -57,13 +79,14 @@ class Rig:
 
 
 @contextlib.asynccontextmanager
-async def broken_generator(nats_url: str, settings: GeneratorSettings) -> AsyncIterator[Rig]:
+async def in_process_generator(nats_url: str, settings: GeneratorSettings,
+                               model: BrokenModel | None = None) -> AsyncIterator[Rig]:
     nc = await nats.connect(nats_url)
     bus = Bus(nc, "generator")
     await ensure_layout(bus.js, settings.lock_lease_s)
     sessions = SessionStore(await sessions_bucket(bus.js))
     await sessions.create(SessionRecord(session_id=SID))
-    rig = Rig(bus, BrokenModel(), asyncio.Queue())
+    rig = Rig(bus, model or BrokenModel(), asyncio.Queue())
     generator = Generator(bus, settings, rig.model, sessions, SessionLocks(
         await locks_bucket(bus.js, settings.lock_lease_s), settings.generator_id,
         settings.lock_lease_s, settings.lock_wait_s))
@@ -84,7 +107,7 @@ async def test_a_query_whose_answer_was_stored_is_answered_from_history(
         private_nats: NatsServer) -> None:
     """The turn was appended, then its generator died before the acknowledgement:
     the redelivered query gets the stored answer, and the model is not asked."""
-    async with broken_generator(private_nats.url, GeneratorSettings(model="stub-model")) as rig:
+    async with in_process_generator(private_nats.url, GeneratorSettings(model="stub-model")) as rig:
         history = HistoryStore(rig.bus.js)
         await history.append(SID, await history.read(SID), [
             ChatMessage(role="user", content="hi", query_id="q-1"),
@@ -103,7 +126,7 @@ async def test_waiting_for_the_lock_does_not_use_up_the_retries(
     delivered a third time), then crashes: it is still tried MAX_CRASHES times
     before the caller gets `internal_error`."""
     settings = GeneratorSettings(model="stub-model", lock_wait_s=LOCK_WAIT_S, lock_lease_s=2)
-    async with broken_generator(private_nats.url, settings) as rig:
+    async with in_process_generator(private_nats.url, settings) as rig:
         elsewhere = SessionLocks(await locks_bucket(rig.bus.js, settings.lock_lease_s),
                                  "elsewhere", settings.lock_lease_s, 1.0)
         async with elsewhere.hold(SID, "query"):
@@ -114,3 +137,21 @@ async def test_waiting_for_the_lock_does_not_use_up_the_retries(
         reply = await asyncio.wait_for(rig.replies.get(), 15)
         assert reply.error_code == "internal_error"
         assert rig.model.calls == MAX_CRASHES
+
+
+async def test_an_error_answer_whose_acknowledgement_is_lost_is_sent_again_not_redone() -> None:
+    """The caller was told the model was unreachable. If the query came back
+    and were answered anew, the history would gain a turn the caller was told
+    had failed, after the session's later queries."""
+    settings = GeneratorSettings(model="stub-model", query_ack_wait_s=1)
+    with running_nats(ACKS_REFUSED) as server:
+        url = server.url.replace("nats://", "nats://generator:generator@")
+        async with in_process_generator(url, settings, UnreachableOnce()) as rig:
+            await rig.bus.js_publish(subjects.query(SID), Query(session_id=SID, content="hi"),
+                                     session_id=SID)
+            # Delivered three times: every acknowledgement is refused.
+            replies = [await asyncio.wait_for(rig.replies.get(), 10) for _ in range(3)]
+            assert [r.error_code for r in replies] == ["ollama_unreachable"] * 3
+            assert len({r.query_id for r in replies}) == 1
+            assert rig.model.calls == 1
+            assert not (await HistoryStore(rig.bus.js).read(SID)).conversation.messages

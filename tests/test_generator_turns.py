@@ -14,7 +14,7 @@ from nats.aio.msg import Msg
 
 from schemas import subjects
 from schemas.history import ToolCall
-from schemas.messages import ToolOutcome
+from schemas.messages import Reply, ToolOutcome
 from services.generator.service import AnsweredQueries
 from services.generator.toolbox import Toolbox
 from services.shared.bus import Bus
@@ -211,9 +211,19 @@ async def test_tool_failures_reach_the_model_as_clear_errors(private_nats: NatsS
 def test_answered_queries_are_remembered_up_to_a_bound() -> None:
     answered = AnsweredQueries(size=3)
     for seq in (10, 11, 12, 13):
-        answered.remember(seq)
+        answered.remember(seq, Reply(session_id="s", query_id=f"q{seq}", reply="fine"))
     assert 10 not in answered and all(seq in answered for seq in (11, 12, 13))
     assert answered.count == 4
+
+
+def test_only_error_replies_are_kept_to_be_sent_again() -> None:
+    """An answer is in the history; an error reply is nowhere else."""
+    answered = AnsweredQueries()
+    failed = Reply(session_id="s", query_id="q1", error="no model", error_code="ollama_error")
+    answered.remember(1, failed)
+    answered.remember(2, Reply(session_id="s", query_id="q2", reply="fine"))
+    assert answered.error_reply(1) == failed
+    assert answered.error_reply(2) is None and 2 in answered
 
 
 async def test_bookkeeping_after_a_reply_does_not_hold_the_sessions_slot(

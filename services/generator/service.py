@@ -59,15 +59,25 @@ log = structlog.get_logger()
 class AnsweredQueries:
     """Stream sequences of queries this process acknowledged lately: the
     server drops an acknowledged query from the work queue a moment after
-    the acknowledgement, and the session's next query must not wait for it."""
+    the acknowledgement, and the session's next query must not wait for it.
+
+    An error reply is kept too. Nothing of such a query is stored, so if its
+    acknowledgement is lost (the connection drops with it unsent) and the
+    query comes back, only this memory stops it from being answered a second
+    time, after the session's later queries. An answer is not kept: the
+    history holds it, tagged with the query's id."""
 
     def __init__(self, size: int = REMEMBERED_ANSWERS) -> None:
-        self._recent: Recent[int, None] = Recent(size)
+        self._recent: Recent[int, Reply | None] = Recent(size)
         self.count = 0
 
-    def remember(self, stream_seq: int) -> None:
-        self._recent.put(stream_seq, None)
+    def remember(self, stream_seq: int, reply: Reply) -> None:
+        self._recent.put(stream_seq, reply if reply.error else None)
         self.count += 1
+
+    def error_reply(self, stream_seq: int) -> Reply | None:
+        """The error this query was answered with here, if it was."""
+        return self._recent.get(stream_seq)
 
     def __contains__(self, stream_seq: object) -> bool:
         return stream_seq in self._recent
@@ -247,6 +257,11 @@ class Generator:
 
     async def _answer_in_order(self, msg: Msg, env: Envelope[Query]) -> FollowUp | None:
         sid = env.payload.session_id
+        answered = self._answered.error_reply(msg.metadata.sequence.stream)
+        if answered is not None:  # its acknowledgement was lost: the same answer again
+            log.warning("query_answered_again", error_code=answered.error_code)
+            await self._send_reply(msg, env, answered)
+            return None
         # Blocking mode: a query meeting a compaction waits only so long, then
         # gets an error instead of the answer.
         blocked = self._compactor.blocking and (
@@ -330,7 +345,7 @@ class Generator:
         # costs the caller this reply, never the turn, and a redelivery finds
         # the stored answer.)
         await msg.ack()
-        self._answered.remember(msg.metadata.sequence.stream)
+        self._answered.remember(msg.metadata.sequence.stream, reply)
         sid = env.payload.session_id
         await self._bus.publish(subjects.reply(sid), reply,
                                 correlation_id=env.correlation_id, session_id=sid)
