@@ -50,6 +50,9 @@ class Snapshot(Strict):
     summary: str | None
     messages: tuple[ChatMessage, ...] = ()
     compactions: int = Field(ge=1)
+    # The compaction request (its envelope's message id) this snapshot answers,
+    # so a redelivered request finds its work done; None inside a turn.
+    request_id: str | None = None
 
 
 class HistoryEntry(Strict):
@@ -76,12 +79,15 @@ class Conversation(Strict):
     summary: str | None = None
     messages: tuple[ChatMessage, ...] = ()
     compactions: int = 0
+    # The request the last compaction answered, if it answered one.
+    compacted_by: str | None = None
 
     def apply(self, entry: HistoryEntry) -> Conversation:
         if entry.kind == "snapshot" and entry.snapshot is not None:
             snap = entry.snapshot
             return Conversation(
-                summary=snap.summary, messages=snap.messages, compactions=snap.compactions
+                summary=snap.summary, messages=snap.messages, compactions=snap.compactions,
+                compacted_by=snap.request_id,
             )
         return self.model_copy(update={"messages": (*self.messages, *entry.messages)})
 

@@ -13,7 +13,7 @@ from nats.aio.msg import Msg
 
 from schemas import subjects
 from schemas.history import ChatMessage
-from schemas.messages import CompactionResult
+from schemas.messages import CompactionRequest, CompactionResult
 from schemas.session import SessionRecord
 from services.core.state_machine import CompactionMode
 from services.generator.compaction import Compactor
@@ -58,6 +58,38 @@ async def next_about(sid: str, queue: asyncio.Queue[Msg]) -> Msg:
         msg = await asyncio.wait_for(queue.get(), 5)
         if (msg.headers or {}).get("Session-Id") == sid:
             return msg
+
+
+async def add_turns(history: HistoryStore, sid: str, count: int, start: int = 0) -> None:
+    view = await history.read(sid)
+    for turn in range(start, start + count):
+        view = await history.append(sid, view, [
+            ChatMessage(role="user", content=f"question {turn} " + "words " * 50),
+            ChatMessage(role="assistant", content=f"answer {turn} " + "words " * 50)])
+
+
+async def test_a_request_delivered_again_after_its_splice_is_not_compacted_twice(
+        nc: NATS, stub_url: str) -> None:
+    """Its result or acknowledgement was lost, so the request comes back: even
+    with new turns since, the history is compacted once, and the result says
+    completed again."""
+    compactor, history, sessions, provider = await compactor_on(nc, stub_url)
+    sid = uuid.uuid4().hex
+    await sessions.create(SessionRecord(session_id=sid))
+    await add_turns(history, sid, 4)
+    request = Bus(nc, "gateway").envelope(
+        subjects.COMPACTION_REQUEST, CompactionRequest(session_id=sid, auto=False), session_id=sid)
+    try:
+        first = await compactor.handle(request)
+        await add_turns(history, sid, 3, start=4)
+        again = await compactor.handle(request)
+    finally:
+        await provider.close()
+    assert first.status == again.status == "completed"
+    assert again.summary == first.summary and again.note
+    conversation = (await history.read(sid)).conversation
+    assert conversation.compactions == 1 and conversation.compacted_by == request.message_id
+    assert len(conversation.messages) == 2 + 3 * 2  # the tail turn kept, and the 3 since
 
 
 async def test_an_emergency_compaction_whose_splice_is_refused_still_reports_it(

@@ -76,6 +76,8 @@ class Job:
     reason: str
     instructions: str | None
     correlation_id: str
+    # The request's message id; None for an emergency compaction inside a turn.
+    request_id: str | None = None
 
 
 class Compactor:
@@ -106,7 +108,7 @@ class Compactor:
     async def handle(self, env: Envelope[CompactionRequest]) -> CompactionResult:
         request = env.payload
         job = Job(request.session_id, request.level, request.auto, request.reason,
-                  request.instructions, env.correlation_id)
+                  request.instructions, env.correlation_id, env.message_id)
         result = await self._attempt(job)
         await self._publish(job, result)
         log.info("compaction_finished", status=result.status, error=result.error,
@@ -123,7 +125,7 @@ class Compactor:
         await self._announce(job, before)
         try:
             written = await self._write_summary(record, plan, job)
-            spliced, before = await self._splice(record, view, plan, written)
+            spliced, before = await self._splice(record, view, plan, written, job)
         except CompactionSkipped as err:
             await self._publish(job, self._skipped(job, str(err), before))
             raise
@@ -168,6 +170,10 @@ class Compactor:
 
     async def _compact(self, job: Job, record: SessionRecord) -> CompactionResult:
         view = await self._history.read(job.session_id)
+        if job.request_id is not None and view.conversation.compacted_by == job.request_id:
+            # Spliced by an earlier delivery of this request, whose result or
+            # acknowledgement was then lost: report it, do not compact again.
+            return self._completed_before(job, record, view)
         if not view.conversation.messages:
             raise CompactionSkipped("no history to compact")
         plan = self._plan(view.conversation, job.level)
@@ -178,7 +184,7 @@ class Compactor:
             written = await self._write_summary(record, plan, job)
             async with self._splice_lock(job.session_id):
                 current = await self._history.read(job.session_id)
-                spliced, before = await self._splice(record, current, plan, written)
+                spliced, before = await self._splice(record, current, plan, written, job)
         finally:
             await self._states.apply(job.session_id, Action.complete_compaction,
                                      job.correlation_id)
@@ -222,7 +228,7 @@ class Compactor:
         return result.content.strip()
 
     async def _splice(self, record: SessionRecord, current: HistoryView, plan: CompactionPlan,
-                      written: Written) -> tuple[HistoryView, int]:
+                      written: Written, job: Job) -> tuple[HistoryView, int]:
         """Splice over `current`; returns the new view and the size it replaced.
 
         Relief is judged against the history as it is now, turns answered
@@ -241,6 +247,7 @@ class Compactor:
         if after >= before:
             raise CompactionSkipped(
                 f"the summary frees too little ({before} -> {after} tokens); history unchanged")
+        snapshot = snapshot.model_copy(update={"request_id": job.request_id})
         return await self._history.splice(record.session_id, current, snapshot), before
 
     def tokens(self, record: SessionRecord, conversation: Conversation) -> int:
@@ -287,6 +294,16 @@ class Compactor:
             summary=spliced.conversation.summary, auto=job.auto, level=job.level,
             method="elision" if fallback else "summary",
             note=f"{written.failure}; old tool output elided instead" if fallback else None,
+        )
+
+    def _completed_before(self, job: Job, record: SessionRecord,
+                          view: HistoryView) -> CompactionResult:
+        return CompactionResult(
+            session_id=job.session_id, status="completed",
+            tokens_after=self.tokens(record, view.conversation),
+            summary=view.conversation.summary, auto=job.auto, level=job.level,
+            note="compacted by an earlier delivery of this request; the size before "
+                 "is not known any more, and the size after is the history's now",
         )
 
     @staticmethod
