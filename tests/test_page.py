@@ -210,9 +210,13 @@ for (const [type, id, event] of [["compaction.event", "c1", "started"],
   running = mod.compactingAfter(running, type, id, event);
   banner.push(running);
 }
+// Read afresh after a reconnect: idle ends it, unless the read was sent
+// before its start was seen (load 3 against a start seen at load 3).
+const reload = [["idle", 4, 3], ["compacting", 4, 3], ["generating", 4, 3], ["idle", 3, 3]]
+  .map(([state, readSeq, seenAt]) => mod.compactingAfterReload("c1", state, readSeq, seenAt));
 console.log(JSON.stringify({
   events: out, levels, fmt: mod.fmt(1234567), pct: mod.percent(1234, 3584),
-  types: mod.LIVE_EVENT_TYPES, banner,
+  types: mod.LIVE_EVENT_TYPES, banner, reload,
 }));
 """
 
@@ -243,3 +247,4 @@ def test_sse_parser_and_helpers_under_node(tmp_path: Path) -> None:
     assert result["pct"] == 34
     assert result["types"] == list(LIVE_EVENT_TYPES)
     assert result["banner"] == ["c1", "c1", None]
+    assert result["reload"] == [None, "c1", "c1", "c1"]

@@ -118,6 +118,14 @@ export function compactingAfter(current, type, correlationId, event) {
   return current;
 }
 
+// The banner once the session is read afresh after live events were down: the
+// result of its compaction may have been missed meanwhile. While no turn runs,
+// a running compaction is the session's state, so "idle" means none runs; but
+// a read sent before the compaction's start was seen tells nothing of it.
+export function compactingAfterReload(current, state, readSeq, startSeenAtSeq) {
+  return state === "idle" && readSeq > startSeenAtSeq ? null : current;
+}
+
 function clockTime(timestamp) {
   const date = timestamp ? new Date(timestamp) : new Date();
   const valid = Number.isNaN(date.getTime()) ? new Date() : date;
@@ -212,6 +220,8 @@ const app = {
   loadSeq: 0,
   refreshTimer: null,
   compacting: null, // correlation id of the compaction running, if one is
+  compactingSeenAt: 0, // loadSeq when that compaction's start arrived
+  eventsMissed: false, // live events were down: read the session again
 };
 
 const ui = {};
@@ -370,6 +380,12 @@ async function loadSession({ messages = true } = {}) {
   }
   if (seq !== app.loadSeq || id !== app.sessionId) return; // a newer load or another session
   app.session = session;
+  if (app.eventsMissed) {
+    app.eventsMissed = false;
+    app.compacting = compactingAfterReload(app.compacting, session.state, seq,
+      app.compactingSeenAt);
+    renderCompacting();
+  }
   showNotice("");
   if (messages && !app.busy) renderConversation(session);
   if (messages && app.busy) app.reloadAfterTurn = true; // the end of the turn reloads them
@@ -790,6 +806,7 @@ function connectEvents(id) {
     setLive("connected");
     if (wasDown) {
       logLine("live", "reconnected; reloading the session");
+      app.eventsMissed = true;
       scheduleRefresh();
     }
     wasDown = false;
@@ -839,6 +856,7 @@ function onLiveEvent(type, raw) {
     }
     case "compaction.event": {
       app.compacting = compactingAfter(app.compacting, type, envelope.correlation_id, p.event);
+      if (p.event === "started") app.compactingSeenAt = app.loadSeq;
       renderCompacting();
       logLine(type, `compaction ${p.event ?? "?"} (${p.level ?? "?"}, ${p.auto ? "auto" : "manual"})` +
         `${typeof p.tokens_before === "number" ? ` at ${fmt(p.tokens_before)} tokens` : ""}` +
