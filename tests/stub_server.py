@@ -19,6 +19,8 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 STARTUP_TIMEOUT_S = 10.0
 STOP_TIMEOUT_S = 5.0
@@ -93,3 +95,9 @@ def running_stub(*flags: str) -> Iterator[str]:
             f"ollama stand-in failed to start ({' '.join(command)}):\n"
             + stderr_path.read_text(errors="replace")
         )
+
+
+async def configure_stub(url: str, **config: object) -> None:
+    """Change how the running stand-in behaves (latencies, quirks, failures)."""
+    async with httpx.AsyncClient() as client:
+        (await client.post(f"{url}/_stub/config", json=config)).raise_for_status()

@@ -20,7 +20,7 @@ from schemas.messages import ToolOutcome
 from services.shared.bus import Bus
 from tests.events import Watcher, consumer_caught_up, watching
 from tests.nats_server import NatsServer
-from tests.stub_server import running_stub
+from tests.stub_server import configure_stub, running_stub
 from tests.system import System
 
 NUM_CTX = 2048
@@ -77,11 +77,6 @@ async def session(http: httpx.AsyncClient, sid: str) -> dict[str, Any]:
 async def stub_stats(stub: str) -> dict[str, Any]:
     async with httpx.AsyncClient() as client:
         return dict((await client.get(f"{stub}/_stub/stats")).json())
-
-
-async def configure(stub: str, **config: object) -> None:
-    async with httpx.AsyncClient() as client:
-        (await client.post(f"{stub}/_stub/config", json=config)).raise_for_status()
 
 
 def results(watcher: Watcher, sid: str) -> list[dict[str, Any]]:
@@ -205,11 +200,11 @@ async def test_a_failed_summary_is_never_spliced(
     sid = await create(http)
     await chat(http, sid, 4, filler=50)
     before = await session(http, sid)
-    await configure(stub, quirks=[quirk])
+    await configure_stub(stub, quirks=[quirk])
     async with watching(private_nats.url, *EVENTS) as watcher:
         await http.post(f"/api/sessions/{sid}/compact")
         result = await next_result(watcher, sid)
-    await configure(stub, quirks=[])
+    await configure_stub(stub, quirks=[])
     assert result["status"] == "failed"
     assert result["error"].startswith(error)
     after = await session(http, sid)
@@ -318,11 +313,11 @@ async def test_without_a_summary_old_tool_output_is_elided_instead(
     await http.post(f"/api/sessions/{sid}/messages", json={"content": "!tool dump"})
     await chat(http, sid, 3, filler=10)
     before = await session(http, sid)
-    await configure(stub, quirks=["empty-content"])
+    await configure_stub(stub, quirks=["empty-content"])
     async with watching(private_nats.url, *EVENTS) as watcher:
         await http.post(f"/api/sessions/{sid}/compact")
         result = await next_result(watcher, sid)
-    await configure(stub, quirks=[])
+    await configure_stub(stub, quirks=[])
     await tools.drain()
     assert (result["status"], result["method"]) == ("completed", "elision"), result
     assert result["note"].startswith("summariser failed: it returned an empty summary")

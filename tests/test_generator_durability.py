@@ -27,7 +27,7 @@ from tests.events import (
     watching,
 )
 from tests.nats_server import NatsServer
-from tests.stub_server import running_stub
+from tests.stub_server import configure_stub, running_stub
 from tests.system import System
 from tests.test_generator_turns import TURN
 
@@ -38,10 +38,6 @@ STATES = f"{subjects.STATE_PREFIX}.*"
 def stub() -> Iterator[str]:
     with running_stub() as url:
         yield url
-
-
-def configure(stub: str, **config: object) -> None:
-    httpx.post(f"{stub}/_stub/config", json=config).raise_for_status()
 
 
 @pytest.fixture
@@ -114,7 +110,7 @@ async def history(http: httpx.AsyncClient, sid: str) -> list[tuple[str, str]]:
 async def test_one_process_answers_many_sessions_at_once(
     system: System, stub: str, http: httpx.AsyncClient, private_nats: NatsServer
 ) -> None:
-    configure(stub, model_latency={"stub-model": 400})
+    await configure_stub(stub, model_latency={"stub-model": 400})
     launch(system, "gen-a")
     sids = [await create(http) for _ in range(16)]
     async with watching(private_nats.url, STATES) as watcher:
@@ -126,7 +122,7 @@ async def test_one_process_answers_many_sessions_at_once(
 async def test_queries_of_one_session_are_answered_one_after_the_other_in_order(
     system: System, stub: str, http: httpx.AsyncClient, private_nats: NatsServer
 ) -> None:
-    configure(stub, model_latency={"stub-model": 150})
+    await configure_stub(stub, model_latency={"stub-model": 150})
     launch(system, "gen-a")
     sid = await create(http)
     async with watching(private_nats.url, STATES) as watcher:
@@ -142,7 +138,7 @@ async def test_queries_of_one_session_are_answered_one_after_the_other_in_order(
 async def test_two_generator_processes_share_sessions_and_never_interleave_one(
     system: System, stub: str, http: httpx.AsyncClient, private_nats: NatsServer
 ) -> None:
-    configure(stub, model_latency={"stub-model": 100})
+    await configure_stub(stub, model_latency={"stub-model": 100})
     launch(system, "gen-a", "gen-b")
     sids = [await create(http) for _ in range(10)]
     words = ["alpha", "beta", "gamma"]
@@ -178,7 +174,7 @@ async def test_a_query_accepted_while_no_generator_runs_is_answered_when_one_sta
 async def test_a_generator_killed_mid_answer_loses_nothing_and_doubles_nothing(
     system: System, stub: str, http: httpx.AsyncClient, private_nats: NatsServer
 ) -> None:
-    configure(stub, ms_per_token=15)
+    await configure_stub(stub, ms_per_token=15)
     launch(system, "gen-a")
     sid = await create(http)
     await say(http, sid, "warm up")
@@ -200,7 +196,7 @@ async def test_a_generator_killed_mid_answer_loses_nothing_and_doubles_nothing(
 async def test_a_frozen_holder_past_its_lease_cannot_write(
     system: System, stub: str, http: httpx.AsyncClient, private_nats: NatsServer
 ) -> None:
-    configure(stub, model_latency={"stub-model": 1500})
+    await configure_stub(stub, model_latency={"stub-model": 1500})
     launch(system, "gen-a", "gen-b")
     sid = await create(http)
     async with watching(private_nats.url, STATES) as watcher:
@@ -244,7 +240,7 @@ async def test_a_retried_publish_of_a_query_is_stored_and_answered_once(
 async def test_a_streamed_answer_cut_by_a_killed_generator_restarts_cleanly(
     system: System, stub: str, http: httpx.AsyncClient, private_nats: NatsServer
 ) -> None:
-    configure(stub, ms_per_token=15)
+    await configure_stub(stub, ms_per_token=15)
     launch(system, "gen-a")
     sid = await create(http)
     events: list[tuple[str, dict[str, object]]] = []

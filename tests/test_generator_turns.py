@@ -20,7 +20,7 @@ from services.generator.toolbox import Toolbox
 from services.shared.bus import Bus
 from tests.events import server_sent_events, transitions, turns_finished, watching
 from tests.nats_server import NatsServer, free_port
-from tests.stub_server import running_stub
+from tests.stub_server import configure_stub, running_stub
 from tests.system import System, ask, new_session, running_system
 
 TURN = [
@@ -50,12 +50,7 @@ def system(nats_url: str, stub: str) -> Iterator[System]:
 async def http(system: System, stub: str) -> AsyncIterator[httpx.AsyncClient]:
     async with httpx.AsyncClient(base_url=system.base_url, timeout=30) as client:
         yield client
-    await configure(stub, quirks=[])
-
-
-async def configure(stub: str, **config: object) -> None:
-    async with httpx.AsyncClient() as client:
-        (await client.post(f"{stub}/_stub/config", json=config)).raise_for_status()
+    await configure_stub(stub, quirks=[])
 
 
 async def create(http: httpx.AsyncClient) -> str:
@@ -128,14 +123,14 @@ async def test_model_failures_give_a_clear_error_and_leave_the_session_clean(
 ) -> None:
     sid = await create(http)
     await http.post(f"/api/sessions/{sid}/messages", json={"content": "works"})
-    await configure(stub, quirks=[quirk])
+    await configure_stub(stub, quirks=[quirk])
     failed = await http.post(f"/api/sessions/{sid}/messages", json={"content": "fails"})
     assert failed.status_code == status, failed.text
     assert failed.json()["error"]["code"] == code
     session = (await http.get(f"/api/sessions/{sid}")).json()
     assert session["state"] == "idle"
     assert [m["content"] for m in session["messages"]] == ["works", "Echo: works (turn 1)"]
-    await configure(stub, quirks=[])
+    await configure_stub(stub, quirks=[])
     # The lock was released: the very next query is answered at once.
     again = await http.post(f"/api/sessions/{sid}/messages", json={"content": "again"})
     assert again.json()["reply"] == "Echo: again (turn 2)"
