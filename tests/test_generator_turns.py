@@ -217,8 +217,9 @@ def test_only_error_replies_are_kept_to_be_sent_again() -> None:
     failed = Reply(session_id="s", query_id="q1", error="no model", error_code="ollama_error")
     answered.remember(1, failed)
     answered.remember(2, Reply(session_id="s", query_id="q2", reply="fine"))
-    assert answered.error_reply(1) == failed
-    assert answered.error_reply(2) is None and 2 in answered
+    assert answered.error_reply(1, "q1") == failed
+    assert answered.error_reply(1, "another query") is None  # the stream was made anew
+    assert answered.error_reply(2, "q2") is None and 2 in answered
 
 
 async def test_bookkeeping_after_a_reply_does_not_hold_the_sessions_slot(

@@ -75,9 +75,11 @@ class AnsweredQueries:
         self._recent.put(stream_seq, reply if reply.error else None)
         self.count += 1
 
-    def error_reply(self, stream_seq: int) -> Reply | None:
-        """The error this query was answered with here, if it was."""
-        return self._recent.get(stream_seq)
+    def error_reply(self, stream_seq: int, query_id: str) -> Reply | None:
+        """The error this query was answered with here, if it was. (The id is
+        checked too: a stream made anew numbers its messages from 1 again.)"""
+        reply = self._recent.get(stream_seq)
+        return reply if reply is not None and reply.query_id == query_id else None
 
     def __contains__(self, stream_seq: object) -> bool:
         return stream_seq in self._recent
@@ -257,7 +259,7 @@ class Generator:
 
     async def _answer_in_order(self, msg: Msg, env: Envelope[Query]) -> FollowUp | None:
         sid = env.payload.session_id
-        answered = self._answered.error_reply(msg.metadata.sequence.stream)
+        answered = self._answered.error_reply(msg.metadata.sequence.stream, env.message_id)
         if answered is not None:  # its acknowledgement was lost: the same answer again
             log.warning("query_answered_again", error_code=answered.error_code)
             await self._send_reply(msg, env, answered)
