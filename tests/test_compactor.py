@@ -22,7 +22,7 @@ from services.generator.session_lock import SessionLocks
 from services.generator.settings import GeneratorSettings
 from services.generator.states import SessionStates
 from services.shared.bus import Bus, decode
-from services.shared.history_store import HistoryConflict, HistoryStore
+from services.shared.history_store import HistoryConflict, HistoryStore, HistoryView
 from services.shared.jetstream import ensure_layout, locks_bucket, sessions_bucket
 from services.shared.live_config import LiveSettings
 from services.shared.sessions import SessionStore
@@ -60,12 +60,14 @@ async def next_about(sid: str, queue: asyncio.Queue[Msg]) -> Msg:
             return msg
 
 
-async def add_turns(history: HistoryStore, sid: str, count: int, start: int = 0) -> None:
+async def add_turns(history: HistoryStore, sid: str, count: int, start: int = 0
+                    ) -> HistoryView:
     view = await history.read(sid)
     for turn in range(start, start + count):
         view = await history.append(sid, view, [
             ChatMessage(role="user", content=f"question {turn} " + "words " * 50),
             ChatMessage(role="assistant", content=f"answer {turn} " + "words " * 50)])
+    return view
 
 
 async def test_a_request_delivered_again_after_its_splice_is_not_compacted_twice(
@@ -101,11 +103,7 @@ async def test_an_emergency_compaction_whose_splice_is_refused_still_reports_it(
     sid = uuid.uuid4().hex
     record = SessionRecord(session_id=sid, system="Be brief.")
     await sessions.create(record)
-    view = await history.read(sid)
-    for turn in range(4):
-        view = await history.append(sid, view, [
-            ChatMessage(role="user", content=f"question {turn} " + "words " * 50),
-            ChatMessage(role="assistant", content=f"answer {turn} " + "words " * 50)])
+    view = await add_turns(history, sid, 4)
     started: asyncio.Queue[Msg] = asyncio.Queue()
     results: asyncio.Queue[Msg] = asyncio.Queue()
     subs = [await nc.subscribe(subjects.COMPACTION_EVENT, cb=started.put),
