@@ -18,7 +18,6 @@ views as they happen.
 from __future__ import annotations
 
 import contextlib
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -30,6 +29,7 @@ from pydantic import ValidationError
 
 from schemas import subjects
 from schemas.history import ChatMessage, Conversation, HistoryEntry, Snapshot
+from services.shared.recent import Recent
 from services.shared.together import together
 
 EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
@@ -54,13 +54,12 @@ EMPTY = HistoryView(Conversation(), 0)
 class HistoryStore:
     def __init__(self, js: JetStreamContext, cached_sessions: int = 512) -> None:
         self._js = js
-        # Least recently used first; bounded so a long-lived process serving
-        # many sessions keeps only the active ones in memory.
-        self._cache: OrderedDict[str, HistoryView] = OrderedDict()
-        self._cached_sessions = cached_sessions
+        # Bounded, so a long-lived process serving many sessions keeps only
+        # the ones used lately in memory.
+        self._cache: Recent[str, HistoryView] = Recent(cached_sessions)
         # Per cached session, the last sequence `follow` saw it reach, when
         # that is beyond the cached view: the view is stale.
-        self._seen: dict[str, int] = {}
+        self._seen: Recent[str, int] = Recent(cached_sessions)
         # Per session, the sequence our write in flight expects to follow.
         self._writing: dict[str, str] = {}
 
@@ -93,13 +92,13 @@ class HistoryStore:
                 entry = HistoryEntry.model_validate_json(msg.data)
                 self._remember(sid, HistoryView(view.conversation.apply(entry), seq))
                 return
-        self._seen[sid] = max(seq, self._seen.get(sid, 0))
+        self._seen.put(sid, max(seq, self._seen.get(sid) or 0))
 
     def cached(self, sid: str) -> HistoryView | None:
         """The view this process last read, wrote or followed, unless it
         knows of a later write; asks nobody."""
         view = self._cache.get(sid)
-        if view is None or self._seen.get(sid, 0) > view.last_seq:
+        if view is None or (self._seen.get(sid) or 0) > view.last_seq:
             return None
         return view
 
@@ -111,10 +110,10 @@ class HistoryStore:
         compare-and-swap would still refuse it."""
         known = self.cached(sid) if current else None
         if known is not None:
-            self._cache.move_to_end(sid)
+            self._cache.put(sid, known)  # used now
             return known
         subject = subjects.history(sid)
-        cached = self._cache.get(sid, EMPTY)
+        cached = self._cache.get(sid) or EMPTY
         # Asked together: whether anything changed, and the first of what did.
         # Catching up on one turn then takes one round trip, not three; when
         # nothing changed, the second request was not needed.
@@ -126,7 +125,7 @@ class HistoryStore:
             raise first_new
         if last == cached.last_seq:
             if sid in self._cache:
-                self._cache.move_to_end(sid)
+                self._cache.put(sid, cached)  # used now
             return cached
         if last < cached.last_seq:  # rewritten below what we have: start over
             self.forget(sid)
@@ -158,8 +157,8 @@ class HistoryStore:
         return spliced
 
     def forget(self, sid: str) -> None:
-        self._cache.pop(sid, None)
-        self._seen.pop(sid, None)
+        self._cache.pop(sid)
+        self._seen.pop(sid)
 
     async def _write(
         self, sid: str, entry: HistoryEntry, expected: int, extra: dict[str, str]
@@ -215,9 +214,6 @@ class HistoryStore:
             # A read without the lock (a compaction's) finished after a newer
             # view came in (our append, or following): keep the newer one.
             return
-        self._cache[sid] = view
-        self._cache.move_to_end(sid)
-        if self._seen.get(sid, 0) <= view.last_seq:
-            self._seen.pop(sid, None)
-        while len(self._cache) > self._cached_sessions:
-            self._seen.pop(self._cache.popitem(last=False)[0], None)
+        self._cache.put(sid, view)
+        if (self._seen.get(sid) or 0) <= view.last_seq:
+            self._seen.pop(sid)
