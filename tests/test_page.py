@@ -39,6 +39,7 @@ class PageParser(HTMLParser):
         self.inline_scripts: list[str] = []
         self.labels_for: set[str] = set()
         self.controls: list[tuple[str, dict[str, str | None]]] = []
+        self.links: list[dict[str, str | None]] = []  # the attributes of each <link>
         self._in_script = False
 
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
@@ -48,6 +49,8 @@ class PageParser(HTMLParser):
         for name in ("src", "href", "action", "poster", "data"):
             if a.get(name):
                 self.refs.append((tag, name, str(a[name])))
+        if tag == "link":
+            self.links.append(a)
         if tag == "label" and a.get("for"):
             self.labels_for.add(str(a["for"]))
         if tag in ("input", "textarea", "select"):
