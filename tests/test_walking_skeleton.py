@@ -21,8 +21,8 @@ from services.core.tokens import Calibration, estimate_tokens
 from services.shared.jetstream import sessions_bucket
 from services.shared.sessions import SessionStore
 from tests.nats_server import NatsServer
-from tests.test_page import STATIC, PageParser
 from tests.system import System, ask, new_session, running_system
+from tests.test_page import STATIC, PageParser
 
 
 @pytest.fixture(scope="module")
