@@ -28,3 +28,13 @@ class SessionRecord(BaseModel):
     def model_or(self, default: str) -> str:
         """The session's model, or the service's configured one when it named none."""
         return self.model or default
+
+
+class CompactionsRunning(BaseModel):
+    """A session's compactions started and not yet ended (the `compactions_running`
+    KV bucket): correlation id -> id of the generator running it. Whichever
+    process runs them, this is what makes the session's state `compacting`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    running: dict[str, str] = Field(default_factory=dict)

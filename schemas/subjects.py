@@ -42,6 +42,8 @@ HISTORY_PREFIX = "history"
 # JetStream key-value buckets.
 SESSIONS_BUCKET = "sessions"
 LOCKS_BUCKET = "session_locks"
+# Each session's compactions in flight, whichever generator runs them.
+COMPACTIONS_RUNNING_BUCKET = "compactions_running"
 # Settings that change while the services run (`nats kv put config <name> <value>`).
 CONFIG_BUCKET = "config"
 

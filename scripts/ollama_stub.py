@@ -89,6 +89,12 @@ class StubConfig:
     model_latency: dict[str, float] = field(default_factory=dict)
     quirks: set[str] = field(default_factory=set)
     default_num_ctx: int = 2048
+    # Requests for these models wait until they are let go (a config change):
+    # a call that is under way for exactly as long as a test needs it to be.
+    held_models: set[str] = field(default_factory=set)
+
+    def holds(self, model: str) -> bool:
+        return normalize_model(model) in {normalize_model(name) for name in self.held_models}
 
     def latency_ms(self, model: str) -> float:
         """Fixed per-request latency; ``name`` and ``name:latest`` are the same model."""
@@ -105,6 +111,7 @@ class StubConfig:
             "model_latency": dict(self.model_latency),
             "chars_per_token": self.chars_per_token,
             "default_num_ctx": self.default_num_ctx,
+            "held_models": sorted(self.held_models),
         }
 
 
@@ -533,6 +540,12 @@ class StubState:
     prompt_cache: dict[str, tuple[str, list[str]]] = field(default_factory=dict)
     # Set when the server is asked to exit, to release requests of the "hang" quirk.
     shutdown_event: asyncio.Event = field(default_factory=asyncio.Event)
+    # Set, and replaced by a fresh one, on every config change: held requests wait on it.
+    config_changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def announce_config_change(self) -> None:
+        changed, self.config_changed = self.config_changed, asyncio.Event()
+        changed.set()
 
     def stats_json(self) -> JSONObject:
         stats = self.totals.as_json()
@@ -736,6 +749,21 @@ async def wait_until_disconnected(request: Request, state: StubState) -> None:
             waiter.cancel()
 
 
+async def wait_while_held(state: StubState, model: str) -> None:
+    """Keep a request for a held model waiting until the model is let go, or the
+    stand-in exits."""
+    while state.config.holds(model) and not state.shutdown_event.is_set():
+        waiters = {
+            asyncio.ensure_future(state.config_changed.wait()),
+            asyncio.ensure_future(state.shutdown_event.wait()),
+        }
+        try:
+            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiter in waiters:
+                waiter.cancel()
+
+
 def receive_prompt(state: StubState, request: ChatRequest) -> tuple[list[ChatMessage], int]:
     """Record the prompt as received, then truncate it as Ollama would.
 
@@ -788,6 +816,7 @@ async def chat_endpoint(request: Request) -> Response:
     if "hang" in state.config.quirks:
         await wait_until_disconnected(request, state)
         return error_response(503, "stub: hang ended")
+    await wait_while_held(state, chat.model)
     generation = prepare_generation(state, chat, kept, prompt_tokens, started_ns)
     if chat.stream:
         return StreamingResponse(stream_chat(generation), media_type="application/x-ndjson")
@@ -885,6 +914,12 @@ def _latency_map(value: Any) -> dict[str, float]:
     return {str(name): _number(ms, f"model_latency[{name}]", False) for name, ms in value.items()}
 
 
+def _model_set(value: Any) -> set[str]:
+    if not isinstance(value, list) or not all(isinstance(m, str) for m in value):
+        raise BadRequest("held_models must be a list of model names")
+    return set(value)
+
+
 def _positive_int(value: Any, key: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise BadRequest(f"{key} must be an integer >= 1")
@@ -895,7 +930,8 @@ def apply_config_update(config: StubConfig, body: Any) -> None:
     """Validate the whole update first, then apply it, so a bad field changes nothing."""
     if not isinstance(body, dict):
         raise BadRequest("config body must be a JSON object")
-    known = {"quirks", "ms_per_token", "model_latency", "chars_per_token", "default_num_ctx"}
+    known = {"quirks", "ms_per_token", "model_latency", "chars_per_token", "default_num_ctx",
+             "held_models"}
     unknown = sorted(set(body) - known)
     if unknown:
         raise BadRequest(f"unknown config key(s) {unknown}; known: {', '.join(sorted(known))}")
@@ -910,18 +946,21 @@ def apply_config_update(config: StubConfig, body: Any) -> None:
         updates["model_latency"] = _latency_map(body["model_latency"])
     if "default_num_ctx" in body:
         updates["default_num_ctx"] = _positive_int(body["default_num_ctx"], "default_num_ctx")
+    if "held_models" in body:
+        updates["held_models"] = _model_set(body["held_models"])
     for key, value in updates.items():
         setattr(config, key, value)
 
 
 async def config_endpoint(request: Request) -> Response:
-    config = _state(request).config
+    state = _state(request)
     if request.method == "POST":
         try:
-            apply_config_update(config, await _read_json(request))
+            apply_config_update(state.config, await _read_json(request))
         except BadRequest as exc:
             return error_response(400, str(exc))
-    return JSONResponse(config.as_json())
+        state.announce_config_change()
+    return JSONResponse(state.config.as_json())
 
 
 def build_app(config: StubConfig) -> Starlette:

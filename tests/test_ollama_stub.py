@@ -39,6 +39,7 @@ DEFAULT_CONFIG: dict[str, Any] = {
     "model_latency": {},
     "chars_per_token": 4.0,
     "default_num_ctx": 2048,
+    "held_models": [],
 }
 MODEL = "test-model"
 WORD_COUNT_TOOL = {
@@ -500,6 +501,24 @@ async def test_hang_quirk_times_out_without_blocking_the_server(stub_url: str) -
     assert (await chat(stub_url, [user("hello")])).message.content == "Echo: hello (turn 1)"
 
 
+@pytest.mark.asyncio
+async def test_a_held_model_answers_once_let_go_and_others_meanwhile(stub_url: str) -> None:
+    configure(stub_url, held_models=["held-model"])
+    async with ollama.AsyncClient(host=stub_url, timeout=30) as client:
+        held = asyncio.ensure_future(client.chat(model="held-model:latest",
+                                                 messages=[user("hello")]))
+        for _ in range(500):  # until the held request has arrived
+            if stats(stub_url)["requests"] == 1:
+                break
+            await asyncio.sleep(0.01)
+        assert stats(stub_url)["requests"] == 1
+        other = await client.chat(model=MODEL, messages=[user("other")])
+        assert other.message.content == "Echo: other (turn 1)"
+        assert not held.done()
+        configure(stub_url, held_models=[])
+        assert (await held).message.content == "Echo: hello (turn 1)"
+
+
 # --------------------------------------------------------------------------- control endpoints
 
 
@@ -683,6 +702,7 @@ async def test_cli_flags_configure_the_stub() -> None:
             "model_latency": {"slow": 5.0, "other:7b": 1.0},
             "chars_per_token": 2.0,
             "default_num_ctx": 100,
+            "held_models": [],
         }
         response = await chat(url, [user("z" * 400)])
         assert response.message.content == ""

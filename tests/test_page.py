@@ -39,6 +39,7 @@ class PageParser(HTMLParser):
         self.inline_scripts: list[str] = []
         self.labels_for: set[str] = set()
         self.controls: list[tuple[str, dict[str, str | None]]] = []
+        self.links: list[dict[str, str | None]] = []  # the attributes of each <link>
         self._in_script = False
 
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
@@ -48,6 +49,8 @@ class PageParser(HTMLParser):
         for name in ("src", "href", "action", "poster", "data"):
             if a.get(name):
                 self.refs.append((tag, name, str(a[name])))
+        if tag == "link":
+            self.links.append(a)
         if tag == "label" and a.get("for"):
             self.labels_for.add(str(a["for"]))
         if tag in ("input", "textarea", "select"):
@@ -210,13 +213,18 @@ for (const [type, id, event] of [["compaction.event", "c1", "started"],
   running = mod.compactingAfter(running, type, id, event);
   banner.push(running);
 }
-// Read afresh after a reconnect: idle ends it, unless the read was sent
-// before its start was seen (load 3 against a start seen at load 3).
+// One known only from a read ends with the first result seen.
+banner.push(mod.compactingAfter("unknown", "compaction.result", "c3"));
+// Read afresh after a reconnect: any state but compacting ends it (a turn's
+// phase too), unless the read was sent before its start was seen (load 3
+// against a start seen at load 3).
 const reload = [["idle", 4, 3], ["compacting", 4, 3], ["generating", 4, 3], ["idle", 3, 3]]
   .map(([state, readSeq, seenAt]) => mod.compactingAfterReload("c1", state, readSeq, seenAt));
 console.log(JSON.stringify({
   events: out, levels, fmt: mod.fmt(1234567), pct: mod.percent(1234, 3584),
   types: mod.LIVE_EVENT_TYPES, banner, reload,
+  shown: [["idle", false], ["generating", true], ["idle", true], ["compacting", false]]
+    .map(([phase, compacting]) => mod.sessionState(phase, compacting)),
 }));
 """
 
@@ -246,5 +254,7 @@ def test_sse_parser_and_helpers_under_node(tmp_path: Path) -> None:
     assert result["fmt"] == "1,234,567"
     assert result["pct"] == 34
     assert result["types"] == list(LIVE_EVENT_TYPES)
-    assert result["banner"] == ["c1", "c1", None]
-    assert result["reload"] == [None, "c1", "c1", "c1"]
+    assert result["banner"] == ["c1", "c1", None, None]
+    assert result["reload"] == [None, "c1", None, "c1"]
+    # As the server's session_state: a running compaction hides the turn's phase.
+    assert result["shown"] == ["idle", "compacting", "compacting", "compacting"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import Iterator
 
 import httpx
@@ -21,6 +22,7 @@ from services.shared.jetstream import sessions_bucket
 from services.shared.sessions import SessionStore
 from tests.nats_server import NatsServer
 from tests.system import System, ask, new_session, running_system
+from tests.test_page import STATIC, PageParser
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +93,24 @@ async def test_each_generation_is_reported_with_the_providers_count(
     assert report.payload.completion_tokens == reply["completion_tokens"]
     assert report.payload.num_ctx == 8192
     assert report.payload.sent_chars > len("count me")
+
+
+def test_the_page_and_every_resource_it_references_are_served(client: httpx.Client) -> None:
+    """A browser loading the page asks for nothing that is not there: a 404 for
+    any of it (the icon above all, which browsers ask for unbidden) shows in its
+    console on every load."""
+    page = client.get("/")
+    assert page.status_code == 200
+    parser = PageParser()
+    parser.feed(page.text)
+    icons = [a for a in parser.links if "icon" in (a.get("rel") or "").split()]
+    assert icons, "no declared icon: the browser would ask for /favicon.ico"
+    referenced = [value for _, _, value in parser.refs]
+    referenced += re.findall(r"url\(['\"]?([^'\")]+)", (STATIC / "style.css").read_text())
+    for path in referenced:
+        served = client.get(path)
+        assert served.status_code == 200, f"{path}: {served.status_code}"
+    assert client.get(str(icons[0]["href"])).headers["content-type"].startswith("image/")
 
 
 def test_unknown_session_is_404_with_a_json_error(client: httpx.Client) -> None:

@@ -6,8 +6,15 @@ idle. Compaction has two modes:
 - blocking: `compacting` is a phase of its own, entered only from idle; a query
   arriving meanwhile is an illegal `receive` (the shell rejects it).
 - background (default): compaction is a flag beside the turn phase, so a
-  session keeps answering while its summary is written. The visible state is
-  `compacting` only while the turn phase is idle.
+  session keeps answering while its summary is written.
+
+A session's state, as the API and the page show it, is `compacting` from a
+compaction's start to its result, whatever the turn phase meanwhile, and the
+turn phase otherwise (`session_state`). With several generators the two come
+from different places: the turn phase from the process answering the turn, the
+compactions from a per-session record of those started and not yet ended
+(`compaction_started`, `compaction_ended`), so no process's turn can hide
+another's compaction.
 
 Every transition not in the tables raises `IllegalTransition`; nothing is
 silently ignored.
@@ -58,13 +65,32 @@ class SessionState:
 
     @property
     def visible(self) -> Phase:
-        """What the UI shows: an idle session with a compaction in flight is compacting."""
-        if self.phase is Phase.idle and self.compacting:
-            return Phase.compacting
-        return self.phase
+        """What this process alone would show for the session."""
+        return session_state(self.phase, self.compacting)
 
 
 INITIAL = SessionState(Phase.idle, False)
+
+
+def session_state(phase: Phase, compacting: bool) -> Phase:
+    """The session's state: a running compaction is what the session is doing, a
+    turn answered meanwhile included; otherwise the turn phase."""
+    return Phase.compacting if compacting else phase
+
+
+def compaction_started(running: Mapping[str, str], correlation_id: str,
+                       generator_id: str) -> dict[str, str]:
+    """The compactions running once this one has started (by its correlation id).
+
+    Keyed by correlation id so that a request redelivered after its generator
+    died is the same entry, and its result ends it."""
+    return {**running, correlation_id: generator_id}
+
+
+def compaction_ended(running: Mapping[str, str], correlation_id: str) -> dict[str, str]:
+    """The compactions running once this one has its result; ending one that
+    never started (skipped before its start) changes nothing."""
+    return {cid: gen for cid, gen in running.items() if cid != correlation_id}
 
 
 class IllegalTransition(Exception):

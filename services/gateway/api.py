@@ -3,6 +3,7 @@ message, and turns what comes back into JSON (or server-sent events)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 from collections.abc import AsyncIterator
@@ -10,6 +11,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from nats.js.errors import NotFoundError
+from nats.js.kv import KeyValue
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
@@ -19,8 +21,9 @@ from starlette.staticfiles import StaticFiles
 from schemas import subjects
 from schemas.envelope import new_id
 from schemas.messages import MAX_CONTENT_CHARS, CompactionRequest, Query, Reply, StateChange
-from schemas.session import MAX_SYSTEM_PROMPT_CHARS, SessionRecord
+from schemas.session import MAX_SYSTEM_PROMPT_CHARS, CompactionsRunning, SessionRecord
 from services.core.prompt import render_messages
+from services.core.state_machine import Phase, session_state
 from services.core.tokens import Calibration, estimate_prompt, prompt_budget
 from services.gateway.live import LiveFeed
 from services.gateway.replies import ReplyRouter, events_until_reply
@@ -113,6 +116,7 @@ class Api:
         self._replies = replies
         self._live = live
         self._known: set[str] = set()
+        self._compactions: KeyValue | None = None
 
     def routes(self) -> list[Route | Mount]:
         return [
@@ -172,7 +176,7 @@ class Api:
             "token_count": tokens,
             "num_ctx": self._settings.num_ctx,
             "budget": self._budget(),
-            "state": await self._state(sid),
+            **await self._state(sid),
         })
 
     async def post_message(self, request: Request) -> Response:
@@ -263,16 +267,39 @@ class Api:
         except SessionNotFound as err:
             raise HttpError(error(404, "unknown_session", f"session {sid} does not exist")) from err
 
-    async def _state(self, sid: str) -> str:
+    async def _state(self, sid: str) -> dict[str, str]:
+        """The session's state, and the phase of its turn (what the state hides
+        while a compaction runs). Read from the two records every generator
+        writes to, not from whichever process published last."""
+        phase, compacting = await asyncio.gather(self._phase(sid), self._compacting(sid))
+        if phase is None:  # a record we cannot read
+            return {"state": "compacting" if compacting else "unknown", "phase": "unknown"}
+        return {"state": session_state(phase, compacting).value, "phase": phase.value}
+
+    async def _phase(self, sid: str) -> Phase | None:
         try:
             msg = await self._bus.js.get_last_msg(subjects.STATE_STREAM, subjects.state(sid),
                                                   direct=True)
         except NotFoundError:
-            return "idle"
+            return Phase.idle
         try:
-            return StateChange.model_validate(json.loads(msg.data or b"{}")["payload"]).to_state
+            change = StateChange.model_validate(json.loads(msg.data or b"{}")["payload"])
+            return Phase(change.to_state)
         except (ValueError, KeyError, ValidationError):
-            return "unknown"
+            return None
+
+    async def _compacting(self, sid: str) -> bool:
+        try:
+            if self._compactions is None:
+                self._compactions = await self._bus.js.key_value(
+                    subjects.COMPACTIONS_RUNNING_BUCKET)
+            entry = await self._compactions.get(sid)
+        except NotFoundError:
+            return False  # no record (or no bucket since NATS came back): nothing runs
+        try:
+            return bool(CompactionsRunning.model_validate_json(entry.value or b"{}").running)
+        except ValidationError:
+            return False
 
     def _budget(self) -> int:
         return prompt_budget(self._settings.num_ctx, self._settings.output_headroom)

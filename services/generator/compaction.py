@@ -274,6 +274,8 @@ class Compactor:
             yield
 
     async def _announce(self, job: Job, before: int) -> None:
+        # Recorded first: whoever sees the start then reads the session compacting.
+        await self._states.compaction_started(job.session_id, job.correlation_id)
         await self._bus.publish(
             subjects.COMPACTION_EVENT,
             CompactionEvent(session_id=job.session_id, event="started", level=job.level,
@@ -282,6 +284,10 @@ class Compactor:
         )
 
     async def _publish(self, job: Job, result: CompactionResult) -> None:
+        # Ended first: whoever sees the result then reads the session not compacting
+        # (unless another compaction runs). A redelivered request ends its
+        # predecessor's entry too: they share the correlation id.
+        await self._states.compaction_ended(job.session_id, job.correlation_id)
         await self._bus.publish(subjects.COMPACTION_RESULT, result,
                                 correlation_id=job.correlation_id, session_id=job.session_id)
 

@@ -1,29 +1,46 @@
 """Each session's state machine in this process, made visible.
 
 The transition rules are the pure table in `services.core.state_machine`;
-this module only keeps each session's current state and publishes every
-transition on `generator.state.<session>` (the GENERATOR_STATE stream keeps
-the latest one per session for the gateway). An illegal transition is logged,
-reported on the error subject and raised, never ignored.
+this module only keeps each session's current state and publishes every change
+of its turn phase on `generator.state.<session>` (the GENERATOR_STATE stream
+keeps the latest one per session for the gateway). An illegal transition is
+logged, reported on the error subject and raised, never ignored.
+
+A background compaction is not a turn phase, and another process may answer the
+session's turns meanwhile: it is recorded in the session's entry of the
+`compactions_running` bucket instead, added before its start is announced and
+removed before its result is, so whoever sees either event reads a record that
+agrees with it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+
 import structlog
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.kv import KeyValue
 
 from schemas import subjects
 from schemas.messages import ErrorReport, StateChange
+from schemas.session import CompactionsRunning
 from services.core.state_machine import (
     INITIAL,
     Action,
     CompactionMode,
     IllegalTransition,
     SessionState,
+    compaction_ended,
+    compaction_started,
     transition,
 )
 from services.shared.bus import Bus
 
 log = structlog.get_logger()
+
+# Only compactions of the same session, at the same moment, contend for its entry.
+RECORD_ATTEMPTS = 5
+Change = Callable[[Mapping[str, str]], dict[str, str]]
 
 
 class SessionStates:
@@ -32,6 +49,7 @@ class SessionStates:
         self._generator_id = generator_id
         self._mode = mode
         self._states: dict[str, SessionState] = {}
+        self._running: KeyValue | None = None
 
     def current(self, sid: str) -> SessionState:
         return self._states.get(sid, INITIAL)
@@ -68,14 +86,64 @@ class SessionStates:
             await self.apply(sid, Action.fail, correlation_id)
         await self.apply(sid, Action.reset, correlation_id)
 
+    async def compaction_started(self, sid: str, correlation_id: str) -> None:
+        await self._record(sid, correlation_id, lambda running: compaction_started(
+            running, correlation_id, self._generator_id))
+
+    async def compaction_ended(self, sid: str, correlation_id: str) -> None:
+        await self._record(sid, correlation_id,
+                           lambda running: compaction_ended(running, correlation_id))
+
+    async def _record(self, sid: str, correlation_id: str, change: Change) -> None:
+        try:
+            for _ in range(RECORD_ATTEMPTS):
+                if await self._try_record(sid, change):
+                    return
+            log.warning("compaction_record_contended", session_id=sid,
+                        correlation_id=correlation_id)
+        except Exception as err:
+            # As a state publish: watchers may miss it, the compaction goes on.
+            log.warning("compaction_record_failed", session_id=sid,
+                        correlation_id=correlation_id, error=f"{type(err).__name__}: {err}")
+
+    async def _try_record(self, sid: str, change: Change) -> bool:
+        """One compare-and-swap of the session's entry; False if another got there first."""
+        bucket = await self._bucket()
+        try:
+            entry = await bucket.get(sid)
+        except KeyNotFoundError:
+            running, revision = CompactionsRunning(), None
+        else:
+            running = CompactionsRunning.model_validate_json(entry.value or b"{}")
+            revision = entry.revision
+        updated = CompactionsRunning(running=change(running.running))
+        if updated == running:
+            return True
+        value = updated.model_dump_json().encode()
+        try:
+            if revision is None:
+                await bucket.create(sid, value)
+            else:
+                await bucket.update(sid, value, last=revision)
+        except KeyWrongLastSequenceError:
+            return False
+        return True
+
+    async def _bucket(self) -> KeyValue:
+        if self._running is None:
+            self._running = await self._bus.js.key_value(subjects.COMPACTIONS_RUNNING_BUCKET)
+        return self._running
+
     async def _announce(self, sid: str, before: SessionState, after: SessionState,
                         action: Action, correlation_id: str | None) -> None:
+        if before.phase is after.phase:
+            return  # a background compaction's flag: recorded by compaction_started/ended
         # Debug, not info: the transition is published on NATS anyway, and four
         # log lines a turn cost real CPU at a few hundred turns a second.
-        log.debug("state_changed", session_id=sid, from_state=before.visible.value,
-                  to_state=after.visible.value, action=action.value)
-        change = StateChange(session_id=sid, from_state=before.visible.value,
-                             to_state=after.visible.value, action=action.value,
+        log.debug("state_changed", session_id=sid, from_state=before.phase.value,
+                  to_state=after.phase.value, action=action.value)
+        change = StateChange(session_id=sid, from_state=before.phase.value,
+                             to_state=after.phase.value, action=action.value,
                              generator_id=self._generator_id)
         try:
             await self._bus.publish(subjects.state(sid), change,

@@ -87,11 +87,18 @@ async def ensure_layout(js: JetStreamContext, lock_lease_s: float | None = None)
             await js.add_stream(config)
     await sessions_bucket(js)
     await locks_bucket(js, lock_lease_s)
+    await compactions_running_bucket(js)
 
 
 async def sessions_bucket(js: JetStreamContext) -> KeyValue:
     return await _bucket(js, KeyValueConfig(bucket=s.SESSIONS_BUCKET, history=1,
                                             storage=StorageType.FILE))
+
+
+async def compactions_running_bucket(js: JetStreamContext) -> KeyValue:
+    # Memory, as the states: worthless after a restart, written twice a compaction.
+    return await _bucket(js, KeyValueConfig(bucket=s.COMPACTIONS_RUNNING_BUCKET, history=1,
+                                            storage=StorageType.MEMORY))
 
 
 async def locks_bucket(js: JetStreamContext, lease_s: float | None) -> KeyValue:

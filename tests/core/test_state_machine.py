@@ -14,6 +14,9 @@ from services.core.state_machine import (
     IllegalTransition,
     Phase,
     SessionState,
+    compaction_ended,
+    compaction_started,
+    session_state,
     transition,
 )
 
@@ -126,13 +129,33 @@ def test_error_always_recovers_to_idle(mode: CompactionMode) -> None:
     [
         (SessionState(P.idle, False), P.idle),
         (SessionState(P.idle, True), P.compacting),
-        (SessionState(P.generating, True), P.generating),
-        (SessionState(P.error, True), P.error),
+        (SessionState(P.generating, True), P.compacting),
+        (SessionState(P.error, True), P.compacting),
+        (SessionState(P.generating, False), P.generating),
         (SessionState(P.compacting, False), P.compacting),
     ],
 )
 def test_visible_state(state: SessionState, visible: Phase) -> None:
     assert state.visible is visible
+
+
+def test_a_running_compaction_is_the_sessions_state_whatever_the_turn_does() -> None:
+    for phase in Phase:
+        assert session_state(phase, True) is P.compacting
+        assert session_state(phase, False) is phase
+
+
+def test_compactions_running_follow_their_start_and_their_result() -> None:
+    running = compaction_started({}, "c1", "gen-a")
+    running = compaction_started(running, "c2", "gen-b")  # another generator, same session
+    assert running == {"c1": "gen-a", "c2": "gen-b"}
+    # A result ends its own compaction only: the other one still runs.
+    assert compaction_ended(running, "c1") == {"c2": "gen-b"}
+    # A result with no start (a request skipped before it began) changes nothing.
+    assert compaction_ended(running, "c9") == running
+    # A redelivered request (its generator died) is the same entry, taken over.
+    assert compaction_started(running, "c1", "gen-b") == {"c1": "gen-b", "c2": "gen-b"}
+    assert compaction_ended(compaction_ended(running, "c2"), "c1") == {}
 
 
 def test_full_turn_with_tools_and_background_compaction() -> None:

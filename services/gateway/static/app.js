@@ -109,21 +109,29 @@ export function gaugeLevel(tokens, budget) {
 
 // The compaction the "compacting" banner stands for (its correlation id), after
 // a live event. Only that compaction's own result ends it: a second request,
-// skipped because one already runs, must not hide the banner.
+// skipped because one already runs, must not hide the banner. One known only
+// from a read of the session ("unknown") ends with any result.
 export function compactingAfter(current, type, correlationId, event) {
   if (type === "compaction.event" && event === "started") return correlationId ?? "unknown";
-  if (type === "compaction.result" && (correlationId == null || correlationId === current)) {
+  if (type === "compaction.result" &&
+      (correlationId == null || correlationId === current || current === "unknown")) {
     return null;
   }
   return current;
 }
 
 // The banner once the session is read afresh after live events were down: the
-// result of its compaction may have been missed meanwhile. While no turn runs,
-// a running compaction is the session's state, so "idle" means none runs; but
-// a read sent before the compaction's start was seen tells nothing of it.
+// result of its compaction may have been missed meanwhile. A running compaction
+// is the session's state, so any other state means none runs; but a read sent
+// before the compaction's start was seen tells nothing of it.
 export function compactingAfterReload(current, state, readSeq, startSeenAtSeq) {
-  return state === "idle" && readSeq > startSeenAtSeq ? null : current;
+  return state !== "compacting" && readSeq > startSeenAtSeq ? null : current;
+}
+
+// The session's state as the server computes it (services/core/state_machine.py):
+// a running compaction, whichever generator runs it, else the turn's phase.
+export function sessionState(phase, compacting) {
+  return compacting ? "compacting" : phase;
 }
 
 function clockTime(timestamp) {
@@ -219,6 +227,7 @@ const app = {
   reloadAfterTurn: false, // a reload was asked for while an answer was streaming
   loadSeq: 0,
   refreshTimer: null,
+  phase: "unknown", // the turn's phase, from generator.state events and reads
   compacting: null, // correlation id of the compaction running, if one is
   compactingSeenAt: 0, // loadSeq when that compaction's start arrived
   eventsMissed: false, // live events were down: read the session again
@@ -337,6 +346,7 @@ function selectSession(id, { updateHash = true } = {}) {
   app.lastGeneration = null;
   app.lastReply = null;
   app.compacting = null;
+  app.phase = "unknown";
   try {
     localStorage.setItem(STORE_CURRENT, id);
   } catch {
@@ -392,7 +402,10 @@ async function loadSession({ messages = true } = {}) {
   renderSessionFacts(session);
   renderGauge();
   if (session.state && !app.busy) {
-    setState(session.state);
+    // Opened (or read again) mid-compaction: its start was not seen here.
+    if (session.state === "compacting" && app.compacting === null) app.compacting = "unknown";
+    app.phase = session.phase ?? session.state;
+    renderState();
     renderCompacting();
   }
   const firstUser = (session.messages || []).find((m) => m.role === "user");
@@ -680,8 +693,17 @@ function setState(stateName, detail = "") {
   ui.stateDetail.textContent = detail;
 }
 
+// The badge says what the session does: compacting while a compaction runs,
+// with the turn answered meanwhile, if any, in the detail.
+function renderState(detail = "") {
+  const compacting = app.compacting !== null;
+  const turn = compacting && app.phase !== "idle" && app.phase !== "unknown"
+    ? `answering meanwhile: ${app.phase.replace(/_/g, " ")}` : "";
+  setState(sessionState(app.phase, compacting), compacting ? turn : detail);
+}
+
 function renderCompacting() {
-  const visible = app.compacting !== null || ui.stateBadge.dataset.state === "compacting";
+  const visible = app.compacting !== null || app.phase === "compacting";
   show(ui.compactingBanner, visible);
   document.body.classList.toggle("is-compacting", visible);
 }
@@ -836,7 +858,8 @@ function onLiveEvent(type, raw) {
   const ts = envelope.timestamp;
   switch (type) {
     case "generator.state": {
-      setState(p.to_state, p.action ? `after ${p.action}` : "");
+      app.phase = p.to_state ?? "unknown";
+      renderState(p.action ? `after ${p.action}` : "");
       renderCompacting();
       logLine(type, `${p.from_state ?? "?"} → ${p.to_state ?? "?"}${p.action ? ` (${p.action})` : ""}`, ts);
       break;
@@ -857,6 +880,7 @@ function onLiveEvent(type, raw) {
     case "compaction.event": {
       app.compacting = compactingAfter(app.compacting, type, envelope.correlation_id, p.event);
       if (p.event === "started") app.compactingSeenAt = app.loadSeq;
+      renderState();
       renderCompacting();
       logLine(type, `compaction ${p.event ?? "?"} (${p.level ?? "?"}, ${p.auto ? "auto" : "manual"})` +
         `${typeof p.tokens_before === "number" ? ` at ${fmt(p.tokens_before)} tokens` : ""}` +
@@ -865,6 +889,7 @@ function onLiveEvent(type, raw) {
     }
     case "compaction.result": {
       app.compacting = compactingAfter(app.compacting, type, envelope.correlation_id);
+      renderState();
       renderCompacting();
       const status = p.status ?? "completed";
       let text;
