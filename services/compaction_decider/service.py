@@ -11,13 +11,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import nats.errors
 import structlog
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from schemas import subjects
-from schemas.envelope import Envelope
+from schemas.envelope import Envelope, new_id
 from schemas.messages import CompactionRequest, CompactionResult, GenerationReport
 from services.compaction_decider.settings import DeciderSettings
 from services.core.decision import (
@@ -71,7 +72,8 @@ class Decider:
     def policy(self) -> Policy:
         s = self.settings
         return Policy(threshold=s.compaction_threshold, cooldown_s=s.compaction_cooldown_s,
-                      min_relief=s.compaction_min_relief)
+                      min_relief=s.compaction_min_relief,
+                      pending_expiry_s=s.compaction_result_timeout_s)
 
     async def start(self) -> None:
         await self._live.start()
@@ -126,21 +128,37 @@ class Decider:
             reused_chars=report.reused_chars, messages=report.sent_messages)
         if not report.auto_compact:
             return
-        decision = self._decide(tracked, report)
+        decision, fired = self._decide(tracked, report)
         if not decision.fire or decision.level is None:
             log.debug("no_compaction", reason=decision.reason)
             return
         log.info("compaction_requested", level=decision.level.value, reason=decision.reason)
-        request, _ = await self._bus.js_publish(
-            subjects.COMPACTION_REQUEST,
-            CompactionRequest(session_id=sid, auto=True, reason=decision.reason,
-                              level=decision.level.value),
-            session_id=sid,
-        )
-        tracked.awaiting = request.correlation_id
-        self._fired += 1
+        # The result names the request by its correlation id. It is awaited even
+        # when the publish seems to fail: a lost acknowledgement may hide a
+        # request that was stored, and its result then still counts.
+        tracked.awaiting = new_id()
+        if await self._request(sid, decision, tracked.awaiting):
+            tracked.memory = fired  # pending only once the request is stored
+            self._fired += 1
 
-    def _decide(self, tracked: Tracked, report: GenerationReport) -> Decision:
+    async def _request(self, sid: str, decision: Decision, correlation_id: str) -> bool:
+        """Publish the request; False (logged) when it was not confirmed stored."""
+        assert decision.level is not None
+        try:
+            await self._bus.js_publish(
+                subjects.COMPACTION_REQUEST,
+                CompactionRequest(session_id=sid, auto=True, reason=decision.reason,
+                                  level=decision.level.value),
+                correlation_id=correlation_id, session_id=sid,
+            )
+        except (nats.errors.Error, TimeoutError) as err:
+            log.warning("compaction_request_not_sent", error=repr(err),
+                        request_correlation_id=correlation_id)
+            return False
+        return True
+
+    def _decide(self, tracked: Tracked, report: GenerationReport
+                ) -> tuple[Decision, SessionMemory]:
         cal = tracked.calibration
         limit = prompt_budget(report.num_ctx, self.settings.output_headroom)
         upcoming = estimate_tokens(report.next_prompt_chars or report.sent_chars, cal,
@@ -153,8 +171,7 @@ class Decider:
         obs = Observation(next_prompt_tokens=upcoming, budget=limit,
                           compactable_tokens=estimate_tokens(freeable, cal),
                           now=time.monotonic())
-        decision, tracked.memory = decide(obs, tracked.memory, self.policy())
-        return decision
+        return decide(obs, tracked.memory, self.policy())
 
     async def _on_result(self, msg: Msg) -> None:
         env = await self._bus.decode_or_report(msg, CompactionResult)
