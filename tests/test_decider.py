@@ -18,7 +18,7 @@ from services.compaction_decider.settings import DeciderSettings
 from services.shared.bus import Bus, decode
 from services.shared.jetstream import ensure_layout
 from tests.events import consumer_caught_up
-from tests.nats_server import NatsServer
+from tests.nats_server import NatsServer, free_port
 
 
 def report(sid: str) -> GenerationReport:
@@ -131,3 +131,85 @@ async def test_a_missed_result_does_not_stop_automatic_compaction(
         await report_and_settle(bus, private_nats.url, sid)
         requests = await stored_requests(bus)
         assert len(requests) == 3 and "no result in time" not in requests[2].payload.reason
+
+
+class CuttableLink:
+    """A TCP relay to the NATS server that a test cuts and restores: while it
+    is cut, the client behind it is disconnected and nothing reaches it."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.port = free_port()
+        self.url = f"nats://127.0.0.1:{self.port}"
+        self._server: asyncio.Server | None = None
+        self._writers: list[asyncio.StreamWriter] = []
+
+    async def open(self) -> None:
+        self._server = await asyncio.start_server(self._relay, "127.0.0.1", self.port)
+
+    async def cut(self) -> None:
+        assert self._server is not None
+        self._server.close()
+        for writer in self._writers:
+            writer.close()
+        self._writers.clear()
+        await self._server.wait_closed()
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        self._writers += [writer, up_writer]
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer),
+                             return_exceptions=True)
+
+
+async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    try:
+        while data := await reader.read(65536):
+            writer.write(data)
+            await writer.drain()
+    finally:
+        writer.close()
+
+
+async def test_a_result_published_while_the_decider_was_cut_off_still_counts(
+        private_nats: NatsServer) -> None:
+    """Results are kept in a stream the decider reads: one published while its
+    connection was down clears the pending request when it is back, long
+    before the pending expiry would."""
+    link = CuttableLink(private_nats.port)
+    await link.open()
+    down, up = asyncio.Event(), asyncio.Event()
+
+    async def on_down() -> None:
+        down.set()
+
+    async def on_up() -> None:
+        up.set()
+
+    direct = await nats.connect(private_nats.url)
+    generator = Bus(direct, "generator")
+    await ensure_layout(generator.js)
+    cut_off = await nats.connect(link.url, reconnect_time_wait=0.1, max_reconnect_attempts=-1,
+                                 disconnected_cb=on_down, reconnected_cb=on_up)
+    decider = Decider(Bus(cut_off, "compaction-decider"), DeciderSettings(compaction_cooldown_s=0))
+    await decider.start()
+    sid = "cut-off"
+    try:
+        await report_and_settle(generator, private_nats.url, sid)
+        [first] = await stored_requests(generator)
+        await link.cut()
+        await asyncio.wait_for(down.wait(), 10)
+        await generator.js_publish(subjects.COMPACTION_RESULT,
+                                   CompactionResult(session_id=sid, tokens_after=100),
+                                   correlation_id=first.correlation_id, session_id=sid)
+        await link.open()
+        await asyncio.wait_for(up.wait(), 10)
+        await settled(lambda: not decider.status()["pending"])
+        await report_and_settle(generator, private_nats.url, sid)
+        requests = await stored_requests(generator)
+        assert len(requests) == 2 and "no result in time" not in requests[1].payload.reason
+    finally:
+        await decider.stop()
+        await cut_off.close()
+        await direct.close()
+        await link.cut()

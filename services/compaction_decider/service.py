@@ -14,7 +14,6 @@ from typing import Any
 import nats.errors
 import structlog
 from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from schemas import subjects
@@ -38,6 +37,7 @@ from services.shared.recent import Recent
 from services.shared.runner import Endpoint
 
 CONSUMER = "compaction-decider"
+RESULTS_CONSUMER = "compaction-decider-results"
 # Sessions whose calibration and hysteresis are kept; the least recently
 # reported is forgotten first (its next report calibrates it afresh).
 MAX_TRACKED_SESSIONS = 10_000
@@ -62,7 +62,7 @@ class Decider:
         self._live = LiveSettings(bus.js, settings)
         self._tracked: Recent[str, Tracked] = Recent(max_tracked)
         self._loop: PullLoop | None = None
-        self._results: Subscription | None = None
+        self._results: PullLoop | None = None
         self._fired = 0
 
     @property
@@ -77,8 +77,14 @@ class Decider:
 
     async def start(self) -> None:
         await self._live.start()
-        self._results = await self._bus.nc.subscribe(subjects.COMPACTION_RESULT,
-                                                     cb=self._on_result)
+        # Durable, so a result published while this process was disconnected
+        # (a NATS restart, a network cut) is still read when it is back.
+        await ensure_consumer(self._bus.nc, subjects.RESULTS_STREAM, ConsumerConfig(
+            durable_name=RESULTS_CONSUMER, filter_subject=subjects.COMPACTION_RESULT,
+            ack_policy=AckPolicy.EXPLICIT, deliver_policy=DeliverPolicy.NEW, ack_wait=30))
+        self._results = PullLoop(self._bus.nc, subjects.RESULTS_STREAM, RESULTS_CONSUMER,
+                                 self._on_result_message)
+        await self._results.start()
         await ensure_consumer(self._bus.nc, subjects.GENERATIONS_STREAM, ConsumerConfig(
             durable_name=CONSUMER, filter_subject=subjects.RESPONSE_GENERATION,
             ack_policy=AckPolicy.EXPLICIT, deliver_policy=DeliverPolicy.NEW, ack_wait=30))
@@ -91,7 +97,7 @@ class Decider:
         if self._loop:
             await self._loop.stop()
         if self._results:
-            await self._results.unsubscribe()
+            await self._results.stop()
 
     def endpoints(self) -> list[Endpoint]:
         return []
@@ -136,10 +142,13 @@ class Decider:
         # The result names the request by its correlation id. It is awaited even
         # when the publish seems to fail: a lost acknowledgement may hide a
         # request that was stored, and its result then still counts.
-        tracked.awaiting = new_id()
-        if await self._request(sid, decision, tracked.awaiting):
-            tracked.memory = fired  # pending only once the request is stored
+        correlation_id = tracked.awaiting = new_id()
+        if await self._request(sid, decision, correlation_id):
             self._fired += 1
+            # Pending only once the request is stored, and only if its result
+            # has not already come meanwhile (it clears `awaiting`).
+            if tracked.awaiting == correlation_id:
+                tracked.memory = fired
 
     async def _request(self, sid: str, decision: Decision, correlation_id: str) -> bool:
         """Publish the request; False (logged) when it was not confirmed stored."""
@@ -172,6 +181,10 @@ class Decider:
                           compactable_tokens=estimate_tokens(freeable, cal),
                           now=time.monotonic())
         return decide(obs, tracked.memory, self.policy())
+
+    async def _on_result_message(self, msg: Msg) -> None:
+        await self._on_result(msg)
+        await msg.ack()
 
     async def _on_result(self, msg: Msg) -> None:
         env = await self._bus.decode_or_report(msg, CompactionResult)
