@@ -31,7 +31,7 @@ def own_nats() -> Iterator[NatsServer]:
 @pytest.fixture(scope="module")
 def system(own_nats: NatsServer, stub_url: str) -> Iterator[System]:
     with running_system(own_nats.url, stub_url,
-                        services=("generator", "decider", "gateway")) as running:
+                        services=("generator", "decider", "gateway", "tools")) as running:
         yield running
 
 
@@ -100,6 +100,8 @@ async def test_messages_nested_too_deep_are_reported_on_every_subject(
         report = json.loads((await errors.next_msg(timeout=15)).data)["payload"]
         assert report["code"] == "invalid_message"
         seen.add(report["subject"])
+    tool_reply = await nc.request(subjects.tool("calculate"), DEEP, timeout=10)
+    assert json.loads(tool_reply.data)["payload"]["code"] == "invalid_message"
     answer = await http.post(f"/api/sessions/{sid}/messages", json={"content": "and now?"})
     assert answer.json()["reply"] == "Echo: and now? (turn 1)"
     alive(system)
