@@ -88,6 +88,35 @@ async def test_only_live_settings_change_and_bad_bytes_stop_nothing(nc: NATS) ->
             await kv.delete(key)
 
 
+async def test_a_deletion_found_at_start_changes_nothing(nc: NATS) -> None:
+    """The watch replays a key's deletion to a service starting later: it already
+    has its start-up value, so nothing changes and nothing is announced."""
+    kv = await nc.jetstream().key_value(subjects.CONFIG_BUCKET)
+    await kv.put("compaction_threshold", b"0.5")
+    await kv.delete("compaction_threshold")
+    changes: list[DeciderSettings] = []
+    arrived = asyncio.Event()
+
+    def changed(settings: DeciderSettings) -> None:
+        changes.append(settings)
+        arrived.set()
+
+    live = LiveSettings(nc.jetstream(), DeciderSettings(compaction_threshold=0.8),
+                        on_change=changed)
+    await live.start()
+    try:
+        await kv.put("compaction_cooldown_s", b"12")  # comes after the replayed deletion
+        async with asyncio.timeout(5):
+            while live.current.compaction_cooldown_s != 12:
+                arrived.clear()
+                await arrived.wait()
+        assert [(c.compaction_threshold, c.compaction_cooldown_s) for c in changes] == [
+            (0.8, 12)]
+    finally:
+        await live.stop()
+        await kv.delete("compaction_cooldown_s")
+
+
 async def test_a_state_change_that_cannot_be_published_still_happens(nats_url: str) -> None:
     """Publishing is for watchers: a closed connection must not leave a turn or a
     compaction half-way, its state changed here but its cleanup skipped."""

@@ -78,9 +78,13 @@ class LiveSettings(Generic[S]):
             self.apply(entry.key.lower(), raw)
 
     def restore(self, key: str) -> None:
-        """The key was deleted: back to the value this service started with."""
-        if key in LIVE_KEYS and key in type(self.current).model_fields:
-            self._change(key, getattr(self._initial, key))
+        """The key was deleted: back to the value this service started with
+        (quietly when it has it already, as for a deletion replayed at start)."""
+        if key not in LIVE_KEYS or key not in type(self.current).model_fields:
+            return
+        initial = getattr(self._initial, key)
+        if getattr(self.current, key) != initial:
+            self._change(key, initial)
 
     def apply(self, key: str, raw: str) -> None:
         if key not in type(self.current).model_fields:
