@@ -64,6 +64,8 @@ FILLER_WORDS = (
 
 _TOOL_DIRECTIVE = re.compile(r"!tool\s+([A-Za-z_][\w.\-]*)")
 _LONG_DIRECTIVE = re.compile(r"!long\s+(\d+)")
+# `!lead "Let me check"`: the text a tool-calling reply writes before its calls.
+_LEAD_DIRECTIVE = re.compile(r'!lead\s+"([^"]*)"')
 # Keep calling the tool after each result, for tests of a runaway tool loop.
 _TOOL_LOOP_DIRECTIVE = "!toolloop"
 _FIRST_REQUEST = re.compile(r"FIRST REQUEST[^\n]*\n(.+)")
@@ -463,6 +465,13 @@ def tool_call_directives(
     return calls
 
 
+def lead_text(messages: Sequence[ChatMessage]) -> str:
+    """What the last user message's ``!lead "..."`` asks a tool call to say first."""
+    last_user = next((m for m in reversed(messages) if m["role"] == "user"), None)
+    found = _LEAD_DIRECTIVE.search(str(last_user.get("content") or "")) if last_user else None
+    return found.group(1) if found else ""
+
+
 def tool_results_reply(messages: Sequence[ChatMessage]) -> str:
     """Quote every tool result that arrived after the last assistant message."""
     results: list[str] = []
@@ -495,7 +504,7 @@ def build_reply(request: ChatRequest, messages: Sequence[ChatMessage]) -> Reply:
         exact = request.options.get("stub_summary_chars")
         reply = Reply(content=build_summary(messages, exact))
     elif calls := tool_call_directives(messages, request.tools):
-        reply = Reply(tool_calls=calls)
+        reply = Reply(content=lead_text(messages), tool_calls=calls)
     elif messages and messages[-1]["role"] == "tool":
         reply = Reply(content=tool_results_reply(messages))
     else:

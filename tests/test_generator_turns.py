@@ -113,6 +113,30 @@ async def test_answers_stream_as_server_sent_events(http: httpx.AsyncClient) -> 
     assert set(done) == {"session_id", "reply", "prompt_tokens", "completion_tokens"}
 
 
+async def test_a_streamed_answer_with_a_tool_call_is_numbered_as_one(
+        http: httpx.AsyncClient) -> None:
+    """Text streamed before a tool call, then the answer after its result: the
+    second call's tokens follow the first's, so no `restart` wipes the answer.
+    (The second turn's first call may be a head start, whose stream is the turn's.)"""
+    sid = await create(http)
+    for _ in range(2):
+        await streams_one_numbering(http, sid)
+
+
+async def streams_one_numbering(http: httpx.AsyncClient, sid: str) -> None:
+    async with http.stream("POST", f"/api/sessions/{sid}/messages", json={
+            "content": '!lead "Let me check" !tool word_count {"text": "one two"}'},
+            headers={"Accept": "text/event-stream"}) as response:
+        events = [event async for event in server_sent_events(response)]
+    names = [n for n, _ in events]
+    assert "restart" not in names and names[-1] == "done", names
+    tokens = [d for n, d in events if n == "token"]
+    assert [d["index"] for d in tokens] == list(range(len(tokens)))
+    text = "".join(str(d["text"]) for d in tokens)
+    assert text.startswith("Let me check") and text.endswith(str(events[-1][1]["reply"]))
+    assert str(events[-1][1]["reply"]).startswith("tool results: ")
+
+
 @pytest.mark.parametrize("quirk, status, code", [
     ("error", 502, "provider_error"),
     ("hang", 504, "timeout"),

@@ -276,6 +276,14 @@ async def test_tool_call_round_trip(stub_url: str) -> None:
 
 
 @pytest.mark.asyncio
+async def test_a_tool_call_can_write_text_before_its_calls(stub_url: str) -> None:
+    messages = [user('!lead "Let me check" !tool word_count {"text": "a b"}')]
+    first = await chat(stub_url, messages, tools=[WORD_COUNT_TOOL])
+    assert first.message.content == "Let me check"
+    assert first.message.tool_calls is not None and len(first.message.tool_calls) == 1
+
+
+@pytest.mark.asyncio
 async def test_tool_directive_variants(stub_url: str) -> None:
     tools = [WORD_COUNT_TOOL, ECHO_TOOL]
     several = await chat(

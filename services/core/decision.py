@@ -36,6 +36,9 @@ class Policy:
     threshold: float = 0.8
     cooldown_s: float = 30.0
     min_relief: float = 0.1
+    # How long a request may go unanswered before it counts as lost (its
+    # publish or its result went astray) and the session may be asked for again.
+    pending_expiry_s: float = 300.0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.threshold <= 1.0:
@@ -44,6 +47,8 @@ class Policy:
             raise ValueError(f"cooldown_s must be >= 0, got {self.cooldown_s}")
         if not 0.0 <= self.min_relief <= 1.0:
             raise ValueError(f"min_relief must be within [0, 1], got {self.min_relief}")
+        if self.pending_expiry_s <= 0:
+            raise ValueError(f"pending_expiry_s must be > 0, got {self.pending_expiry_s}")
 
     @property
     def tighter_fraction(self) -> float:
@@ -61,6 +66,7 @@ class Observation:
 
 @dataclass(frozen=True)
 class SessionMemory:
+    # A request is out and unanswered; it was sent at `last_fired_at`.
     pending: bool = False
     last_fired_at: float | None = None
     tokens_after_last: int | None = None
@@ -98,7 +104,12 @@ def level_for(next_prompt_tokens: int, budget: int, policy: Policy) -> Level | N
 def decide(
     obs: Observation, memory: SessionMemory, policy: Policy
 ) -> tuple[Decision, SessionMemory]:
-    """Whether to request a compaction now, and the session's updated memory."""
+    """Whether to request a compaction now, and the session's updated memory.
+
+    The memory returned with a firing says a request is pending: keep it only
+    once the request is confirmed stored, so a publish that failed leaves the
+    session free to be asked for on its next report.
+    """
     if policy.threshold <= 0:
         return Decision(False, None, "automatic compaction is disabled (threshold 0)"), memory
     usage = _usage(obs, policy)
@@ -109,7 +120,8 @@ def decide(
     if veto is not None:
         return Decision(False, None, f"{usage}, {level.value}, but {veto}"), memory
     fired = replace(memory, pending=True, last_fired_at=obs.now)
-    return Decision(True, level, f"{usage}: compact ({level.value})"), fired
+    lost = " again: the last request got no result in time" if memory.pending else ""
+    return Decision(True, level, f"{usage}: compact ({level.value}){lost}"), fired
 
 
 def _usage(obs: Observation, policy: Policy) -> str:
@@ -125,7 +137,7 @@ def _veto(obs: Observation, memory: SessionMemory, policy: Policy, level: Level)
     """Why a compaction must not start although the estimate crossed, if it must not."""
     # One compaction in flight per session, whatever the level: a second one
     # would only conflict with the first at splice time.
-    if memory.pending:
+    if awaits_result(memory, obs.now, policy):
         return "a compaction is already pending for this session"
     # Emergency ignores the cooldown: overflow is worse than a second summary.
     if level is not Level.emergency and memory.last_fired_at is not None:
@@ -143,6 +155,17 @@ def _veto(obs: Observation, memory: SessionMemory, policy: Policy, level: Level)
             "a compaction would free too little to be worth it"
         )
     return None
+
+
+def awaits_result(memory: SessionMemory, now: float, policy: Policy) -> bool:
+    """A request is out and may still be answered. One unanswered for
+    `pending_expiry_s` is taken as lost (its result missed, or the request
+    itself), so a missed message cannot turn automatic compaction off for good."""
+    if not memory.pending:
+        return False
+    if memory.last_fired_at is None:
+        return True
+    return now - memory.last_fired_at < policy.pending_expiry_s
 
 
 def on_result(memory: SessionMemory, tokens_after: int | None, now: float) -> SessionMemory:

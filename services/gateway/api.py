@@ -28,7 +28,7 @@ from services.core.tokens import Calibration, estimate_prompt, prompt_budget
 from services.gateway.live import LiveFeed
 from services.gateway.replies import ReplyRouter, events_until_reply
 from services.gateway.settings import GatewaySettings
-from services.shared.bus import Bus
+from services.shared.bus import Bus, parse_json
 from services.shared.history_store import HistoryStore
 from services.shared.sessions import SessionNotFound, SessionStore
 from services.shared.tool_catalogue import ToolCatalogue
@@ -85,7 +85,7 @@ async def parse_body(request: Request, model: type[M], optional: bool = False) -
     if not raw.strip() and optional:
         return model()
     try:
-        data = json.loads(raw)
+        data = parse_json(raw)
     except ValueError as err:
         raise HttpError(error(400, "invalid_json", f"body is not valid JSON: {err}")) from err
     try:
@@ -283,9 +283,9 @@ class Api:
         except NotFoundError:
             return Phase.idle
         try:
-            change = StateChange.model_validate(json.loads(msg.data or b"{}")["payload"])
+            change = StateChange.model_validate(parse_json(msg.data or b"{}")["payload"])
             return Phase(change.to_state)
-        except (ValueError, KeyError, ValidationError):
+        except (ValueError, KeyError, TypeError, ValidationError):
             return None
 
     async def _compacting(self, sid: str) -> bool:

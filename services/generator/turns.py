@@ -180,13 +180,14 @@ class TurnRunner:
     async def _tool_loop(self, turn: Turn, head: HeadStart | None
                          ) -> tuple[ChatResult, Messages, Messages]:
         tools = head.tools if head else await self._toolbox.definitions()
+        stream = self._turn_stream(turn.env, head)
         for _ in range(self._settings.max_tool_iterations + 1):
             prompt = head.prompt if head else await self._fitting_prompt(turn, tools)
             turn.reused_chars = self._reused_chars(turn.sid, prompt, tools)
             if head is not None:
                 result, head = await head.result(), None  # only the first call starts early
             else:
-                result = await self._call_model(turn.env, turn.record, prompt, tools)
+                result = await self._call_model(turn.env, turn.record, prompt, tools, stream)
             if not result.tool_calls:
                 return result, prompt, tools
             call = ChatMessage(role="assistant", content=result.content,
@@ -196,6 +197,16 @@ class TurnRunner:
             "tool_loop_limit",
             f"the model kept calling tools after {self._settings.max_tool_iterations} rounds",
         )
+
+    def _turn_stream(self, env: Envelope[Query], head: HeadStart | None) -> TokenStream | None:
+        """One numbering for all the model calls of a turn: a call after a tool
+        result that began again at 0 would look like a redelivered query, and
+        the caller would wipe the text the first call streamed."""
+        if not env.payload.stream:
+            return None
+        if head is not None and head.stream is not None:
+            return head.stream
+        return TokenStream(self._bus, env)
 
     async def _fitting_prompt(self, turn: Turn, tools: Messages) -> Messages:
         prompt = render_messages(turn.record.system, turn.view.conversation, turn.messages)

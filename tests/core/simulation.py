@@ -131,6 +131,9 @@ class Scenario:
             threshold=rng.choice((0.0, 0.6, 0.7, 0.8, 0.8, 0.9)),
             cooldown_s=rng.choice((0.0, 30.0, 120.0)),
             min_relief=rng.choice((0.05, 0.1, 0.2)),
+            # This world loses no result, and a compaction here may stay in
+            # flight for many simulated minutes: a request never expires.
+            pending_expiry_s=math.inf,
         )
         return cls(
             seed=seed,

@@ -15,6 +15,7 @@ from services.core.decision import (
     Observation,
     Policy,
     SessionMemory,
+    awaits_result,
     check_fit,
     decide,
     level_for,
@@ -53,6 +54,8 @@ def test_level_for_every_point(tokens: int, threshold: float) -> None:
 MEMORIES = [
     SessionMemory(),
     SessionMemory(pending=True, last_fired_at=90.0),
+    SessionMemory(pending=True, last_fired_at=-200.0),  # unanswered for exactly the expiry
+    SessionMemory(pending=True, last_fired_at=-900.0),  # unanswered for long: taken as lost
     SessionMemory(pending=False, last_fired_at=90.0, tokens_after_last=3000),  # 10 s ago
     SessionMemory(pending=False, last_fired_at=70.0),  # exactly the cooldown ago
     SessionMemory(pending=False, last_fired_at=10.0),  # long ago
@@ -67,16 +70,18 @@ RELIEF = [0, 999, 1000, 5000]
 def test_decide_every_combination(
     tokens: int, threshold: float, memory: SessionMemory, compactable: int
 ) -> None:
-    policy = Policy(threshold=threshold, cooldown_s=30.0, min_relief=0.1)
+    policy = Policy(threshold=threshold, cooldown_s=30.0, min_relief=0.1, pending_expiry_s=300.0)
     now = 100.0
     obs = Observation(tokens, BUDGET, compactable, now)
     decision, after = decide(obs, memory, policy)
 
     level = expected_level(tokens, BUDGET, threshold)
     cooling = memory.last_fired_at is not None and now - memory.last_fired_at < 30.0
+    awaiting = memory.pending and (memory.last_fired_at is None
+                                   or now - memory.last_fired_at < 300.0)
     should_fire = (
         level is not None
-        and not memory.pending
+        and not awaiting
         and (level is Level.emergency or not cooling)
         and compactable >= 1000
     )
@@ -127,6 +132,24 @@ def test_emergency_ignores_cooldown_but_never_pending() -> None:
     assert not blocked.fire
 
 
+def test_a_request_unanswered_past_the_expiry_is_asked_again() -> None:
+    """A lost publish or a missed result must not turn automatic compaction off
+    for good: once the expiry has passed, the session is asked for again, and
+    the new request is pending in its turn."""
+    policy = Policy(cooldown_s=0.0, pending_expiry_s=60.0)
+    memory = SessionMemory(pending=True, last_fired_at=100.0)
+    assert awaits_result(memory, 159.9, policy)
+    assert not awaits_result(memory, 160.0, policy)
+    blocked, same = decide(Observation(9000, BUDGET, 5000, 159.9), memory, policy)
+    assert not blocked.fire and same == memory and "pending" in blocked.reason
+    again, after = decide(Observation(9000, BUDGET, 5000, 160.0), memory, policy)
+    assert again.fire and after == SessionMemory(True, 160.0, None)
+    assert "no result in time" in again.reason
+    assert awaits_result(after, 160.0, policy)
+    assert not awaits_result(SessionMemory(), 0.0, policy)
+    assert awaits_result(SessionMemory(pending=True), 1e9, policy)  # no time known: waits
+
+
 def test_on_result_clears_pending_and_records_tokens_after() -> None:
     pending = SessionMemory(pending=True, last_fired_at=5.0)
     assert on_result(pending, 1234, 40.0) == SessionMemory(False, 5.0, 1234)
@@ -145,7 +168,8 @@ def test_one_crossing_fires_once() -> None:
 
 
 @pytest.mark.parametrize(
-    ("kwargs"), [{"threshold": -0.1}, {"threshold": 1.5}, {"cooldown_s": -1}, {"min_relief": 2}]
+    ("kwargs"), [{"threshold": -0.1}, {"threshold": 1.5}, {"cooldown_s": -1}, {"min_relief": 2},
+                 {"pending_expiry_s": 0}]
 )
 def test_policy_validation(kwargs: dict[str, float]) -> None:
     with pytest.raises(ValueError):
@@ -184,7 +208,8 @@ def test_decide_never_fires_below_threshold_or_twice(
     if decision.fire:
         assert threshold > 0 and tokens >= threshold * budget_ and not pending
         assert memory.pending
-        again, _ = decide(Observation(tokens, budget_, compactable, 1000.0), memory, policy)
+        # Past the cooldown, within the pending expiry: still not twice.
+        again, _ = decide(Observation(tokens, budget_, compactable, 100.0), memory, policy)
         assert not again.fire
 
 
