@@ -214,9 +214,16 @@ for (const [type, id, event] of [["compaction.event", "c1", "started"],
 // before its start was seen (load 3 against a start seen at load 3).
 const reload = [["idle", 4, 3], ["compacting", 4, 3], ["generating", 4, 3], ["idle", 3, 3]]
   .map(([state, readSeq, seenAt]) => mod.compactingAfterReload("c1", state, readSeq, seenAt));
+// The gauge after a compaction's result: completed moves it, anything else does not.
+const shown = { token_count: 1255, budget: 1792 };
+const gauge = [{ status: "completed", tokens_before: 1255, tokens_after: 1002 },
+               { status: "skipped", error: "nothing to compact" },
+               { status: "completed" }]
+  .map((result) => mod.sessionAfterCompaction(shown, result).token_count);
 console.log(JSON.stringify({
   events: out, levels, fmt: mod.fmt(1234567), pct: mod.percent(1234, 3584),
-  types: mod.LIVE_EVENT_TYPES, banner, reload,
+  types: mod.LIVE_EVENT_TYPES, banner, reload, gauge,
+  noSession: mod.sessionAfterCompaction(null, { status: "completed", tokens_after: 5 }),
 }));
 """
 
@@ -248,3 +255,5 @@ def test_sse_parser_and_helpers_under_node(tmp_path: Path) -> None:
     assert result["types"] == list(LIVE_EVENT_TYPES)
     assert result["banner"] == ["c1", "c1", None]
     assert result["reload"] == [None, "c1", "c1", "c1"]
+    assert result["gauge"] == [1002, 1255, 1255]
+    assert result["noSession"] is None

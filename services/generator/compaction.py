@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import structlog
 
@@ -27,8 +28,8 @@ from schemas.history import Conversation
 from schemas.messages import CompactionEvent, CompactionRequest, CompactionResult, Level
 from schemas.session import SessionRecord
 from services.core.boundary import tail_turns_for
+from services.core.context import next_prompt_tokens
 from services.core.decision import Level as CoreLevel
-from services.core.prompt import render_messages
 from services.core.splice import (
     CompactionPlan,
     SpliceConflict,
@@ -39,7 +40,7 @@ from services.core.splice import (
 from services.core.splice import first_user_request as first_request_of
 from services.core.state_machine import Action, CompactionMode, IllegalTransition
 from services.core.summary_prompt import summary_messages
-from services.core.tokens import Calibration, estimate_prompt
+from services.core.tokens import Calibration
 from services.generator.provider import ChatProvider, ChatRequest, ProviderError
 from services.generator.session_lock import LockTimeout, SessionLocks
 from services.generator.settings import GeneratorSettings
@@ -80,10 +81,21 @@ class Job:
     request_id: str | None = None
 
 
+class ToolDefinitions(Protocol):
+    async def definitions(self) -> list[dict[str, Any]]: ...
+
+
+class NoTools:
+    """Offers no tools: what a compactor without a tool catalogue counts."""
+
+    async def definitions(self) -> list[dict[str, Any]]:
+        return []
+
+
 class Compactor:
     def __init__(self, bus: Bus, live: LiveSettings[GeneratorSettings], provider: ChatProvider,
                  history: HistoryStore, sessions: SessionStore, locks: SessionLocks,
-                 states: SessionStates) -> None:
+                 states: SessionStates, tools: ToolDefinitions | None = None) -> None:
         self._bus = bus
         self._live = live
         self._provider = provider
@@ -91,6 +103,8 @@ class Compactor:
         self._sessions = sessions
         self._locks = locks
         self._states = states
+        # The tools the next prompt offers count in its size, as everywhere.
+        self._tools = tools or NoTools()
         self._running: set[str] = set()
 
     @property
@@ -121,7 +135,7 @@ class Compactor:
         job = Job(record.session_id, "emergency", True, "the next prompt would not fit",
                   None, correlation_id)
         plan = self._plan(view.conversation, job.level)
-        before = self.tokens(record, view.conversation)
+        before = await self.tokens(record, view.conversation)
         await self._announce(job, before)
         try:
             written = await self._write_summary(record, plan, job)
@@ -137,7 +151,7 @@ class Compactor:
                 await self._publish(job, self._failed(
                     job, f"compaction failed: {type(err).__name__}: {err}", before))
             raise
-        await self._publish(job, self._completed(job, record, before, spliced, written))
+        await self._publish(job, await self._completed(job, record, before, spliced, written))
         return spliced
 
     async def _attempt(self, job: Job) -> CompactionResult:
@@ -173,11 +187,11 @@ class Compactor:
         if job.request_id is not None and view.conversation.compacted_by == job.request_id:
             # Spliced by an earlier delivery of this request, whose result or
             # acknowledgement was then lost: report it, do not compact again.
-            return self._completed_before(job, record, view)
+            return await self._completed_before(job, record, view)
         if not view.conversation.messages:
             raise CompactionSkipped("no history to compact")
         plan = self._plan(view.conversation, job.level)
-        before = self.tokens(record, view.conversation)
+        before = await self.tokens(record, view.conversation)
         await self._states.apply(job.session_id, Action.start_compaction, job.correlation_id)
         try:
             await self._announce(job, before)
@@ -188,7 +202,7 @@ class Compactor:
         finally:
             await self._states.apply(job.session_id, Action.complete_compaction,
                                      job.correlation_id)
-        return self._completed(job, record, before, spliced, written)
+        return await self._completed(job, record, before, spliced, written)
 
     def _plan(self, conversation: Conversation, level: Level) -> CompactionPlan:
         tail = tail_turns_for(CoreLevel(level), self._settings.compaction_tail_turns)
@@ -235,13 +249,13 @@ class Compactor:
         during the summary included, not against the older snapshot. Without
         a summary, the structural fallback (old tool output elided) is spliced
         if it frees anything; otherwise the summariser's failure stands."""
-        before = self.tokens(record, current.conversation)
+        before = await self.tokens(record, current.conversation)
         if written.summary is None:
             snapshot = splice_elided(current.conversation, plan)
         else:
             snapshot = splice(current.conversation, plan, written.summary)
-        after = self.tokens(record, Conversation(summary=snapshot.summary,
-                                                 messages=snapshot.messages))
+        after = await self.tokens(record, Conversation(summary=snapshot.summary,
+                                                       messages=snapshot.messages))
         if after >= before and written.failure is not None:
             raise CompactionFailed(f"{written.failure}; no tool output to elide instead")
         if after >= before:
@@ -250,10 +264,10 @@ class Compactor:
         snapshot = snapshot.model_copy(update={"request_id": job.request_id})
         return await self._history.splice(record.session_id, current, snapshot), before
 
-    def tokens(self, record: SessionRecord, conversation: Conversation) -> int:
-        """Calibrated estimate of the prompt this conversation makes (not chars/4)."""
-        return estimate_prompt(render_messages(record.system, conversation),
-                               Calibration(record.tokens_per_char))
+    async def tokens(self, record: SessionRecord, conversation: Conversation) -> int:
+        """Tokens in the context this conversation makes, as the gauge counts them."""
+        return next_prompt_tokens(record.system, conversation, await self._tools.definitions(),
+                                  Calibration(record.tokens_per_char))
 
     @contextlib.asynccontextmanager
     async def _exclusive_if_blocking(self, sid: str) -> AsyncIterator[None]:
@@ -285,22 +299,22 @@ class Compactor:
         await self._bus.publish(subjects.COMPACTION_RESULT, result,
                                 correlation_id=job.correlation_id, session_id=job.session_id)
 
-    def _completed(self, job: Job, record: SessionRecord, before: int,
-                   spliced: HistoryView, written: Written) -> CompactionResult:
+    async def _completed(self, job: Job, record: SessionRecord, before: int,
+                         spliced: HistoryView, written: Written) -> CompactionResult:
         fallback = written.summary is None
         return CompactionResult(
             session_id=job.session_id, status="completed", tokens_before=before,
-            tokens_after=self.tokens(record, spliced.conversation),
+            tokens_after=await self.tokens(record, spliced.conversation),
             summary=spliced.conversation.summary, auto=job.auto, level=job.level,
             method="elision" if fallback else "summary",
             note=f"{written.failure}; old tool output elided instead" if fallback else None,
         )
 
-    def _completed_before(self, job: Job, record: SessionRecord,
-                          view: HistoryView) -> CompactionResult:
+    async def _completed_before(self, job: Job, record: SessionRecord,
+                                view: HistoryView) -> CompactionResult:
         return CompactionResult(
             session_id=job.session_id, status="completed",
-            tokens_after=self.tokens(record, view.conversation),
+            tokens_after=await self.tokens(record, view.conversation),
             summary=view.conversation.summary, auto=job.auto, level=job.level,
             note="compacted by an earlier delivery of this request; the size before "
                  "is not known any more, and the size after is the history's now",
