@@ -103,8 +103,10 @@ class Compactor:
         self._sessions = sessions
         self._locks = locks
         self._states = states
-        # The tools the next prompt offers count in its size, as everywhere.
+        # The offered tools count in the context's size, as everywhere: read
+        # afresh when a compaction starts (the catalogue caches them).
         self._tools = tools or NoTools()
+        self._offered: list[dict[str, Any]] = []
         self._running: set[str] = set()
 
     @property
@@ -134,8 +136,9 @@ class Compactor:
         """Emergency compaction by a turn that already holds the session lock."""
         job = Job(record.session_id, "emergency", True, "the next prompt would not fit",
                   None, correlation_id)
+        self._offered = await self._tools.definitions()
         plan = self._plan(view.conversation, job.level)
-        before = await self.tokens(record, view.conversation)
+        before = self.tokens(record, view.conversation)
         await self._announce(job, before)
         try:
             written = await self._write_summary(record, plan, job)
@@ -151,7 +154,7 @@ class Compactor:
                 await self._publish(job, self._failed(
                     job, f"compaction failed: {type(err).__name__}: {err}", before))
             raise
-        await self._publish(job, await self._completed(job, record, before, spliced, written))
+        await self._publish(job, self._completed(job, record, before, spliced, written))
         return spliced
 
     async def _attempt(self, job: Job) -> CompactionResult:
@@ -161,6 +164,7 @@ class Compactor:
         self._running.add(sid)
         try:
             record = await self._sessions.get(sid)
+            self._offered = await self._tools.definitions()
             async with self._exclusive_if_blocking(sid):
                 return await self._compact(job, record)
         except SessionNotFound:
@@ -187,11 +191,11 @@ class Compactor:
         if job.request_id is not None and view.conversation.compacted_by == job.request_id:
             # Spliced by an earlier delivery of this request, whose result or
             # acknowledgement was then lost: report it, do not compact again.
-            return await self._completed_before(job, record, view)
+            return self._completed_before(job, record, view)
         if not view.conversation.messages:
             raise CompactionSkipped("no history to compact")
         plan = self._plan(view.conversation, job.level)
-        before = await self.tokens(record, view.conversation)
+        before = self.tokens(record, view.conversation)
         await self._states.apply(job.session_id, Action.start_compaction, job.correlation_id)
         try:
             await self._announce(job, before)
@@ -202,7 +206,7 @@ class Compactor:
         finally:
             await self._states.apply(job.session_id, Action.complete_compaction,
                                      job.correlation_id)
-        return await self._completed(job, record, before, spliced, written)
+        return self._completed(job, record, before, spliced, written)
 
     def _plan(self, conversation: Conversation, level: Level) -> CompactionPlan:
         tail = tail_turns_for(CoreLevel(level), self._settings.compaction_tail_turns)
@@ -249,13 +253,13 @@ class Compactor:
         during the summary included, not against the older snapshot. Without
         a summary, the structural fallback (old tool output elided) is spliced
         if it frees anything; otherwise the summariser's failure stands."""
-        before = await self.tokens(record, current.conversation)
+        before = self.tokens(record, current.conversation)
         if written.summary is None:
             snapshot = splice_elided(current.conversation, plan)
         else:
             snapshot = splice(current.conversation, plan, written.summary)
-        after = await self.tokens(record, Conversation(summary=snapshot.summary,
-                                                       messages=snapshot.messages))
+        after = self.tokens(record, Conversation(summary=snapshot.summary,
+                                                 messages=snapshot.messages))
         if after >= before and written.failure is not None:
             raise CompactionFailed(f"{written.failure}; no tool output to elide instead")
         if after >= before:
@@ -264,9 +268,9 @@ class Compactor:
         snapshot = snapshot.model_copy(update={"request_id": job.request_id})
         return await self._history.splice(record.session_id, current, snapshot), before
 
-    async def tokens(self, record: SessionRecord, conversation: Conversation) -> int:
+    def tokens(self, record: SessionRecord, conversation: Conversation) -> int:
         """Tokens in the context this conversation makes, as the gauge counts them."""
-        return next_prompt_tokens(record.system, conversation, await self._tools.definitions(),
+        return next_prompt_tokens(record.system, conversation, self._offered,
                                   Calibration(record.tokens_per_char))
 
     @contextlib.asynccontextmanager
@@ -299,22 +303,22 @@ class Compactor:
         await self._bus.publish(subjects.COMPACTION_RESULT, result,
                                 correlation_id=job.correlation_id, session_id=job.session_id)
 
-    async def _completed(self, job: Job, record: SessionRecord, before: int,
-                         spliced: HistoryView, written: Written) -> CompactionResult:
+    def _completed(self, job: Job, record: SessionRecord, before: int,
+                   spliced: HistoryView, written: Written) -> CompactionResult:
         fallback = written.summary is None
         return CompactionResult(
             session_id=job.session_id, status="completed", tokens_before=before,
-            tokens_after=await self.tokens(record, spliced.conversation),
+            tokens_after=self.tokens(record, spliced.conversation),
             summary=spliced.conversation.summary, auto=job.auto, level=job.level,
             method="elision" if fallback else "summary",
             note=f"{written.failure}; old tool output elided instead" if fallback else None,
         )
 
-    async def _completed_before(self, job: Job, record: SessionRecord,
-                                view: HistoryView) -> CompactionResult:
+    def _completed_before(self, job: Job, record: SessionRecord,
+                          view: HistoryView) -> CompactionResult:
         return CompactionResult(
             session_id=job.session_id, status="completed",
-            tokens_after=await self.tokens(record, view.conversation),
+            tokens_after=self.tokens(record, view.conversation),
             summary=view.conversation.summary, auto=job.auto, level=job.level,
             note="compacted by an earlier delivery of this request; the size before "
                  "is not known any more, and the size after is the history's now",
