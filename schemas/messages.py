@@ -77,6 +77,11 @@ class GenerationReport(Payload):
     compactable_chars: int | None = Field(default=None, ge=0)
     # The same for the smaller live zones of the tighter and emergency levels.
     compactable_chars_by_level: dict[Level, int] = Field(default_factory=dict)
+    # Of those, the existing summary: a compaction rewrites it rather than frees it.
+    summary_chars: int = Field(default=0, ge=0)
+    # The session's tokens-per-character ratio after this call (None: not yet
+    # calibrated), so the decider counts the context as the rest of the system does.
+    tokens_per_char: float | None = Field(default=None, gt=0)
     # Characters of this prompt the provider may have served from its cache
     # (the previous call's prompt, unchanged): a count covering only the rest
     # must not be taken for the whole prompt's.

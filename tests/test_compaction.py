@@ -45,9 +45,10 @@ async def start(private_nats: NatsServer, stub: str
     systems: list[System] = []
     clients: list[httpx.AsyncClient] = []
 
-    def starter(**env: str) -> httpx.AsyncClient:
+    def starter(services: tuple[str, ...] = ("generator", "decider", "gateway"),
+                **env: str) -> httpx.AsyncClient:
         systems.append(System(private_nats.url, stub, {**SMALL_WINDOW, **env},
-                              services=("generator", "decider", "gateway")).start())
+                              services=services).start())
         clients.append(httpx.AsyncClient(base_url=systems[-1].base_url, timeout=60))
         return clients[-1]
 
@@ -86,6 +87,55 @@ def results(watcher: Watcher, sid: str) -> list[dict[str, Any]]:
 async def next_result(watcher: Watcher, sid: str, count: int = 1) -> dict[str, Any]:
     await watcher.wait_until(lambda: len(results(watcher, sid)) >= count, 20)
     return results(watcher, sid)[count - 1]
+
+
+async def test_one_count_of_the_tokens_in_the_context(
+    private_nats: NatsServer, start: Callable[..., httpx.AsyncClient]
+) -> None:
+    """A compaction's before and after, the session's token_count (the page's gauge)
+    and the decider's estimate are one number: the next prompt, offered tools included."""
+    http = start(services=("tools", "generator", "decider", "gateway"),
+                 COMPACTION_THRESHOLD="0.6", COMPACTION_MIN_RELIEF="0.05")
+    manual = await create(http, auto_compact=False)  # the decider leaves it alone
+    await chat(http, manual, 4, filler=200)
+    before = await session(http, manual)
+    async with watching(private_nats.url, *EVENTS) as watcher:
+        await http.post(f"/api/sessions/{manual}/compact")
+        result = await next_result(watcher, manual)
+    after = await session(http, manual)
+    assert result["status"] == "completed", result
+    assert (result["tokens_before"], result["tokens_after"]) == (
+        before["token_count"], after["token_count"])
+    assert watcher.payloads("compaction.event")[0]["tokens_before"] == before["token_count"]
+
+    auto = await create(http)
+    async with watching(private_nats.url, subjects.RESPONSE_GENERATION, *EVENTS) as watcher:
+        requested = await turns_until_the_decider_fires(private_nats.url, http, watcher, auto)
+        result = await next_result(watcher, auto)
+    estimate = int(requested["reason"].split()[1])  # "estimate N of budget ..."
+    assert result["status"] == "completed", result
+    assert result["tokens_before"] == estimate
+    assert watcher.payloads("compaction.event")[0]["tokens_before"] == estimate
+    assert result["tokens_after"] == (await session(http, auto))["token_count"]
+
+
+async def turns_until_the_decider_fires(nats_url: str, http: httpx.AsyncClient,
+                                        watcher: Watcher, sid: str) -> dict[str, Any]:
+    """One turn at a time, each judged by the decider before the next, until it asks
+    for a compaction: the history it judged is then the one compacted."""
+    for turn in range(1, 13):
+        assert (await http.post(f"/api/sessions/{sid}/messages",
+                                json={"content": f"question {turn} !long 600"})).status_code == 200
+        await watcher.wait_until(lambda: len(reports(watcher, sid)) >= turn, 20)  # noqa: B023
+        await consumer_caught_up(nats_url, subjects.GENERATIONS_STREAM, "compaction-decider")
+        requests = [p for p in watcher.payloads("compaction.request") if p["session_id"] == sid]
+        if requests:
+            return requests[0]
+    raise AssertionError("the decider never asked for a compaction")
+
+
+def reports(watcher: Watcher, sid: str) -> list[dict[str, Any]]:
+    return [p for p in watcher.payloads("response.generation") if p["session_id"] == sid]
 
 
 async def test_manual_compaction_keeps_the_tail_and_stacks_summaries(

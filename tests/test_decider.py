@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncIterator, Callable
 
 import nats
@@ -15,6 +16,8 @@ from schemas.envelope import Envelope
 from schemas.messages import CompactionRequest, CompactionResult, GenerationReport
 from services.compaction_decider.service import Decider
 from services.compaction_decider.settings import DeciderSettings
+from services.core.context import PromptSize, context_tokens
+from services.core.tokens import Calibration
 from services.shared.bus import Bus, decode
 from services.shared.jetstream import ensure_layout
 from tests.events import consumer_caught_up
@@ -213,3 +216,40 @@ async def test_a_result_published_while_the_decider_was_cut_off_still_counts(
         await cut_off.close()
         await direct.close()
         await link.cut()
+def at_85_percent(sid: str, compactable_chars: int) -> GenerationReport:
+    """A report of a session at 85% of an 8,192 window with 3,300 characters of notes,
+    counted at the session's own ratio of 0.25 (this call gave no count of its own)."""
+    return GenerationReport(
+        session_id=sid, model="m", prompt_tokens=None, sent_chars=24000, sent_messages=9,
+        num_ctx=8192, next_prompt_chars=24400, next_prompt_messages=10,
+        compactable_chars=compactable_chars,
+        compactable_chars_by_level={"gentle": compactable_chars}, summary_chars=3300,
+        tokens_per_char=0.25)
+
+
+async def test_the_decider_counts_at_the_sessions_ratio_and_nets_out_the_summary(
+        private_nats: NatsServer) -> None:
+    nc = await nats.connect(private_nats.url)
+    bus = Bus(nc, "compaction-decider")
+    await ensure_layout(bus.js)
+    requests = await nc.subscribe(subjects.COMPACTION_REQUEST)
+    decider = Decider(bus, DeciderSettings())
+    await decider.start()
+    try:
+        # Only the notes and one short turn lie before the live zone: a compaction
+        # would rewrite the notes and free almost nothing.
+        await bus.js_publish(subjects.RESPONSE_GENERATION, at_85_percent("notes", 3360),
+                             session_id="notes")
+        # A 10,000-character paste lies there too: worth compacting.
+        await bus.js_publish(subjects.RESPONSE_GENERATION, at_85_percent("paste", 13360),
+                             session_id="paste")
+        await consumer_caught_up(private_nats.url, subjects.GENERATIONS_STREAM,
+                                 "compaction-decider")
+        asked = json.loads((await requests.next_msg(timeout=5)).data)["payload"]
+        assert asked["session_id"] == "paste"
+        # The same count as the session's gauge: its ratio, not the fallback's.
+        gauge = context_tokens(PromptSize(24400, 10), Calibration(0.25))
+        assert asked["reason"].startswith(f"estimate {gauge} of budget 7168 tokens")
+    finally:
+        await decider.stop()
+        await nc.close()

@@ -20,6 +20,7 @@ from schemas import subjects
 from schemas.envelope import Envelope, new_id
 from schemas.messages import CompactionRequest, CompactionResult, GenerationReport
 from services.compaction_decider.settings import DeciderSettings
+from services.core.context import PromptSize, context_tokens, summary_allowance
 from services.core.decision import (
     Decision,
     Observation,
@@ -168,18 +169,23 @@ class Decider:
 
     def _decide(self, tracked: Tracked, report: GenerationReport
                 ) -> tuple[Decision, SessionMemory]:
-        cal = tracked.calibration
+        # The session's own ratio when the report carries it: the estimate is
+        # then the very number the gauge and the compaction results show.
+        cal = (Calibration(report.tokens_per_char) if report.tokens_per_char is not None
+               else tracked.calibration)
         limit = prompt_budget(report.num_ctx, self.settings.output_headroom)
-        upcoming = estimate_tokens(report.next_prompt_chars or report.sent_chars, cal,
-                                   report.next_prompt_messages)
+        upcoming = context_tokens(PromptSize(report.next_prompt_chars or report.sent_chars,
+                                             report.next_prompt_messages), cal)
         level = level_for(upcoming, limit, self.policy())
-        # What a compaction at that level could free: its own, smaller live zone.
+        # What a compaction at that level replaces: its own, smaller live zone.
         freeable = report.compactable_chars or 0
         if level is not None:
             freeable = report.compactable_chars_by_level.get(level.value, freeable)
         obs = Observation(next_prompt_tokens=upcoming, budget=limit,
                           compactable_tokens=estimate_tokens(freeable, cal),
-                          now=time.monotonic())
+                          now=time.monotonic(),
+                          summary_tokens=estimate_tokens(report.summary_chars, cal),
+                          summary_allowance=summary_allowance(report.num_ctx, limit, cal))
         return decide(obs, tracked.memory, self.policy())
 
     async def _on_result_message(self, msg: Msg) -> None:

@@ -60,8 +60,22 @@ class Policy:
 class Observation:
     next_prompt_tokens: int
     budget: int
+    # Everything a compaction at the level replaces: the messages before its
+    # live zone and the existing summary (`summary_tokens` of it).
     compactable_tokens: int
     now: float
+    summary_tokens: int = 0
+    # The most the summary it writes may take (`context.summary_allowance`).
+    summary_allowance: int = 0
+
+    @property
+    def relief_tokens(self) -> int:
+        """What the compaction is expected to free: what it replaces, less the
+        summary it writes. That summary is sized at its bound, and at least as
+        large as the one it replaces, since it merges it: the existing summary
+        is rewritten by a compaction, not freed."""
+        written = max(self.summary_tokens, self.summary_allowance)
+        return max(0, self.compactable_tokens - written)
 
 
 @dataclass(frozen=True)
@@ -69,7 +83,6 @@ class SessionMemory:
     # A request is out and unanswered; it was sent at `last_fired_at`.
     pending: bool = False
     last_fired_at: float | None = None
-    tokens_after_last: int | None = None
 
 
 @dataclass(frozen=True)
@@ -148,11 +161,14 @@ def _veto(obs: Observation, memory: SessionMemory, policy: Policy, level: Level)
                 f"cooldown {policy.cooldown_s:g}s)"
             )
     needed = policy.min_relief * obs.budget
-    if obs.compactable_tokens < needed:
+    relief = obs.relief_tokens
+    # Nothing to free is never worth a model call, whatever the minimum.
+    if relief < needed or relief <= 0:
         return (
-            f"only {obs.compactable_tokens} tokens lie outside the live zone, less than the "
-            f"minimum relief of {needed:.0f} ({policy.min_relief:.0%} of budget): "
-            "a compaction would free too little to be worth it"
+            f"a compaction would free about {relief} tokens ({obs.compactable_tokens} outside "
+            f"the live zone, summary included, less a summary of up to "
+            f"{max(obs.summary_tokens, obs.summary_allowance)}), less than the minimum relief "
+            f"of {needed:.0f} ({policy.min_relief:.0%} of budget): not worth it"
         )
     return None
 
@@ -175,7 +191,7 @@ def on_result(memory: SessionMemory, tokens_after: int | None, now: float) -> Se
     broken summariser is retried once per cooldown rather than on every turn.
     """
     last = now if tokens_after is None else memory.last_fired_at
-    return SessionMemory(pending=False, last_fired_at=last, tokens_after_last=tokens_after)
+    return SessionMemory(pending=False, last_fired_at=last)
 
 
 def check_fit(next_prompt_tokens: int, budget: int, margin: float = FIT_MARGIN) -> Fit:

@@ -22,9 +22,9 @@ from schemas import subjects
 from schemas.envelope import new_id
 from schemas.messages import MAX_CONTENT_CHARS, CompactionRequest, Query, Reply, StateChange
 from schemas.session import MAX_SYSTEM_PROMPT_CHARS, CompactionsRunning, SessionRecord
-from services.core.prompt import render_messages
+from services.core.context import next_prompt_tokens
 from services.core.state_machine import Phase, session_state
-from services.core.tokens import Calibration, estimate_prompt, prompt_budget
+from services.core.tokens import Calibration, prompt_budget
 from services.gateway.live import LiveFeed
 from services.gateway.replies import ReplyRouter, events_until_reply
 from services.gateway.settings import GatewaySettings
@@ -161,10 +161,10 @@ class Api:
         record = await self._record(session_id_of(request))
         sid = record.session_id
         view = await self._history.read(sid)
-        # As the generator's fit check counts it: the offered tools included.
-        tokens = estimate_prompt(render_messages(record.system, view.conversation),
-                                 Calibration(record.tokens_per_char),
-                                 await self._tools.definitions())
+        # Tokens in the context, as compaction results and the decider count them.
+        tokens = next_prompt_tokens(record.system, view.conversation,
+                                    await self._tools.definitions(),
+                                    Calibration(record.tokens_per_char))
         return JSONResponse({
             "session_id": sid,
             "system": record.system,

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import structlog
 
@@ -27,8 +28,8 @@ from schemas.history import Conversation
 from schemas.messages import CompactionEvent, CompactionRequest, CompactionResult, Level
 from schemas.session import SessionRecord
 from services.core.boundary import tail_turns_for
+from services.core.context import next_prompt_tokens
 from services.core.decision import Level as CoreLevel
-from services.core.prompt import render_messages
 from services.core.splice import (
     CompactionPlan,
     SpliceConflict,
@@ -39,7 +40,7 @@ from services.core.splice import (
 from services.core.splice import first_user_request as first_request_of
 from services.core.state_machine import Action, CompactionMode, IllegalTransition
 from services.core.summary_prompt import summary_messages
-from services.core.tokens import Calibration, estimate_prompt
+from services.core.tokens import Calibration
 from services.generator.provider import ChatProvider, ChatRequest, ProviderError
 from services.generator.session_lock import LockTimeout, SessionLocks
 from services.generator.settings import GeneratorSettings
@@ -80,10 +81,21 @@ class Job:
     request_id: str | None = None
 
 
+class ToolDefinitions(Protocol):
+    async def definitions(self) -> list[dict[str, Any]]: ...
+
+
+class NoTools:
+    """Offers no tools: what a compactor without a tool catalogue counts."""
+
+    async def definitions(self) -> list[dict[str, Any]]:
+        return []
+
+
 class Compactor:
     def __init__(self, bus: Bus, live: LiveSettings[GeneratorSettings], provider: ChatProvider,
                  history: HistoryStore, sessions: SessionStore, locks: SessionLocks,
-                 states: SessionStates) -> None:
+                 states: SessionStates, tools: ToolDefinitions | None = None) -> None:
         self._bus = bus
         self._live = live
         self._provider = provider
@@ -91,6 +103,10 @@ class Compactor:
         self._sessions = sessions
         self._locks = locks
         self._states = states
+        # The offered tools count in the context's size, as everywhere: read
+        # afresh when a compaction starts (the catalogue caches them).
+        self._tools = tools or NoTools()
+        self._offered: list[dict[str, Any]] = []
         self._running: set[str] = set()
 
     @property
@@ -120,6 +136,7 @@ class Compactor:
         """Emergency compaction by a turn that already holds the session lock."""
         job = Job(record.session_id, "emergency", True, "the next prompt would not fit",
                   None, correlation_id)
+        self._offered = await self._tools.definitions()
         plan = self._plan(view.conversation, job.level)
         before = self.tokens(record, view.conversation)
         await self._announce(job, before)
@@ -147,6 +164,7 @@ class Compactor:
         self._running.add(sid)
         try:
             record = await self._sessions.get(sid)
+            self._offered = await self._tools.definitions()
             async with self._exclusive_if_blocking(sid):
                 return await self._compact(job, record)
         except SessionNotFound:
@@ -251,9 +269,9 @@ class Compactor:
         return await self._history.splice(record.session_id, current, snapshot), before
 
     def tokens(self, record: SessionRecord, conversation: Conversation) -> int:
-        """Calibrated estimate of the prompt this conversation makes (not chars/4)."""
-        return estimate_prompt(render_messages(record.system, conversation),
-                               Calibration(record.tokens_per_char))
+        """Tokens in the context this conversation makes, as the gauge counts them."""
+        return next_prompt_tokens(record.system, conversation, self._offered,
+                                  Calibration(record.tokens_per_char))
 
     @contextlib.asynccontextmanager
     async def _exclusive_if_blocking(self, sid: str) -> AsyncIterator[None]:

@@ -112,11 +112,11 @@ class Generator:
         self._locks = locks
         self._states = SessionStates(bus, settings.generator_id,
                                      CompactionMode(settings.compaction_mode))
+        toolbox = Toolbox(bus, settings.tool_timeout_s)
         self._compactor = Compactor(bus, self._live, provider, self._history, sessions, locks,
-                                    self._states)
+                                    self._states, toolbox)
         self._turns = TurnRunner(bus, self._live, provider, self._history, sessions,
-                                 self._states, Toolbox(bus, settings.tool_timeout_s),
-                                 self._compactor)
+                                 self._states, toolbox, self._compactor)
         self._arrival = ArrivalOrder()
         self._tasks: set[asyncio.Task[None]] = set()
         # Queries and compactions being worked on. A query gives its room back

@@ -30,13 +30,13 @@ from schemas.history import ChatMessage, Conversation
 from schemas.messages import GenerationReport, Query, Reply
 from schemas.session import SessionRecord
 from services.core.boundary import choose_boundary, tail_turns_for
+from services.core.context import next_prompt_size
 from services.core.decision import Level, check_fit
 from services.core.prompt import (
     HistoryWeights,
     render_messages,
     reusable_chars,
     sent_chars,
-    tools_chars,
 )
 from services.core.state_machine import Action
 from services.core.tokens import Calibration, calibrate, estimate_prompt, prompt_budget
@@ -287,7 +287,8 @@ class TurnRunner:
         ratio = updated.tokens_per_char
         if ratio is not None and (previous.tokens_per_char is None
                                   or abs(ratio / previous.tokens_per_char - 1) > 0.005):
-            await self._sessions.put(record.model_copy(update={"tokens_per_char": ratio}))
+            turn.record = record.model_copy(update={"tokens_per_char": ratio})
+            await self._sessions.put(turn.record)
 
     async def _report(self, turn: Turn, result: ChatResult, sent: int, messages: int,
                       tools: Messages, started: float) -> None:
@@ -295,6 +296,7 @@ class TurnRunner:
         weights = HistoryWeights.of(turn.record.system, conversation)
         compactable = {level.value: weights.compactable(self._boundary(conversation, level))
                        for level in Level}
+        upcoming = next_prompt_size(turn.record.system, conversation, tools)
         report = GenerationReport(
             session_id=turn.sid,
             model=turn.record.model_or(self._settings.model),
@@ -304,10 +306,13 @@ class TurnRunner:
             sent_messages=messages,
             num_ctx=self._settings.num_ctx,
             duration_ms=(time.monotonic() - started) * 1000,
-            next_prompt_chars=weights.next_prompt + tools_chars(tools),
-            next_prompt_messages=weights.next_prompt_messages,
+            next_prompt_chars=upcoming.chars,
+            next_prompt_messages=upcoming.messages,
             compactable_chars=compactable[Level.gentle.value],
             compactable_chars_by_level=compactable,
+            summary_chars=weights.summary,
+            # As stored in the session's record: the ratio the gateway counts with.
+            tokens_per_char=turn.record.tokens_per_char,
             reused_chars=turn.reused_chars,
             auto_compact=turn.record.auto_compact,
         )

@@ -32,8 +32,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from schemas.history import ChatMessage, Conversation, ToolCall
+from schemas.history import ChatMessage, Conversation, Snapshot, ToolCall
 from services.core.boundary import choose_boundary, tail_turns_for
+from services.core.context import summary_allowance
 from services.core.decision import (
     EMERGENCY_FRACTION,
     Level,
@@ -46,8 +47,8 @@ from services.core.decision import (
     on_result,
 )
 from services.core.prompt import (
+    HistoryWeights,
     compact_json,
-    history_chars,
     render_messages,
     reusable_chars,
     sent_chars,
@@ -91,6 +92,10 @@ PREMATURE_SLACK = 0.05
 # The generator's guard acts at the emergency line, on an estimate that errs
 # both ways by up to about 6.5%: it must never compact below 85% of the budget.
 GUARD_SLACK = 0.10
+# A decider's compaction frees at least the minimum relief, less this share of
+# it: the relief is judged on estimates, and the ratio may move a little
+# between the request and the splice.
+RELIEF_SLACK = 0.10
 TOOLS: tuple[dict[str, Any], ...] = (
     {"type": "function", "function": {"name": "read_file", "description": "Read a file",
                                       "parameters": {"path": {"type": "string"}}}},
@@ -124,6 +129,9 @@ class Scenario:
     tail_turns: int
     turns: int
     system: str
+    # The summariser merges the earlier notes and writes up to its output
+    # budget, instead of a few short lines.
+    verbose_notes: bool
 
     @classmethod
     def draw(cls, seed: int, rng: random.Random) -> Scenario:
@@ -148,6 +156,7 @@ class Scenario:
             tail_turns=rng.choice((1, 2, 4, 8)),
             turns=rng.randint(30, 80),
             system="You are a careful assistant. " * rng.randint(1, 6),
+            verbose_notes=rng.random() < 0.5,
         )
 
     @property
@@ -251,6 +260,8 @@ class InFlight:
     plan: CompactionPlan
     level: Level
     splice_before_turn: int
+    # Requested by the decider once calibrated: it must free the minimum relief.
+    worth_checking: bool = False
 
 
 @dataclass
@@ -268,6 +279,8 @@ class Stats:
     # guard compaction fired; the invariants allow -5% and -10%.
     decider_excess: float = math.inf
     guard_excess: float = math.inf
+    # Least (true tokens freed / minimum relief) of a calibrated decider's compaction.
+    least_relief: float = math.inf
 
 
 @dataclass
@@ -419,12 +432,23 @@ class Simulation:
         if SUMMARY_MARKER not in request[0]["content"]:
             raise self.fail("the summarisation request lacks its marker")
         self.summaries += 1
-        text = f"notes {self.summaries}: " + "n" * self.rng.randint(40, 160)
+        head = f"notes {self.summaries}: "
+        text = head + "n" * max(0, self.notes_length(plan) - len(head))
         earlier = self.s.covered.get(plan.snapshot.summary or "", frozenset())
         self.s.covered[text] = earlier | {message_id(m) for m in plan.to_compact}
         return text
 
-    def apply_splice(self, plan: CompactionPlan) -> bool:
+    def notes_length(self, plan: CompactionPlan) -> int:
+        """Short notes, or (verbose) the earlier ones grown by part of the zone, up to
+        the summariser's output budget (the window's reply room), never beyond."""
+        if not self.sc.verbose_notes:
+            return self.rng.randint(40, 160)
+        most = int(0.9 * self.sc.headroom * self.sc.chars_per_token)
+        earlier = len(plan.snapshot.summary or "")
+        zone = sum(len(m.content) for m in plan.to_compact)
+        return min(most, max(earlier, 40) + int(zone * self.rng.uniform(0.1, 0.5)))
+
+    def apply_splice(self, plan: CompactionPlan, worth_checking: bool = False) -> bool:
         """Summarise and splice under the lock; False when the splice conflicts."""
         current = self.s.history
         summary = self.summarise(plan)
@@ -433,6 +457,8 @@ class Simulation:
         except SpliceConflict:
             self.stats.conflicts += 1
             return False
+        if worth_checking:
+            self.check_relief(current, snapshot)
         since = current.messages[len(plan.snapshot.messages):]
         kept = {message_id(m) for m in snapshot.messages}
         if not {message_id(m) for m in (*plan.live, *since)} <= kept:
@@ -442,6 +468,20 @@ class Simulation:
         self.stats.splices += 1
         self.check_history()
         return True
+
+    def check_relief(self, before: Conversation, after: Snapshot) -> None:
+        """A compaction the decider asked for frees about the minimum relief or more:
+        rewriting the summary alone is not worth a model call."""
+        spliced = Conversation(summary=after.summary, messages=after.messages)
+        freed = (self.provider.true_tokens(render_messages(self.sc.system, before))
+                 - self.provider.true_tokens(render_messages(self.sc.system, spliced)))
+        needed = self.sc.policy.min_relief * self.sc.budget
+        self.stats.least_relief = min(self.stats.least_relief, freed / needed)
+        if freed < (1 - RELIEF_SLACK) * needed:
+            raise self.fail(
+                f"a decider's compaction freed {freed} true tokens, less than the minimum "
+                f"relief of {needed:.0f} ({self.sc.policy.min_relief:.0%} of {self.sc.budget})"
+            )
 
     def emergency_compaction(self) -> None:
         """The generator's last guard: compact now, keeping only the last turn raw."""
@@ -461,7 +501,7 @@ class Simulation:
         """The lock is free: a due background splice or a queued blocking one runs."""
         flight = self.s.in_flight
         if flight is not None and flight.splice_before_turn <= self.turn:
-            ok = self.apply_splice(flight.plan)
+            ok = self.apply_splice(flight.plan, flight.worth_checking)
             self.s.in_flight = None
             self.act(Action.complete_compaction)
             self.result(ok)
@@ -480,7 +520,10 @@ class Simulation:
             else:
                 raise self.fail("blocking mode accepted a query while compacting")
         plan = plan_compaction(self.s.history, tail_turns_for(request.level, self.sc.tail_turns))
-        ok = plan is not None and self.apply_splice(plan)
+        # Planned afresh here: if the turn's own emergency compaction came first,
+        # the decider's judgement was about another history.
+        unchanged = self.s.history.compactions == request.plan.snapshot.compactions
+        ok = plan is not None and self.apply_splice(plan, request.worth_checking and unchanged)
         self.act(Action.complete_compaction)
         self.result(ok)
 
@@ -500,13 +543,17 @@ class Simulation:
         rendered, chars = self.render(next_pending)
         estimate = estimate_tokens(chars, s.calibration, len(rendered))
         level = level_for(estimate, sc.budget, sc.policy)
+        # Sized as the generator's report and the decider size it: what the
+        # compaction replaces, the summary included, and the summary apart.
+        weights = HistoryWeights.of(sc.system, s.history)
         compactable = 0
         if level is not None:
-            tail = tail_turns_for(level, sc.tail_turns)
-            boundary = choose_boundary(s.history.messages, tail)
-            zone = s.history.messages[:boundary]
-            compactable = estimate_tokens(history_chars(zone), s.calibration, len(zone))
-        obs = Observation(estimate, sc.budget, compactable, s.now)
+            boundary = choose_boundary(s.history.messages, tail_turns_for(level, sc.tail_turns))
+            compactable = estimate_tokens(weights.compactable(boundary), s.calibration)
+        obs = Observation(estimate, sc.budget, compactable, s.now,
+                          summary_tokens=estimate_tokens(weights.summary, s.calibration),
+                          summary_allowance=summary_allowance(sc.num_ctx, sc.budget,
+                                                              s.calibration))
         decision, s.memory = decide(obs, s.memory, sc.policy)
         if not decision.fire:
             return
@@ -550,18 +597,17 @@ class Simulation:
     def start_background(self, level: Level) -> None:
         s = self.s
         plan = plan_compaction(s.history, tail_turns_for(level, self.sc.tail_turns))
-        if self.sc.mode is CompactionMode.blocking:
-            if plan is not None:
-                s.queued = InFlight(plan, level, self.turn + 1)
-            else:
-                self.result(False)
-            return
         if plan is None:
-            self.result(False)
+            # Only the summary lies before the live zone: such a request would be
+            # skipped, and made again every cooldown for as long as that lasts.
+            raise self.fail(f"the decider fired ({level.value}) with nothing raw to compact")
+        checked = bool(s.calibration.reports)
+        if self.sc.mode is CompactionMode.blocking:
+            s.queued = InFlight(plan, level, self.turn + 1, checked)
             return
         self.act(Action.start_compaction)
         delay = self.rng.choice((0, 0, 1, 1, 2, 3))
-        s.in_flight = InFlight(plan, level, self.turn + 1 + delay)
+        s.in_flight = InFlight(plan, level, self.turn + 1 + delay, checked)
 
     # ----------------------------------------------------------------- accounting
 

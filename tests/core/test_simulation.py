@@ -41,7 +41,8 @@ def test_simulation() -> None:
         f"while blocking; fullest prompt {total.max_fill:.1%} of budget, worst "
         f"underestimate {total.max_underestimate:.1%}; closest firings: decider "
         f"{total.decider_excess:+.1%} from its threshold, guard {total.guard_excess:+.1%} "
-        "from the emergency line (fractions of the budget)"
+        "from the emergency line (fractions of the budget); least relief of a decider's "
+        f"compaction {total.least_relief:.2f} x the minimum"
     )
     # The world must actually exercise the paths the invariants guard.
     assert total.decider_firings and total.emergency_compactions and total.conflicts
@@ -56,6 +57,7 @@ def _accumulate(total: Stats, stats: Stats) -> None:
     total.max_underestimate = max(total.max_underestimate, stats.max_underestimate)
     total.decider_excess = min(total.decider_excess, stats.decider_excess)
     total.guard_excess = min(total.guard_excess, stats.guard_excess)
+    total.least_relief = min(total.least_relief, stats.least_relief)
 
 
 @pytest.mark.skipif(REPLAY_SEED is None, reason="set SIM_SEED=<seed> to replay one scenario")
