@@ -159,7 +159,7 @@ async def test_a_later_query_waits_for_a_dead_generators_query_without_spinning(
                              await deliveries(bus) - delivered)
     await nc.close()
     assert replies.order() == [first, second]
-    # Each turn takes and frees the lock once, and so may the second query's
-    # first delivery; before, every hand-back did.
-    assert writes <= 8, f"{writes} lock writes while the second query waited"
+    # Each turn takes and frees the lock once (and renews it if slow), and so
+    # may the second query's first delivery; before, every hand-back did.
+    assert writes <= 12, f"{writes} lock writes while the second query waited"
     assert delivered <= 20, f"the second query came back {delivered} times"
