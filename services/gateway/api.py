@@ -42,6 +42,7 @@ ERROR_STATUS = {
     "unknown_session": 404,
     "context_overflow": 413,
     "compacting": 409,
+    "already_answered": 409,
     "unreachable": 502,
     "provider_error": 502,
     "empty_reply": 502,

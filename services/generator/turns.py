@@ -149,6 +149,11 @@ class TurnRunner:
         if done is not None:
             log.info("query_already_answered")
             return Reply(session_id=sid, query_id=query_id, reply=done), None
+        if query_id in view.conversation.compacted_query_ids:
+            log.warning("query_answered_before_compaction")
+            return Reply(session_id=sid, query_id=query_id, error_code="already_answered",
+                         error="this query was answered before, and a compaction has "
+                               "since folded its answer into the summary"), None
         turn = Turn(env, record, view, [_question(env)])
         started = time.monotonic()
         await self._states.apply(sid, Action.start_generation, env.correlation_id)
