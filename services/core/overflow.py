@@ -21,7 +21,6 @@ from services.core.prompt import render_messages
 from services.core.summary_prompt import MINIMAL_SUMMARY
 
 
-
 def best_case_prompt(system: str, conversation: Conversation, pending: Sequence[ChatMessage],
                      tail_turns: int) -> list[dict[str, Any]]:
     """The smallest prompt a compaction keeping `tail_turns` turns raw could
