@@ -20,6 +20,15 @@ from services.core.cutting import cut_content, cut_text
 from services.core.prompt import render_messages
 from services.core.summary_prompt import MINIMAL_SUMMARY
 
+# A tool result that must be cut is cut until the prompt takes at most this
+# share of the budget (when it can). Cut just to fit, the turn would fill the
+# window, and as the last turn, which an emergency compaction keeps raw, it
+# would leave no room for any next question: the session would be stuck.
+CUT_TO_SHARE = 0.5
+
+# Does the turn in progress fit within this share of the budget?
+FitsShare = Callable[[Sequence[ChatMessage], float], bool]
+
 
 def best_case_prompt(system: str, conversation: Conversation, pending: Sequence[ChatMessage],
                      tail_turns: int) -> list[dict[str, Any]]:
@@ -31,6 +40,23 @@ def best_case_prompt(system: str, conversation: Conversation, pending: Sequence[
         return render_messages(system, conversation, pending)
     kept = Conversation(summary=MINIMAL_SUMMARY, messages=conversation.messages[boundary:])
     return render_messages(system, kept, pending)
+
+
+def cut_tool_output(pending: Sequence[ChatMessage], fits: FitsShare
+                    ) -> tuple[ChatMessage, ...] | None:
+    """The turn as it is when it fits; else with its tool results cut to
+    `CUT_TO_SHARE` of the budget, or failing that to the whole budget; None
+    when even that is not enough."""
+    if fits(pending, 1.0):
+        return tuple(pending)
+    for share in (CUT_TO_SHARE, 1.0):
+        def within(turn: Sequence[ChatMessage], share_: float = share) -> bool:
+            return fits(turn, share_)
+
+        cut = cut_tool_results(pending, within)
+        if cut is not None:
+            return cut
+    return None
 
 
 def cut_tool_results(pending: Sequence[ChatMessage], fits: Callable[[Sequence[ChatMessage]], bool]

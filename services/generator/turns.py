@@ -31,7 +31,7 @@ from schemas.messages import GenerationReport, Query, Reply
 from schemas.session import SessionRecord
 from services.core.boundary import choose_boundary, tail_turns_for
 from services.core.decision import Level, check_fit
-from services.core.overflow import best_case_prompt, cut_tool_results
+from services.core.overflow import FitsShare, best_case_prompt, cut_tool_output
 from services.core.prompt import (
     HistoryWeights,
     render_messages,
@@ -216,8 +216,9 @@ class TurnRunner:
         if self._fits(turn.record, prompt, tools):
             return prompt
         # Still over: a tool result too large for the turn is cut, not the turn lost.
-        if self._cut_tool_output(turn, lambda pending: self._fits(turn.record, render_messages(
-                turn.record.system, turn.view.conversation, pending), tools)):
+        if self._cut_tool_output(turn, lambda pending, share: self._fits(
+                turn.record, render_messages(turn.record.system, turn.view.conversation, pending),
+                tools, share)):
             return self._render(turn)
         raise self._overflow(turn.record, prompt, tools, advice)
 
@@ -228,11 +229,11 @@ class TurnRunner:
         cut first. False when nothing could help (history untouched)."""
         tail = tail_turns_for(Level.emergency, self._settings.compaction_tail_turns)
 
-        def best_case_fits(pending: Sequence[ChatMessage]) -> bool:
+        def best_case_fits(pending: Sequence[ChatMessage], share: float = 1.0) -> bool:
             best = best_case_prompt(turn.record.system, turn.view.conversation, pending, tail)
-            return self._fits(turn.record, best, tools)
+            return self._fits(turn.record, best, tools, share)
 
-        if not best_case_fits(turn.messages) and not self._cut_tool_output(turn, best_case_fits):
+        if not self._cut_tool_output(turn, best_case_fits):
             log.info("emergency_compaction_cannot_help")
             return False
         prompt = self._render(turn)
@@ -246,11 +247,10 @@ class TurnRunner:
                                  f"emergency compaction could not make room: {err}") from err
         return True
 
-    def _cut_tool_output(self, turn: Turn, fits: Callable[[Sequence[ChatMessage]], bool]
-                         ) -> bool:
-        """Cut the turn's tool results (newest first) until `fits`; False when
-        even that is not enough."""
-        cut = cut_tool_results(turn.messages, fits)
+    def _cut_tool_output(self, turn: Turn, fits: FitsShare) -> bool:
+        """The turn's tool results cut (newest first) if it does not fit; False
+        when even that is not enough."""
+        cut = cut_tool_output(turn.messages, fits)
         if cut is None:
             return False
         if list(cut) != turn.messages:
@@ -273,8 +273,10 @@ class TurnRunner:
     def _estimate(self, record: SessionRecord, prompt: Messages, tools: Messages) -> int:
         return estimate_prompt(prompt, Calibration(record.tokens_per_char), tools)
 
-    def _fits(self, record: SessionRecord, prompt: Messages, tools: Messages) -> bool:
-        return check_fit(self._estimate(record, prompt, tools), self.budget()).fits
+    def _fits(self, record: SessionRecord, prompt: Messages, tools: Messages,
+              share: float = 1.0) -> bool:
+        """Does the prompt fit (within `share` of the budget), margin kept?"""
+        return check_fit(self._estimate(record, prompt, tools), int(share * self.budget())).fits
 
     def _overflow(self, record: SessionRecord, prompt: Messages, tools: Messages,
                   advice: str) -> TurnError:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from schemas.history import ChatMessage, Conversation, ToolCall
 from services.core.decision import check_fit
-from services.core.overflow import best_case_prompt, cut_tool_results
+from services.core.overflow import CUT_TO_SHARE, best_case_prompt, cut_tool_output, cut_tool_results
 from services.core.prompt import render_messages
 from services.core.summary_prompt import MINIMAL_SUMMARY
 from services.core.tokens import Calibration, estimate_prompt, prompt_budget
@@ -78,3 +78,20 @@ def test_results_are_cut_newest_first_and_a_turn_without_them_is_left_alone() ->
     assert cut_tool_results([user("x" * 40_000)], lambda t: fits(
         render_messages("", Conversation(), t))) is None
     assert cut_tool_results(turn_with_results(10), lambda t: True) == tuple(turn_with_results(10))
+
+
+def test_a_result_that_must_be_cut_leaves_room_for_the_next_question() -> None:
+    """Cut only just to fit, the turn would fill the window and, kept raw as the
+    last turn by every emergency compaction, leave no room for a next turn."""
+    def fits_share(turn: object, share: float) -> bool:
+        assert isinstance(turn, (list, tuple))
+        estimate = estimate_prompt(render_messages("", Conversation(), turn), CAL)
+        return check_fit(estimate, int(share * BUDGET)).fits
+
+    turn = turn_with_results(60_000)
+    cut = cut_tool_output(turn, fits_share)
+    assert cut is not None and fits_share(cut, CUT_TO_SHARE)
+    assert estimate_prompt(render_messages("", Conversation(), cut), CAL) > 0.4 * BUDGET
+    small = turn_with_results(100)
+    assert cut_tool_output(small, fits_share) == tuple(small)  # fits: nothing cut
+    assert cut_tool_output([user("x" * 40_000)], fits_share) is None
