@@ -4,6 +4,7 @@ every attempt ends in exactly one `compaction.result`, whatever fails."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -17,8 +18,9 @@ from schemas import subjects
 from schemas.history import ChatMessage
 from schemas.messages import CompactionRequest, CompactionResult
 from schemas.session import SessionRecord
+from services.core.pieces import Piece
 from services.core.state_machine import CompactionMode
-from services.generator.compaction import Compactor
+from services.generator.compaction import Compactor, PieceWritten
 from services.generator.provider import OllamaProvider
 from services.generator.session_lock import SessionLocks
 from services.generator.settings import GeneratorSettings
@@ -39,7 +41,8 @@ def slow_summariser() -> Iterator[str]:
         yield url
 
 
-async def compactor_on(nc: NATS, stub: str, **settings_: Any
+async def compactor_on(nc: NATS, stub: str, on_piece: PieceWritten | None = None,
+                       **settings_: Any
                        ) -> tuple[Compactor, HistoryStore, SessionStore, OllamaProvider]:
     js = nc.jetstream()
     await ensure_layout(js)
@@ -51,7 +54,8 @@ async def compactor_on(nc: NATS, stub: str, **settings_: Any
     locks = SessionLocks(await locks_bucket(js, None), "compactor-test", 5.0, 5.0)
     provider = OllamaProvider(stub, 30.0)
     compactor = Compactor(bus, LiveSettings(js, settings), provider, history, sessions, locks,
-                          SessionStates(bus, "compactor-test", CompactionMode.background))
+                          SessionStates(bus, "compactor-test", CompactionMode.background),
+                          on_piece)
     return compactor, history, sessions, provider
 
 
@@ -135,12 +139,13 @@ async def stand_in_stats(stub: str) -> dict[str, Any]:
         return dict((await client.get(f"{stub}/_stub/stats")).json())
 
 
-async def compact_once(nc: NATS, stub: str, turns: list[tuple[str, str]], **settings: Any
+async def compact_once(nc: NATS, stub: str, turns: list[tuple[str, str]],
+                       on_piece: PieceWritten | None = None
                        ) -> tuple[CompactionResult, HistoryView, HistoryView]:
     """One manual compaction of a session holding these turns (then one more, kept
     raw), by a summariser named `writer` with a 2,048-token window."""
     compactor, history, sessions, provider = await compactor_on(
-        nc, stub, compaction_model="writer", compaction_num_ctx=2048, **settings)
+        nc, stub, on_piece, compaction_model="writer", compaction_num_ctx=2048)
     sid = uuid.uuid4().hex
     await sessions.create(SessionRecord(session_id=sid, system="Be brief."))
     view = await history.read(sid)
@@ -160,10 +165,18 @@ async def test_a_zone_larger_than_the_summarisers_window_is_summarised_in_pieces
         nc: NATS, stub_url: str) -> None:
     turns = [("Port the parser to Rust, keeping every error code.", "Starting.")]
     turns += [(f"question {i} " + "q" * 600, f"answer {i} " + "a" * 900) for i in range(12)]
+    pieces: list[Piece] = []
+
+    async def written(sid: str, piece: Piece) -> None:
+        pieces.append(piece)
+
     before = await stand_in_stats(stub_url)
-    result, _, after = await compact_once(nc, stub_url, turns)
+    result, _, after = await compact_once(nc, stub_url, turns, written)
     stats = (await stand_in_stats(stub_url))["models"]["writer"]
     assert result.status == "completed" and result.method == "summary", result
+    # Progress piece by piece: each starts where the one before ended, to the zone's end.
+    assert len(pieces) > 1 and pieces[0].start == 0 and pieces[-1].end == 2 * len(turns)
+    assert all(a.end == b.start for a, b in itertools.pairwise(pieces))
     assert stats["requests"] - before["models"].get("writer", {}).get("requests", 0) > 1
     # Every call within the window, the summary's own room kept.
     assert stats["max_prompt_tokens"] <= 2048 - 256 and stats["truncated"] == 0
