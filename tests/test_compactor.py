@@ -203,3 +203,20 @@ async def test_a_summary_cut_off_even_with_half_the_window_is_never_spliced(
     assert result.status == "failed" and result.error is not None
     assert "cut off at its length limit even with 1024 of the window's 2048" in result.error
     assert after.conversation == before.conversation
+
+
+async def test_one_message_too_large_for_any_piece_is_cut_with_a_marker(
+        nc: NATS, stub_url: str) -> None:
+    pieces: list[Piece] = []
+
+    async def written(sid: str, piece: Piece) -> None:
+        pieces.append(piece)
+
+    turns = [("Read the log.", "Done."), ("Show it", "log line\n" * 5000), ("Now?", "ok")]
+    result, _, _ = await compact_once(nc, stub_url, turns, written)
+    assert result.status == "completed" and result.method == "summary", result
+    cut = [piece for piece in pieces if piece.cut_chars]
+    assert len(cut) == 1 and cut[0].cut_chars > 30_000
+    assert f"[… {cut[0].cut_chars:,} characters left out here" in cut[0].messages[1]["content"]
+    stats = (await stand_in_stats(stub_url))["models"]["writer"]
+    assert stats["max_prompt_tokens"] <= 2048 - 256 and stats["truncated"] == 0

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from schemas.history import ChatMessage
-from services.core.cutting import cut_text, longest_fitting_cut
+from services.core.cutting import cut_text, left_out, longest_fitting_cut
 from services.core.decision import check_fit
 from services.core.summary_prompt import summary_request, transcript_entries
 from services.core.tokens import Calibration, budget, default_headroom, estimate_prompt
@@ -114,11 +114,11 @@ def next_piece(zone: Zone, start: int, notes: str | None, window: SummaryWindow)
         kept = longest_fitting_cut(entry, lambda text: window.fits(request([text])))
         if kept is None:
             raise NothingFits(_nothing_fits(window, request([cut_text(entry, 0)])))
-        cut, end = len(entry) - len(kept), start + 1
+        cut, end = left_out(kept) - left_out(entry), start + 1
         messages = request([kept])
     else:
         messages = request(zone.entries[start:end])
-    return Piece(messages, start, end, max(0, cut), window.output_tokens)
+    return Piece(messages, start, end, cut, window.output_tokens)
 
 
 def count_pieces(zone: Zone, notes: str | None, window: SummaryWindow) -> int:
