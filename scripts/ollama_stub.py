@@ -66,6 +66,9 @@ _TOOL_DIRECTIVE = re.compile(r"!tool\s+([A-Za-z_][\w.\-]*)")
 _LONG_DIRECTIVE = re.compile(r"!long\s+(\d+)")
 # `!lead "Let me check"`: the text a tool-calling reply writes before its calls.
 _LEAD_DIRECTIVE = re.compile(r'!lead\s+"([^"]*)"')
+# In a transcript being summarised: write a summary of that many characters
+# (to exceed num_predict and see the answer cut off with done_reason "length").
+_SUMMARY_DIRECTIVE = re.compile(r"!summary\s+(\d+)")
 # Keep calling the tool after each result, for tests of a runaway tool loop.
 _TOOL_LOOP_DIRECTIVE = "!toolloop"
 _FIRST_REQUEST = re.compile(r"FIRST REQUEST[^\n]*\n(.+)")
@@ -260,6 +263,10 @@ def parse_options(raw: Any) -> JSONObject:
         minimum = 1 if key == "num_ctx" else 0
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             raise BadRequest(f"options.{key} must be an integer >= {minimum}")
+    # Ollama's answer limit: a positive count, or -1 (no limit) or -2 (fill the window).
+    limit = raw.get("num_predict")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)):
+        raise BadRequest("options.num_predict must be an integer")
     return dict(raw)
 
 
@@ -404,6 +411,8 @@ def build_summary(messages: Sequence[ChatMessage], exact_chars: int | None) -> s
     conversation = [m for m in messages if m["role"] != "system"]
     digest = hashlib.sha256(canonical_json(conversation).encode()).hexdigest()[:12]
     seed = int(digest, 16)
+    if exact_chars is None:
+        exact_chars = summary_directive(conversation)
     wanted = summary_target_chars(conversation) if exact_chars is None else exact_chars
     # Short requested lengths are cut from a minimal summary so the prefix stays structured.
     length = max(wanted, SUMMARY_MIN_CHARS)
@@ -419,6 +428,13 @@ def build_summary(messages: Sequence[ChatMessage], exact_chars: int | None) -> s
     progress = _fit(_progress_text(conversation, digest), rest - next_chars, seed)
     summary = f"{labels[0]}{goal}{labels[1]}{progress}{labels[2]}{next_step}"
     return summary[:wanted]
+
+
+def summary_directive(conversation: Sequence[ChatMessage]) -> int | None:
+    """The largest ``!summary N`` asked for in the text being summarised, if any."""
+    asked = [int(found.group(1)) for message in conversation
+             for found in _SUMMARY_DIRECTIVE.finditer(str(message.get("content") or ""))]
+    return min(max(asked), LONG_MAX_CHARS) if asked else None
 
 
 def offered_tool_names(tools: Sequence[JSONObject]) -> set[str]:
@@ -512,6 +528,21 @@ def build_reply(request: ChatRequest, messages: Sequence[ChatMessage]) -> Reply:
     if wants_thinking(request.think):
         reply.thinking = f"Considering {len(messages)} message(s) before answering."
     return reply
+
+
+def limit_to_num_predict(reply: Reply, num_predict: Any, chars_per_token: float) -> str:
+    """Cut the answer at ``num_predict`` tokens as Ollama does, thinking first
+    (it comes first); the done_reason: "length" when cut, else "stop"."""
+    cpt = chars_per_token
+    if not isinstance(num_predict, int) or num_predict <= 0:
+        return "stop"  # -1: no limit; -2 (fill the window) is left to num_ctx
+    if count_completion_tokens(reply.content, reply.thinking, reply.tool_calls, cpt) <= num_predict:
+        return "stop"
+    room = int(num_predict * cpt)
+    reply.thinking = reply.thinking[:room]
+    reply.content = reply.content[: room - len(reply.thinking)]
+    reply.tool_calls = []  # a call cut in the middle is no call
+    return "length"
 
 
 def apply_empty_content_quirk(reply: Reply) -> None:
@@ -661,10 +692,11 @@ class Generation:
     latency_s: float
     per_token_s: float
     started_ns: int
+    done_reason: str = "stop"
 
     def final_fields(self, load_ns: int, eval_ns: int) -> JSONObject:
         fields: JSONObject = {
-            "done_reason": "stop",
+            "done_reason": self.done_reason,
             "total_duration": time.perf_counter_ns() - self.started_ns,
             "load_duration": load_ns,
         }
@@ -797,6 +829,7 @@ def prepare_generation(
     if "empty-content" in config.quirks:
         apply_empty_content_quirk(reply)
     cpt = config.chars_per_token
+    done_reason = limit_to_num_predict(reply, request.options.get("num_predict"), cpt)
     return Generation(
         model=request.model,
         reply=reply,
@@ -805,6 +838,7 @@ def prepare_generation(
         latency_s=config.latency_ms(request.model) / 1000,
         per_token_s=config.ms_per_token / 1000,
         started_ns=started_ns,
+        done_reason=done_reason,
     )
 
 

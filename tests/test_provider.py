@@ -96,3 +96,22 @@ async def test_a_tool_call_without_a_usable_name_is_a_provider_error(stub_url: s
         await provider.close()
     assert raised.value.cause == "provider_error"
     assert "could not be read" in str(raised.value) and "name" in str(raised.value)
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+async def test_an_answer_cut_at_num_predict_says_length(stub_url: str, streamed: bool) -> None:
+    provider = OllamaProvider(stub_url, 10.0)
+    tokens: list[str] = []
+
+    async def collect(text: str) -> None:
+        tokens.append(text)
+
+    try:
+        request = ChatRequest(model="stub-model", num_ctx=2048, num_predict=10,
+                              messages=[{"role": "user", "content": "hi !long 500"}])
+        cut = await provider.chat(request, collect if streamed else None)
+        whole = await provider.chat(question("hi !long 500"))
+    finally:
+        await provider.close()
+    assert (cut.done_reason, cut.completion_tokens, len(cut.content)) == ("length", 10, 40)
+    assert whole.done_reason == "stop" and len(whole.content) > 500

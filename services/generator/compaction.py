@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -30,6 +30,7 @@ from schemas.session import SessionRecord
 from services.core.boundary import tail_turns_for
 from services.core.context import next_prompt_tokens
 from services.core.decision import Level as CoreLevel
+from services.core.pieces import NothingFits, Piece, SummaryWindow, Zone, next_piece
 from services.core.splice import (
     CompactionPlan,
     SpliceConflict,
@@ -39,9 +40,8 @@ from services.core.splice import (
 )
 from services.core.splice import first_user_request as first_request_of
 from services.core.state_machine import Action, CompactionMode, IllegalTransition
-from services.core.summary_prompt import summary_messages
 from services.core.tokens import Calibration
-from services.generator.provider import ChatProvider, ChatRequest, ProviderError
+from services.generator.provider import ChatProvider, ChatRequest, ChatResult, ProviderError
 from services.generator.session_lock import LockTimeout, SessionLocks
 from services.generator.settings import GeneratorSettings
 from services.generator.states import SessionStates
@@ -51,6 +51,9 @@ from services.shared.live_config import LiveSettings
 from services.shared.sessions import SessionNotFound, SessionStore
 
 log = structlog.get_logger()
+# Called after each piece of a summary is written (session id, the piece):
+# where progress can be published.
+PieceWritten = Callable[[str, Piece], Awaitable[None]]
 
 
 class CompactionSkipped(Exception):
@@ -95,7 +98,8 @@ class NoTools:
 class Compactor:
     def __init__(self, bus: Bus, live: LiveSettings[GeneratorSettings], provider: ChatProvider,
                  history: HistoryStore, sessions: SessionStore, locks: SessionLocks,
-                 states: SessionStates, tools: ToolDefinitions | None = None) -> None:
+                 states: SessionStates, tools: ToolDefinitions | None = None,
+                 on_piece: PieceWritten | None = None) -> None:
         self._bus = bus
         self._live = live
         self._provider = provider
@@ -108,6 +112,7 @@ class Compactor:
         self._tools = tools or NoTools()
         self._offered: list[dict[str, Any]] = []
         self._running: set[str] = set()
+        self._on_piece = on_piece
 
     @property
     def _settings(self) -> GeneratorSettings:
@@ -225,25 +230,51 @@ class Compactor:
             return Written(None, str(err))
 
     async def _summarise(self, record: SessionRecord, plan: CompactionPlan, job: Job) -> str:
-        messages = summary_messages(plan.snapshot.summary, plan.to_compact,
-                                    first_request_of(plan.snapshot), job.instructions)
-        request = ChatRequest(
-            model=self._settings.compaction_model or record.model_or(self._settings.model),
-            messages=messages, num_ctx=self._settings.num_ctx,
-        )
+        zone = Zone.of(plan.to_compact, first_request_of(plan.snapshot), job.instructions)
+        timeout = self._settings.summary_timeout_s
         try:
-            async with asyncio.timeout(self._settings.summary_timeout_s):
-                result = await self._provider.chat(request)
+            async with asyncio.timeout(timeout):
+                return await self._in_pieces(record, zone, plan.snapshot.summary, job)
         except TimeoutError as err:
-            raise CompactionFailed(
-                f"summariser failed: no summary within {self._settings.summary_timeout_s:g} s"
-            ) from err
-        except ProviderError as err:
+            raise CompactionFailed(f"summariser failed: no summary within {timeout:g} s") from err
+        except (ProviderError, NothingFits) as err:
             raise CompactionFailed(f"summariser failed: {err}") from err
-        if not result.content.strip():
-            where = " (all its output was in 'thinking')" if result.thinking else ""
-            raise CompactionFailed(f"summariser failed: it returned an empty summary{where}")
-        return result.content.strip()
+
+    async def _in_pieces(self, record: SessionRecord, zone: Zone, notes: str | None,
+                         job: Job) -> str:
+        """notes₁ from the first piece, notes₂ from notes₁ and the next, ...
+        Each piece is planned (and checked) with the notes it is sent with."""
+        window, start = self._summary_window(record), 0
+        while start < len(zone.entries):
+            piece = next_piece(zone, start, notes, window)
+            result = await self._provider.chat(ChatRequest(
+                model=self._summary_model(record), messages=piece.messages,
+                num_ctx=window.num_ctx, num_predict=window.output_tokens))
+            if result.done_reason == "length":
+                window = _more_room(window)  # the same entries again, with more room
+                continue
+            notes = _written(result)
+            log.info("summary_piece_written", first=piece.start, end=piece.end,
+                     entries=len(zone.entries), cut_chars=piece.cut_chars,
+                     output_tokens=piece.output_tokens)
+            if self._on_piece is not None:
+                await self._on_piece(job.session_id, piece)
+            start = piece.end
+        assert notes is not None  # the zone is never empty
+        return notes
+
+    def _summary_model(self, record: SessionRecord) -> str:
+        return self._settings.compaction_model or record.model_or(self._settings.model)
+
+    def _summary_window(self, record: SessionRecord) -> SummaryWindow:
+        """The summariser's window, estimated with the session's calibration when
+        the summariser is the session's own model (another model's is unknown:
+        the conservative fallback)."""
+        settings = self._settings
+        own = self._summary_model(record) == record.model_or(settings.model)
+        calibration = Calibration(record.tokens_per_char) if own else Calibration()
+        return SummaryWindow.for_summaries(settings.compaction_num_ctx or settings.num_ctx,
+                                           calibration)
 
     async def _splice(self, record: SessionRecord, current: HistoryView, plan: CompactionPlan,
                       written: Written, job: Job) -> tuple[HistoryView, int]:
@@ -339,3 +370,21 @@ class Compactor:
     def _failed(job: Job, error: str, tokens_before: int | None = None) -> CompactionResult:
         return CompactionResult(session_id=job.session_id, status="failed", error=error,
                                 tokens_before=tokens_before, auto=job.auto, level=job.level)
+
+
+def _more_room(window: SummaryWindow) -> SummaryWindow:
+    """A summary cut off at its length limit is never spliced: it is written
+    again with twice the room, up to half the window."""
+    roomier = window.with_more_room()
+    if roomier is None:
+        raise CompactionFailed(
+            f"summariser failed: the summary was cut off at its length limit even with "
+            f"{window.output_tokens} of the window's {window.num_ctx} tokens for it")
+    return roomier
+
+
+def _written(result: ChatResult) -> str:
+    if not result.content.strip():
+        where = " (all its output was in 'thinking')" if result.thinking else ""
+        raise CompactionFailed(f"summariser failed: it returned an empty summary{where}")
+    return result.content.strip()

@@ -38,6 +38,8 @@ class ChatRequest:
     messages: list[dict[str, Any]]
     num_ctx: int
     tools: Sequence[dict[str, Any]] = ()
+    # The most tokens the answer may have (Ollama's num_predict); None: no limit.
+    num_predict: int | None = None
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,8 @@ class ChatResult:
     thinking: str = ""
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    # "length" when the answer was cut off at num_predict (or the window).
+    done_reason: str | None = None
 
 
 class ChatProvider(Protocol):
@@ -135,6 +139,7 @@ class OllamaProvider:
             thinking=message.thinking or "",
             prompt_tokens=response.prompt_eval_count,
             completion_tokens=response.eval_count,
+            done_reason=response.done_reason,
         )
 
     async def _stream(self, request: ChatRequest, on_token: OnToken) -> ChatResult:
@@ -158,6 +163,7 @@ class OllamaProvider:
             thinking="".join(thinking),
             prompt_tokens=final.prompt_eval_count if final else None,
             completion_tokens=final.eval_count if final else None,
+            done_reason=final.done_reason if final else None,
         )
 
     async def _send(self, request: ChatRequest, stream: bool) -> Any:
@@ -166,8 +172,11 @@ class OllamaProvider:
         back to the same JSON: the largest share of the generator's CPU per
         answer, growing with the history. The client's request method keeps its
         transport, error mapping and response parsing."""
+        options: dict[str, Any] = {"num_ctx": request.num_ctx}
+        if request.num_predict is not None:
+            options["num_predict"] = request.num_predict
         body: dict[str, Any] = {"model": request.model, "messages": request.messages,
-                                "stream": stream, "options": {"num_ctx": request.num_ctx}}
+                                "stream": stream, "options": options}
         if request.tools:
             body["tools"] = list(request.tools)
         send: Any = self._client._request

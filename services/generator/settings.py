@@ -31,6 +31,8 @@ class GeneratorSettings(ServiceSettings):
     # In blocking mode, how long a query waits for a compaction before it is refused.
     blocking_query_wait_s: float = Field(default=0.0, ge=0)
     compaction_model: str | None = None
+    # The summariser's window (COMPACTION_MODEL may be another model); None: num_ctx.
+    compaction_num_ctx: int | None = Field(default=None, ge=256)
     summary_timeout_s: float = Field(default=120.0, gt=0)
     # Sessions answered at once by this process.
     max_concurrent_sessions: int = Field(default=64, ge=1)

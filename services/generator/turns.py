@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +32,7 @@ from schemas.session import SessionRecord
 from services.core.boundary import choose_boundary, tail_turns_for
 from services.core.context import next_prompt_size
 from services.core.decision import Level, check_fit
+from services.core.overflow import FitsShare, best_case_prompt, cut_tool_output
 from services.core.prompt import (
     HistoryWeights,
     render_messages,
@@ -214,25 +215,68 @@ class TurnRunner:
         return TokenStream(self._bus, env)
 
     async def _fitting_prompt(self, turn: Turn, tools: Messages) -> Messages:
-        prompt = render_messages(turn.record.system, turn.view.conversation, turn.messages)
+        prompt = self._render(turn)
         if self._fits(turn.record, prompt, tools):
             return prompt
         if not self._may_compact(turn.record):
-            raise self._overflow(turn.record, prompt, tools,
-                                 "automatic compaction is off for this session: compact it "
-                                 "(POST /api/sessions/{id}/compact) or shorten the message")
+            advice = ("automatic compaction is off for this session: compact it "
+                      "(POST /api/sessions/{id}/compact) or shorten the message")
+        elif await self._compact_if_it_can_help(turn, tools):
+            advice = ("it does not fit even after compaction (a single message larger than "
+                      "the window?)")
+        else:
+            advice = ("no compaction could make room: the system prompt, a minimal summary and "
+                      "this turn alone are too large (a single message larger than the window?); "
+                      "the history was left as it is")
+        prompt = self._render(turn)
+        if self._fits(turn.record, prompt, tools):
+            return prompt
+        # Still over: a tool result too large for the turn is cut, not the turn lost.
+        if self._cut_tool_output(turn, lambda pending, share: self._fits(
+                turn.record, render_messages(turn.record.system, turn.view.conversation, pending),
+                tools, share)):
+            return self._render(turn)
+        raise self._overflow(turn.record, prompt, tools, advice)
+
+    async def _compact_if_it_can_help(self, turn: Turn, tools: Messages) -> bool:
+        """An emergency compaction, only when its best outcome (a minimal summary
+        in place of all but the last turn) would fit: it is irreversible and
+        costs a model call. A tool result that keeps even that from fitting is
+        cut first. False when nothing could help (history untouched)."""
+        tail = tail_turns_for(Level.emergency, self._settings.compaction_tail_turns)
+
+        def best_case_fits(pending: Sequence[ChatMessage], share: float = 1.0) -> bool:
+            best = best_case_prompt(turn.record.system, turn.view.conversation, pending, tail)
+            return self._fits(turn.record, best, tools, share)
+
+        if not self._cut_tool_output(turn, best_case_fits):
+            log.info("emergency_compaction_cannot_help")
+            return False
+        prompt = self._render(turn)
+        if self._fits(turn.record, prompt, tools):
+            return True  # the cut alone made room
         try:
             turn.view = await self._compactor.compact_within_turn(turn.record, turn.view,
                                                                   turn.env.correlation_id)
         except (CompactionSkipped, CompactionFailed) as err:
             raise self._overflow(turn.record, prompt, tools,
                                  f"emergency compaction could not make room: {err}") from err
-        prompt = render_messages(turn.record.system, turn.view.conversation, turn.messages)
-        if not self._fits(turn.record, prompt, tools):
-            raise self._overflow(turn.record, prompt, tools,
-                                 "it does not fit even after compaction (a single message "
-                                 "larger than the window?)")
-        return prompt
+        return True
+
+    def _cut_tool_output(self, turn: Turn, fits: FitsShare) -> bool:
+        """The turn's tool results cut (newest first) if it does not fit; False
+        when even that is not enough."""
+        cut = cut_tool_output(turn.messages, fits)
+        if cut is None:
+            return False
+        if list(cut) != turn.messages:
+            log.warning("tool_output_cut", chars_before=sum(len(m.content) for m in turn.messages),
+                        chars_after=sum(len(m.content) for m in cut))
+        turn.messages = list(cut)
+        return True
+
+    def _render(self, turn: Turn) -> Messages:
+        return render_messages(turn.record.system, turn.view.conversation, turn.messages)
 
     def _reused_chars(self, sid: str, prompt: Messages, tools: Messages) -> int:
         previous, previous_tools = self._last_prompts.pop(sid) or ([], [])
@@ -245,8 +289,10 @@ class TurnRunner:
     def _estimate(self, record: SessionRecord, prompt: Messages, tools: Messages) -> int:
         return estimate_prompt(prompt, Calibration(record.tokens_per_char), tools)
 
-    def _fits(self, record: SessionRecord, prompt: Messages, tools: Messages) -> bool:
-        return check_fit(self._estimate(record, prompt, tools), self.budget()).fits
+    def _fits(self, record: SessionRecord, prompt: Messages, tools: Messages,
+              share: float = 1.0) -> bool:
+        """Does the prompt fit (within `share` of the budget), margin kept?"""
+        return check_fit(self._estimate(record, prompt, tools), int(share * self.budget())).fits
 
     def _overflow(self, record: SessionRecord, prompt: Messages, tools: Messages,
                   advice: str) -> TurnError:
