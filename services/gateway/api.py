@@ -42,6 +42,8 @@ ERROR_STATUS = {
     "unreachable": 502,
     "provider_error": 502,
     "empty_reply": 502,
+    # Ollama's own status for a model it has not pulled.
+    "model_not_found": 404,
     "timeout": 504,
     "tool_loop_limit": 502,
 }
@@ -170,8 +172,8 @@ class Api:
             "compactions": view.conversation.compactions,
             "messages": [m.model_dump(exclude_defaults=True) for m in view.conversation.messages],
             "token_count": tokens,
-            "num_ctx": self._settings.num_ctx,
-            "budget": self._budget(),
+            "num_ctx": self._num_ctx(record),
+            "budget": self._budget(record),
             "state": await self._state(sid),
         })
 
@@ -274,8 +276,11 @@ class Api:
         except (ValueError, KeyError, ValidationError):
             return "unknown"
 
-    def _budget(self) -> int:
-        return prompt_budget(self._settings.num_ctx, self._settings.output_headroom)
+    def _num_ctx(self, record: SessionRecord) -> int:
+        return record.window(self._settings.num_ctx)
+
+    def _budget(self, record: SessionRecord) -> int:
+        return prompt_budget(self._num_ctx(record), self._settings.output_headroom)
 
 
 def sse(event: str, data: dict[str, Any]) -> str:

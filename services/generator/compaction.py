@@ -212,6 +212,9 @@ class Compactor:
         request = ChatRequest(
             model=self._settings.compaction_model or record.model_or(self._settings.model),
             messages=messages, num_ctx=self._settings.num_ctx,
+            # A thinking model could spend the whole output on thinking and
+            # leave the summary empty; streamed so a stall is caught midway.
+            think="off", watch_gaps=True,
         )
         try:
             async with asyncio.timeout(self._settings.summary_timeout_s):
