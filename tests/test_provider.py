@@ -11,10 +11,11 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
+import ollama
 import pytest
 
 from services.generator.provider import ChatRequest, OllamaProvider, ProviderError
-from tests.stub_server import running_stub
+from tests.stub_server import configure_stub, running_stub
 
 
 class CutFirstConnection:
@@ -249,3 +250,50 @@ async def test_a_model_that_sends_nothing_is_stopped_by_the_first_token_limit() 
 
 async def _ignore(text: str) -> None:
     pass
+
+
+async def stub_slots(url: str) -> dict[str, Any]:
+    async with httpx.AsyncClient() as http:
+        answer: dict[str, Any] = (await http.get(f"{url}/_stub/slots")).json()
+    return answer
+
+
+async def eventually(check: Any, what: str) -> None:
+    """Poll a condition another process holds (it sends no event of its own)."""
+    for _ in range(500):
+        if await check():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"never happened: {what}")
+
+
+async def test_on_a_one_slot_server_a_summary_waits_for_a_waiting_answer() -> None:
+    """The model's only slot is taken; an answer queues at the server. A
+    summary asked for meanwhile is held here, not queued there, until the
+    answer's first token came."""
+    with running_stub("--parallel", "1") as url:
+        async with provider_on(url) as provider:
+            await provider.chat(question("load"))
+            await configure_stub(url, ms_per_token=50)
+            async with ollama.AsyncClient(host=url) as holder:
+                stream = await holder.chat(model="stub-model", stream=True,
+                                           messages=[{"role": "user", "content": "!long 4000"}])
+                await anext(aiter(stream))  # the slot is the holder's now
+                answer = asyncio.create_task(provider.chat(question("waiting"), _ignore))
+
+                async def answer_queued() -> bool:
+                    return bool((await stub_slots(url))["waiting"].get("stub-model:latest"))
+
+                await eventually(answer_queued, "the answer queued at the server")
+                summary = asyncio.create_task(provider.chat(ChatRequest(
+                    "stub-model", SUMMARY_REQUEST, 2048, think="off", background=True)))
+
+                async def summary_held() -> bool:
+                    return provider.traffic()["stub-model:latest"]["summaries_held"] == 1
+
+                await eventually(summary_held, "the summary held back")
+                assert (await stub_slots(url))["waiting"]["stub-model:latest"] == 1
+                await configure_stub(url, ms_per_token=0)
+            # The holder is gone: the answer has the slot, then the summary.
+            assert (await answer).content.startswith("Echo: waiting")
+            assert (await summary).content.startswith("Goal: ")

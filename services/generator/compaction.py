@@ -214,7 +214,9 @@ class Compactor:
             messages=messages, num_ctx=self._settings.num_ctx,
             # A thinking model could spend the whole output on thinking and
             # leave the summary empty; streamed so a stall is caught midway.
-            think="off", watch_gaps=True,
+            # The model's answers go first, unless this is an emergency
+            # compaction, itself part of an answer (it has no request).
+            think="off", watch_gaps=True, background=job.request_id is not None,
         )
         try:
             async with asyncio.timeout(self._settings.summary_timeout_s):

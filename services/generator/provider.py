@@ -19,6 +19,7 @@ from pydantic import ValidationError
 
 from schemas.history import ToolCall
 from schemas.messages import ErrorCode
+from services.generator.model_traffic import ModelTraffic, Started
 from services.generator.models import (
     ASSUMED,
     ModelBook,
@@ -68,6 +69,9 @@ class ChatRequest:
     # Stream even if nobody watches the tokens, so that a model that stalls
     # midway is caught by the gap limit (long calls such as summaries).
     watch_gaps: bool = False
+    # Background work (a summary): sent only when the model's answers leave
+    # it room (see model_traffic).
+    background: bool = False
 
 
 @dataclass(frozen=True)
@@ -111,6 +115,10 @@ class OllamaProvider:
         base = self._client._client.base_url
         self._chat_url = base.copy_with(raw_path=base.raw_path + b"api/chat")
         self._models = ModelBook(self._show)
+        self._traffic = ModelTraffic()
+
+    def traffic(self) -> dict[str, dict[str, int]]:
+        return self._traffic.state()
 
     async def facts(self, model: str) -> ModelFacts:
         return await self._models.facts(model)
@@ -135,8 +143,10 @@ class OllamaProvider:
                       on_token: OnToken | None) -> ChatResult:
         """One answer, every failure but Ollama's own refusals made a ProviderError."""
         body = self._body(request, facts)
+        turn = self._traffic.summary if request.background else self._traffic.answer
         try:
-            return await self._answer(body, request.watch_gaps, on_token)
+            async with turn(request.model) as started:
+                return await self._answer(body, request.watch_gaps, on_token, started)
         except ModelTimeout as err:
             raise ProviderError("timeout", str(err)) from err
         except (httpx.TransportError, ConnectionError) as err:
@@ -191,7 +201,7 @@ class OllamaProvider:
         raise AssertionError("unreachable")
 
     async def _answer(self, body: dict[str, Any], watch_gaps: bool,
-                      on_token: OnToken | None) -> ChatResult:
+                      on_token: OnToken | None, started: Started) -> ChatResult:
         """One answer; asked again once when the connection fails before any of
         it arrived: a kept-alive connection the server closed as we picked it
         up fails that way, and a fresh one does not."""
@@ -204,14 +214,14 @@ class OllamaProvider:
             await on_token(text)
 
         try:
-            return await self._once(body, watch_gaps, forward if on_token else None)
+            return await self._once(body, watch_gaps, forward if on_token else None, started)
         except (httpx.TransportError, ConnectionError):
             if forwarded:
                 raise
-            return await self._once(body, watch_gaps, on_token)
+            return await self._once(body, watch_gaps, on_token, started)
 
     async def _once(self, body: dict[str, Any], watch_gaps: bool,
-                    on_token: OnToken | None) -> ChatResult:
+                    on_token: OnToken | None, started: Started) -> ChatResult:
         if on_token is None and not watch_gaps:
             # Nobody watches the tokens: one response costs far less CPU than
             # parsing a chunk per word. Its first token is the whole answer.
@@ -220,7 +230,7 @@ class OllamaProvider:
                     return await self._whole(body)
             except TimeoutError as err:
                 raise ModelTimeout(self._limits.first_token_message()) from err
-        return await self._stream(body, on_token)
+        return await self._stream(body, on_token, started)
 
     async def _whole(self, body: dict[str, Any]) -> ChatResult:
         response = await self._send(body, stream=False)
@@ -233,7 +243,8 @@ class OllamaProvider:
             completion_tokens=response.eval_count,
         )
 
-    async def _stream(self, body: dict[str, Any], on_token: OnToken | None) -> ChatResult:
+    async def _stream(self, body: dict[str, Any], on_token: OnToken | None,
+                      first_part: Started) -> ChatResult:
         """The answer part by part: the first must come within the first-token
         limit, each next one within the gap limit of the one before."""
         content: list[str] = []
@@ -245,7 +256,9 @@ class OllamaProvider:
         try:
             async with asyncio.timeout(self._limits.first_token_s) as deadline:
                 async for part in await self._send(body, stream=True):
-                    started = True
+                    if not started:
+                        started = True
+                        first_part()
                     deadline.reschedule(loop.time() + self._limits.gap_s)
                     message = part.message
                     if message.content:
