@@ -62,6 +62,9 @@ class Reply(Payload):
     completion_tokens: int | None = None
     error: str | None = None
     error_code: str | None = None
+    # What a thinking model thought before answering: shown apart, never
+    # stored as context.
+    thinking: str | None = None
 
 
 class Token(Payload):

@@ -97,6 +97,8 @@ async def test_a_thinking_models_summary_is_not_empty(
     for text in ("Please plan a trip to Lisbon.", "three days", "by train", "cheap hotels"):
         answer = await ask(http, sid, f"{text} !long 400")
         assert answer.status_code == 200, answer.text
+        # Its thinking comes apart from the answer.
+        assert answer.json()["thinking"] and answer.json()["reply"].startswith("Echo: ")
     async with watching(nats_url, subjects.COMPACTION_RESULT) as watcher:
         assert (await http.post(f"/api/sessions/{sid}/compact")).status_code == 202
         await watcher.wait_for(lambda p: p["session_id"] == sid, 30)

@@ -248,9 +248,12 @@ class Api:
         if reply.error:
             return {"error": {"code": reply.error_code, "message": reply.error},
                     "session_id": reply.session_id}
-        return {"session_id": reply.session_id, "reply": reply.reply,
+        body = {"session_id": reply.session_id, "reply": reply.reply,
                 "prompt_tokens": reply.prompt_tokens,
                 "completion_tokens": reply.completion_tokens}
+        if reply.thinking:
+            body["thinking"] = reply.thinking
+        return body
 
     async def _require(self, sid: str) -> None:
         """404 unless the session exists; sessions are never deleted, so once seen

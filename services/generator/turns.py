@@ -189,7 +189,8 @@ class TurnRunner:
         turn.view = await self._history.append(sid, turn.view, [*turn.messages, answer])
         reply = Reply(session_id=sid, query_id=query_id, reply=result.content,
                       prompt_tokens=result.prompt_tokens,
-                      completion_tokens=result.completion_tokens)
+                      completion_tokens=result.completion_tokens,
+                      thinking=result.thinking or None)
 
         async def follow_up() -> None:
             sent = sent_chars(prompt, tools)
