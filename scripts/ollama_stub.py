@@ -1021,6 +1021,12 @@ def model_refusal(catalogue: ModelCatalogue, request: ChatRequest) -> JSONRespon
         return error_response(404, not_found_text(request.model))
     if request.tools and "tools" not in catalogue.capabilities_of(request.model):
         return error_response(400, f"{request.model} does not support tools")
+    # Only for a model described by --capabilities: without the flag, any model
+    # thinks when asked, as this stand-in always let it.
+    described = normalize_model(request.model) in catalogue.capabilities
+    lacks = "thinking" not in catalogue.capabilities_of(request.model)
+    if described and lacks and wants_thinking(request.think):
+        return error_response(400, f'"{request.model}" does not support thinking')
     return None
 
 

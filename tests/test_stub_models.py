@@ -94,6 +94,10 @@ async def test_a_thinking_model_thinks_unless_told_not_to(url: str) -> None:
     plain = await chat(url, "thinker", user("hi"), think=False)
     assert not plain.message.thinking and plain.message.content.startswith("Echo: hi")
     assert not (await chat(url, "plain", user("hi"))).message.thinking
+    with pytest.raises(ollama.ResponseError) as raised:
+        await chat(url, "plain", user("hi"), think=True)
+    assert raised.value.status_code == 400
+    assert raised.value.error == '"plain" does not support thinking'
 
 
 async def test_a_thinking_model_can_spend_a_summary_on_thinking(url: str) -> None:
