@@ -192,7 +192,9 @@ class OllamaProvider:
             except ollama.ResponseError as err:
                 if err.status_code == 404:
                     raise model_not_found(model) from err
-                # An Ollama too old to describe models: assume what it always did.
+                if err.status_code >= 500:  # passing, probably: asked again next call
+                    raise self._refused(model, err) from err
+                # A server that cannot describe models: assume what Ollama always did.
                 log.warning("model_not_described", model=model, error=err.error)
                 return ASSUMED
             except (httpx.TransportError, ConnectionError) as err:
