@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 import structlog
 from nats.aio.client import Client as NATS
+from nats.errors import ConnectionClosedError, ConnectionReconnectingError
 from nats.micro import add_service
 from nats.micro.request import Request
 from nats.micro.service import Service
@@ -92,14 +93,30 @@ async def serve(
     except TimeoutError:
         # NATS is gone or a handler hangs: exit anyway rather than linger.
         log.warning("shutdown_timed_out")
-        await nc.close()
+        await _close(nc)
     log.info("service_stopped")
 
 
 async def _shut_down(component: Component, micro: Service, nc: NATS) -> None:
     await component.stop()
     await micro.stop()
-    await nc.drain()
+    try:
+        await nc.drain()
+    except (ConnectionReconnectingError, ConnectionClosedError):
+        # Nothing can be drained into a server that is away; what nats-py
+        # still holds unsent is lost either way, so say so once and go.
+        log.warning("nats_unreachable_at_shutdown", unsent_dropped=True)
+        await _close(nc)
+
+
+async def _close(nc: NATS) -> None:
+    """Close, dropping first what waits to be sent while a reconnect is under
+    way: nats-py would write it into the lost connection's closed socket, and
+    raise instead of closing."""
+    if not nc.is_connected:
+        nc._pending = []
+        nc._pending_data_size = 0
+    await nc.close()
 
 
 def _stop_on_signals() -> asyncio.Event:
