@@ -75,6 +75,12 @@ class NatsServer:
         self.stop()
         self.start()
 
+    def lose_store(self) -> None:
+        """What `docker compose down -v` or a new server does: the next start
+        finds no stream, consumer or bucket."""
+        assert self._proc is None, "stop the server first"
+        shutil.rmtree(Path(self.store_dir) / "jetstream", ignore_errors=True)
+
 
 def wait_for_port(port: int, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s

@@ -207,8 +207,17 @@ def test_answered_queries_are_remembered_up_to_a_bound() -> None:
     answered = AnsweredQueries(size=3)
     for seq in (10, 11, 12, 13):
         answered.remember(seq, Reply(session_id="s", query_id=f"q{seq}", reply="fine"))
-    assert 10 not in answered and all(seq in answered for seq in (11, 12, 13))
+    assert not answered.answered(10, "q10")
+    assert all(answered.answered(seq, f"q{seq}") for seq in (11, 12, 13))
     assert answered.count == 4
+
+
+def test_an_answered_sequence_of_a_stream_made_anew_is_another_query() -> None:
+    """NATS came back without its store: sequences start from 1 again."""
+    answered = AnsweredQueries()
+    answered.remember(1, Reply(session_id="s", query_id="old", reply="fine"))
+    assert answered.answered(1, "old") and answered.answered(1, None)
+    assert not answered.answered(1, "new")
 
 
 def test_only_error_replies_are_kept_to_be_sent_again() -> None:
@@ -219,7 +228,7 @@ def test_only_error_replies_are_kept_to_be_sent_again() -> None:
     answered.remember(2, Reply(session_id="s", query_id="q2", reply="fine"))
     assert answered.error_reply(1, "q1") == failed
     assert answered.error_reply(1, "another query") is None  # the stream was made anew
-    assert answered.error_reply(2, "q2") is None and 2 in answered
+    assert answered.error_reply(2, "q2") is None and answered.answered(2, "q2")
 
 
 async def test_bookkeeping_after_a_reply_does_not_hold_the_sessions_slot(

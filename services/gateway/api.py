@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, TypeVar
 
+from nats.errors import NoRespondersError
 from nats.js.errors import NotFoundError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import Request
@@ -27,6 +28,7 @@ from services.gateway.replies import ReplyRouter, events_until_reply
 from services.gateway.settings import GatewaySettings
 from services.shared.bus import Bus
 from services.shared.history_store import HistoryStore
+from services.shared.jetstream import missing
 from services.shared.sessions import SessionNotFound, SessionStore
 from services.shared.tool_catalogue import ToolCatalogue
 
@@ -269,10 +271,23 @@ class Api:
                                                   direct=True)
         except NotFoundError:
             return "idle"
+        except NoRespondersError:
+            # The stream is in memory: after a NATS restart it is missing
+            # until a service makes it again, and then empty until the
+            # session's next transition. Either way nothing is going on.
+            if not await missing(self._bus.js, subjects.STATE_STREAM):
+                raise
+            return "idle"
         try:
             return StateChange.model_validate(json.loads(msg.data or b"{}")["payload"]).to_state
         except (ValueError, KeyError, ValidationError):
             return "unknown"
+
+    def reconnected(self) -> None:
+        """NATS came back, perhaps without its store: ask it again which
+        sessions exist and what their histories hold."""
+        self._known.clear()
+        self._history.forget_all()
 
     def _budget(self) -> int:
         return prompt_budget(self._settings.num_ctx, self._settings.output_headroom)

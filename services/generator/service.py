@@ -35,7 +35,7 @@ from services.generator.settings import GeneratorSettings
 from services.generator.states import SessionStates
 from services.generator.toolbox import Toolbox
 from services.generator.turns import FollowUp, TurnError, TurnRunner
-from services.shared.bus import Bus
+from services.shared.bus import MSG_ID_HEADER, Bus
 from services.shared.consumer import PullLoop, ensure_consumer
 from services.shared.history_store import HistoryConflict, HistoryStore
 from services.shared.jetstream import locks_bucket, sessions_bucket
@@ -68,21 +68,26 @@ class AnsweredQueries:
     history holds it, tagged with the query's id."""
 
     def __init__(self, size: int = REMEMBERED_ANSWERS) -> None:
-        self._recent: Recent[int, Reply | None] = Recent(size)
+        # Per stream sequence: the query's id, and its reply if an error.
+        self._recent: Recent[int, tuple[str, Reply | None]] = Recent(size)
         self.count = 0
 
     def remember(self, stream_seq: int, reply: Reply) -> None:
-        self._recent.put(stream_seq, reply if reply.error else None)
+        self._recent.put(stream_seq, (reply.query_id, reply if reply.error else None))
         self.count += 1
 
     def error_reply(self, stream_seq: int, query_id: str) -> Reply | None:
-        """The error this query was answered with here, if it was. (The id is
-        checked too: a stream made anew numbers its messages from 1 again.)"""
-        reply = self._recent.get(stream_seq)
-        return reply if reply is not None and reply.query_id == query_id else None
+        """The error this query was answered with here, if it was."""
+        kept = self._recent.get(stream_seq)
+        return kept[1] if kept is not None and kept[0] == query_id else None
 
-    def __contains__(self, stream_seq: object) -> bool:
-        return stream_seq in self._recent
+    def answered(self, stream_seq: int, query_id: str | None) -> bool:
+        """Whether this query was acknowledged here. The id is checked too,
+        when known: a stream made anew (NATS came back without its store)
+        numbers its messages from 1 again, and an earlier query must not be
+        skipped because a query of the old stream had its sequence."""
+        kept = self._recent.get(stream_seq)
+        return kept is not None and query_id in (None, kept[0])
 
 
 class CrashCounts:
@@ -127,6 +132,8 @@ class Generator:
         # The compaction request being handled here, if any.
         self._compaction: asyncio.Task[None] | None = None
         self._loops: list[PullLoop] = []
+        # Each loop's stream and consumer, made again when NATS comes back without them.
+        self._consumers: list[tuple[str, ConsumerConfig]] = []
         self._answered = AnsweredQueries()
         self._crashes = CrashCounts()
         self._following: JetStreamContext.PushSubscription | None = None
@@ -148,10 +155,23 @@ class Generator:
                     on_message: Callable[[Msg], Awaitable[None]],
                     capacity: Callable[[], int]) -> PullLoop:
         """A loop on a durable consumer shared by every generator process."""
-        await ensure_consumer(self._bus.nc, stream, ConsumerConfig(
+        config = ConsumerConfig(
             durable_name=durable, filter_subject=subject, ack_policy=AckPolicy.EXPLICIT,
-            ack_wait=self._settings.query_ack_wait_s, max_ack_pending=10_000))
+            ack_wait=self._settings.query_ack_wait_s, max_ack_pending=10_000)
+        await ensure_consumer(self._bus.nc, stream, config)
+        self._consumers.append((stream, config))
         return PullLoop(self._bus.nc, stream, durable, on_message, capacity)
+
+    async def reconnected(self) -> None:
+        """NATS came back, perhaps without its store: make again what lived
+        in it (the consumers, the history follower, the settings watch) and
+        read sessions afresh rather than trust what was cached of them."""
+        self._sessions.forget_all()
+        self._following = await self._history.follow_again(self._following)
+        await self._live.watch_again()
+        for (stream, config), loop in zip(self._consumers, self._loops, strict=True):
+            if await ensure_consumer(self._bus.nc, stream, config):
+                loop.renew()
 
     async def stop(self) -> None:
         await self._live.stop()
@@ -388,7 +408,7 @@ class Generator:
             seq = int(oldest.seq or 0)
             if seq >= ours:
                 return False
-            if seq not in self._answered:
+            if not self._answered.answered(seq, (oldest.headers or {}).get(MSG_ID_HEADER)):
                 return True
             start = seq + 1  # acknowledged here, not yet dropped by the server
 

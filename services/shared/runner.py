@@ -1,8 +1,10 @@
 """How every service process lives: connect, set up JetStream, register as a
-NATS micro service, run until SIGTERM or SIGINT, then drain and exit.
+NATS micro service, run until SIGTERM or SIGINT, then drain and exit. Each
+time NATS comes back the JetStream layout is made sure of again, and the
+service's `reconnected()` makes again what it keeps in the server.
 
-A service is any object with `start()`, `stop()`, `status()` and
-`endpoints()`; the runner registers its request/reply endpoints and a
+A service is any object with `start()`, `stop()`, `status()`, `endpoints()`
+and `reconnected()`; the runner registers its request/reply endpoints and a
 `<name>.status` endpoint answering `status()` as one micro service, so
 `nats micro ls`, `nats micro stats` and `$SRV.PING` find every process.
 """
@@ -28,6 +30,7 @@ from nats.micro.service import Service
 from services.shared.bus import Bus, connect
 from services.shared.jetstream import ensure_layout
 from services.shared.logging import configure_logging
+from services.shared.reconnects import Reconnects
 from services.shared.settings import ServiceSettings
 
 VERSION = "0.1.0"
@@ -46,6 +49,11 @@ class Component(Protocol):
 
     def endpoints(self) -> list[Endpoint]: ...
 
+    async def reconnected(self) -> None:
+        """NATS is back, its JetStream layout made sure of again: make again
+        what this part keeps in the server (consumers, followers, watchers)."""
+        ...
+
 
 @dataclass(frozen=True)
 class Endpoint:
@@ -63,8 +71,9 @@ async def serve(
 ) -> None:
     configure_logging(name, settings.log_level, settings.log_format)
     stop = _stop_on_signals()
-    connecting = asyncio.create_task(
-        connect(settings.nats_url, name, settings.nats_connect_timeout_s))
+    reconnects = Reconnects()
+    connecting = asyncio.create_task(connect(
+        settings.nats_url, name, settings.nats_connect_timeout_s, reconnects.on_reconnect))
     stopping = asyncio.create_task(stop.wait())
     await asyncio.wait({connecting, stopping}, return_when=asyncio.FIRST_COMPLETED)
     if not connecting.done():  # asked to stop before NATS ever answered
@@ -74,8 +83,10 @@ async def serve(
     nc = connecting.result()
     bus = Bus(nc, name)
     await ensure_layout(bus.js, lock_lease_s)
+    reconnects.add(lambda: ensure_layout(bus.js, lock_lease_s))
     component = await build(bus)
     await component.start()
+    reconnects.add(component.reconnected)
     micro = await add_service(nc, name=name, version=VERSION, description=description)
 
     async def status(request: Request) -> None:
@@ -88,6 +99,7 @@ async def serve(
     log.info("service_started", nats_url=settings.nats_url)
     await stop.wait()
     log.info("service_stopping")
+    await reconnects.stop()
     try:
         await asyncio.wait_for(_shut_down(component, micro, nc), SHUTDOWN_TIMEOUT_S)
     except TimeoutError:
