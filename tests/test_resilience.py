@@ -15,6 +15,7 @@ from nats.js.errors import NotFoundError
 
 from schemas import subjects
 from services.shared.runner import SHUTDOWN_TIMEOUT_S
+from tests.events import server_sent_events
 from tests.nats_server import NatsServer
 from tests.system import ask, new_session, running_system
 
@@ -282,6 +283,8 @@ async def test_a_missing_stream_reads_as_nothing_yet(private_nats: NatsServer,
                 session = await http.get(f"/api/sessions/{sid}")
                 assert session.status_code == 200, session.text
                 assert session.json()["messages"] == [] and session.json()["state"] == "idle"
+                await js.delete_stream(subjects.QUERIES_STREAM)
+                await the_query_is_refused_as_worth_retrying(http, sid)
                 await js.delete_key_value(subjects.SESSIONS_BUCKET)
             finally:
                 await nc.close()
@@ -291,3 +294,15 @@ async def test_a_missing_stream_reads_as_nothing_yet(private_nats: NatsServer,
             created = await http.post("/api/sessions", json={})
             assert created.status_code == 503, created.text
             assert created.json()["error"]["code"] == "nats_unavailable"
+
+
+async def the_query_is_refused_as_worth_retrying(http: httpx.AsyncClient, sid: str) -> None:
+    path, body = f"/api/sessions/{sid}/messages", {"content": "hello"}
+    plain = await http.post(path, json=body)
+    assert plain.status_code == 503, plain.text
+    assert plain.json()["error"]["code"] == "nats_unavailable"
+    async with http.stream("POST", path, json=body,
+                           headers={"Accept": "text/event-stream"}) as response:
+        events = [event async for event in server_sent_events(response)]
+    assert [(name, data["error"]["code"]) for name, data in events] == [
+        ("error", "nats_unavailable")]

@@ -9,8 +9,13 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, TypeVar
 
-from nats.errors import NoRespondersError
-from nats.js.errors import NotFoundError
+from nats.errors import (
+    ConnectionClosedError,
+    ConnectionReconnectingError,
+    NoRespondersError,
+)
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js.errors import NoStreamResponseError, NotFoundError, ServiceUnavailableError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
@@ -34,6 +39,10 @@ from services.shared.tool_catalogue import ToolCatalogue
 
 STATIC = Path(__file__).parent / "static"
 DEFAULT_LISTED = 50
+# What a request meets while NATS is away, or back without the stream it
+# writes to yet: worth trying again in a moment, not a fault of ours.
+NATS_AWAY = (ConnectionReconnectingError, ConnectionClosedError, NoRespondersError,
+             NatsTimeout, NoStreamResponseError, ServiceUnavailableError)
 MAX_LISTED = 500
 
 # Generator error codes -> HTTP status.
@@ -69,6 +78,11 @@ class CompactBody(BaseModel):
 def error(status: int, code: str, message: str, **extra: Any) -> JSONResponse:
     return JSONResponse({"error": {"code": code, "message": message, **extra}},
                         status_code=status)
+
+
+def nats_away(exc: Exception) -> dict[str, str]:
+    return {"code": "nats_unavailable", "message": "NATS is unreachable or not ready "
+            f"({type(exc).__name__}); try again in a moment"}
 
 
 class HttpError(Exception):
@@ -197,7 +211,11 @@ class Api:
 
     async def _stream_answer(self, sid: str, content: str) -> AsyncIterator[str]:
         with self._replies.expect(new_id()) as (correlation_id, queue):
-            await self._submit(sid, content, correlation_id, stream=True)
+            try:
+                await self._submit(sid, content, correlation_id, stream=True)
+            except NATS_AWAY as err:  # the stream is under way: say it as its end
+                yield sse("error", {"error": nats_away(err), "session_id": sid})
+                return
             next_index = 0
             try:
                 async for event in events_until_reply(queue, self._settings.reply_timeout_s):

@@ -10,19 +10,12 @@ from typing import Any
 
 import structlog
 import uvicorn
-from nats.errors import (
-    ConnectionClosedError,
-    ConnectionReconnectingError,
-    NoRespondersError,
-)
-from nats.errors import TimeoutError as NatsTimeout
-from nats.js.errors import NoStreamResponseError, ServiceUnavailableError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
-from services.gateway.api import Api, HttpError, error
+from services.gateway.api import NATS_AWAY, Api, HttpError, error, nats_away
 from services.gateway.live import LiveFeed
 from services.gateway.replies import ReplyRouter
 from services.gateway.settings import GatewaySettings
@@ -32,10 +25,6 @@ from services.shared.runner import Endpoint
 from services.shared.sessions import SessionStore
 
 log = structlog.get_logger()
-# What a request meets while NATS is away, or back without the stream it
-# writes to yet: worth trying again in a moment, not a fault of ours.
-NATS_AWAY = (ConnectionReconnectingError, ConnectionClosedError, NoRespondersError,
-             NatsTimeout, NoStreamResponseError, ServiceUnavailableError)
 
 
 def build_app(api: Api) -> Starlette:
@@ -52,8 +41,7 @@ def build_app(api: Api) -> Starlette:
     async def on_nats_away(request: Request, exc: Exception) -> Response:
         log.warning("request_failed_nats_away", path=request.url.path,
                     error=f"{type(exc).__name__}: {exc}")
-        return error(503, "nats_unavailable", "NATS is unreachable or not ready "
-                     f"({type(exc).__name__}); try again in a moment")
+        return error(503, **nats_away(exc))
 
     async def on_unexpected(request: Request, exc: Exception) -> Response:
         log.exception("request_failed", path=request.url.path)
