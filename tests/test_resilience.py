@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import signal
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -15,7 +16,7 @@ from nats.js.errors import NotFoundError
 
 from schemas import subjects
 from services.shared.runner import SHUTDOWN_TIMEOUT_S
-from tests.events import server_sent_events
+from tests.events import server_sent_events, watching
 from tests.nats_server import NatsServer
 from tests.system import ask, new_session, running_system
 
@@ -306,3 +307,33 @@ async def the_query_is_refused_as_worth_retrying(http: httpx.AsyncClient, sid: s
         events = [event async for event in server_sent_events(response)]
     assert [(name, data["error"]["code"]) for name, data in events] == [
         ("error", "nats_unavailable")]
+
+
+async def test_a_decider_back_after_the_store_was_lost_reads_the_reports_sent_meanwhile(
+        private_nats: NatsServer, stub_url: str) -> None:
+    env = {"NUM_CTX": "2048", "COMPACTION_TAIL_TURNS": "1", "COMPACTION_COOLDOWN_S": "1",
+           "COMPACTION_THRESHOLD": "0.1"}
+    with running_system(private_nats.url, stub_url, env) as system:
+        async with httpx.AsyncClient(base_url=system.base_url, timeout=30) as http:
+            system["decider"].signal(signal.SIGSTOP)  # back only once the turns are over
+            private_nats.stop()
+            private_nats.lose_store()
+            private_nats.start()
+            deadline = time.monotonic() + RECOVERY_S
+            created = await answered_within(
+                deadline, post(http, "/api/sessions", {}), 201, nothing_done)
+            sid = created.json()["session_id"]
+            async with watching(private_nats.url, subjects.COMPACTION_REQUEST,
+                                subjects.COMPACTION_RESULT) as watcher:
+                for turn in range(1, 7):
+                    answer = await http.post(f"/api/sessions/{sid}/messages",
+                                             json={"content": f"question {turn} !long 150"})
+                    assert answer.status_code == 200, answer.text
+                assert watcher.payloads("compaction.request") == []
+                system["decider"].signal(signal.SIGCONT)
+                request = await watcher.wait_for(
+                    lambda e: e["message_type"] == "compaction.request")
+                result = await watcher.wait_for(
+                    lambda e: e["message_type"] == "compaction.result")
+    assert request["payload"]["session_id"] == sid and request["payload"]["auto"] is True
+    assert result["payload"]["status"] == "completed", result["payload"]
