@@ -18,6 +18,7 @@ from schemas import subjects
 from services.shared.runner import SHUTDOWN_TIMEOUT_S
 from tests.events import server_sent_events, watching
 from tests.nats_server import NatsServer
+from tests.stub_server import running_stub
 from tests.system import ask, new_session, running_system
 
 
@@ -63,6 +64,35 @@ def test_sigterm_while_nats_is_away_exits_cleanly(private_nats: NatsServer,
             assert "Traceback" not in log, log[-3000:]
             assert log.count("nats_unreachable_at_shutdown") == 1, log[-3000:]
             assert "service_stopped" in log
+
+
+def no_uncaught_traceback(log: str) -> bool:
+    """A traceback printed by a dying process starts a line; one inside a
+    JSON log record (an error logged with its exception) does not."""
+    return not any(line.startswith("Traceback") for line in log.splitlines())
+
+
+async def test_sigterm_while_nats_is_away_mid_turn_exits_within_the_bound(
+        private_nats: NatsServer) -> None:
+    with running_stub("--model-latency", "slow=1500") as stub, running_system(
+            private_nats.url, stub, services=("generator", "gateway")) as system:
+        async with httpx.AsyncClient(base_url=system.base_url, timeout=30) as http:
+            sid = (await http.post("/api/sessions", json={"model": "slow"})).json()["session_id"]
+            asking = asyncio.create_task(
+                http.post(f"/api/sessions/{sid}/messages", json={"content": "hello"}))
+            deadline = time.monotonic() + 10
+            while (await http.get(f"{stub}/_stub/stats")).json()["requests"] < 1:
+                assert time.monotonic() < deadline, "the model was never called"
+                await asyncio.sleep(0.05)
+            private_nats.stop()  # while the model answers
+            generator = system["generator"]
+            generator.wait_for("nats_disconnected", 10)
+            code = generator.stop(timeout_s=SHUTDOWN_TIMEOUT_S + 5)
+            asking.cancel()
+            log = generator.log()
+            assert code == 0, log[-3000:]
+            assert no_uncaught_traceback(log), log[-3000:]
+            assert log.count("nats_unreachable_at_shutdown") == 1, log[-3000:]
 
 
 # NATS back, with its store or without it: everything answers again within

@@ -100,25 +100,31 @@ async def serve(
     await stop.wait()
     log.info("service_stopping")
     await reconnects.stop()
+    await _stop(component, micro, nc)
+    log.info("service_stopped")
+
+
+async def _stop(component: Component, micro: Service, nc: NATS) -> None:
+    """Stop and drain, bounded: a process never lingers when NATS is gone or
+    a handler hangs. NATS away is said once, whichever way it shows."""
     try:
         await asyncio.wait_for(_shut_down(component, micro, nc), SHUTDOWN_TIMEOUT_S)
+        return
+    except (ConnectionReconnectingError, ConnectionClosedError):
+        # From drain(): nothing can be drained into a server that is away.
+        log.warning("nats_unreachable_at_shutdown", unsent_dropped=True)
     except TimeoutError:
-        # NATS is gone or a handler hangs: exit anyway rather than linger.
-        log.warning("shutdown_timed_out")
-        await _close(nc)
-    log.info("service_stopped")
+        if nc.is_connected:
+            log.warning("shutdown_timed_out")
+        else:  # work in hand waited on NATS until the bound
+            log.warning("nats_unreachable_at_shutdown", unsent_dropped=True, timed_out=True)
+    await _close(nc)
 
 
 async def _shut_down(component: Component, micro: Service, nc: NATS) -> None:
     await component.stop()
     await micro.stop()
-    try:
-        await nc.drain()
-    except (ConnectionReconnectingError, ConnectionClosedError):
-        # Nothing can be drained into a server that is away; what nats-py
-        # still holds unsent is lost either way, so say so once and go.
-        log.warning("nats_unreachable_at_shutdown", unsent_dropped=True)
-        await _close(nc)
+    await nc.drain()
 
 
 async def _close(nc: NATS) -> None:
