@@ -39,11 +39,11 @@ from services.shared.tool_catalogue import ToolCatalogue
 
 STATIC = Path(__file__).parent / "static"
 DEFAULT_LISTED = 50
+MAX_LISTED = 500
 # What a request meets while NATS is away, or back without the stream it
 # writes to yet: worth trying again in a moment, not a fault of ours.
 NATS_AWAY = (ConnectionReconnectingError, ConnectionClosedError, NoRespondersError,
              NatsTimeout, NoStreamResponseError, ServiceUnavailableError)
-MAX_LISTED = 500
 
 # Generator error codes -> HTTP status.
 ERROR_STATUS = {

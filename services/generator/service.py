@@ -77,7 +77,8 @@ class AnsweredQueries:
         self.count += 1
 
     def error_reply(self, stream_seq: int, query_id: str) -> Reply | None:
-        """The error this query was answered with here, if it was."""
+        """The error this query was answered with here, if it was. (The id is
+        checked too: a stream made anew numbers its messages from 1 again.)"""
         kept = self._recent.get(stream_seq)
         return kept[1] if kept is not None and kept[0] == query_id else None
 

@@ -83,10 +83,25 @@ async def serve(
     nc = connecting.result()
     bus = Bus(nc, name)
     await ensure_layout(bus.js, lock_lease_s)
-    reconnects.add(lambda: ensure_layout(bus.js, lock_lease_s))
+
+    async def layout_again() -> None:
+        await ensure_layout(bus.js, lock_lease_s)
+
+    reconnects.add(layout_again)
     component = await build(bus)
     await component.start()
     reconnects.add(component.reconnected)
+    micro = await _register(nc, name, description, component)
+    log.info("service_started", nats_url=settings.nats_url)
+    await stop.wait()
+    log.info("service_stopping")
+    await reconnects.stop()
+    await _stop(component, micro, nc)
+    log.info("service_stopped")
+
+
+async def _register(nc: NATS, name: str, description: str, component: Component) -> Service:
+    """One micro service: the component's endpoints and `<name>.status`."""
     micro = await add_service(nc, name=name, version=VERSION, description=description)
 
     async def status(request: Request) -> None:
@@ -96,12 +111,7 @@ async def serve(
     for endpoint in component.endpoints():
         await micro.add_endpoint(name=endpoint.name, subject=endpoint.subject,
                                  handler=endpoint.handler)
-    log.info("service_started", nats_url=settings.nats_url)
-    await stop.wait()
-    log.info("service_stopping")
-    await reconnects.stop()
-    await _stop(component, micro, nc)
-    log.info("service_stopped")
+    return micro
 
 
 async def _stop(component: Component, micro: Service, nc: NATS) -> None:
