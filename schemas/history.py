@@ -81,15 +81,19 @@ class Conversation(Strict):
     compactions: int = 0
     # The request the last compaction answered, if it answered one.
     compacted_by: str | None = None
+    # The last entry folded in was a snapshot: no model call has been sent
+    # with this summary yet, so a prompt cache can share only the system prompt.
+    just_compacted: bool = False
 
     def apply(self, entry: HistoryEntry) -> Conversation:
         if entry.kind == "snapshot" and entry.snapshot is not None:
             snap = entry.snapshot
             return Conversation(
                 summary=snap.summary, messages=snap.messages, compactions=snap.compactions,
-                compacted_by=snap.request_id,
+                compacted_by=snap.request_id, just_compacted=True,
             )
-        return self.model_copy(update={"messages": (*self.messages, *entry.messages)})
+        return self.model_copy(update={"messages": (*self.messages, *entry.messages),
+                                       "just_compacted": False})
 
 
 def fold(entries: list[HistoryEntry]) -> Conversation:

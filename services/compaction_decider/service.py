@@ -123,7 +123,9 @@ class Decider:
         tracked = self._track(sid)
         tracked.calibration = calibrate(
             tracked.calibration, report.prompt_tokens, report.sent_chars, report.num_ctx,
-            reused_chars=report.reused_chars, messages=report.sent_messages)
+            messages=report.sent_messages, extra_bytes=report.sent_extra_bytes,
+            reused_chars=report.reused_chars, reused_extra_bytes=report.reused_extra_bytes,
+            reused_messages=report.reused_messages)
         if not report.auto_compact:
             return
         decision = self._decide(tracked, report)
@@ -143,8 +145,13 @@ class Decider:
     def _decide(self, tracked: Tracked, report: GenerationReport) -> Decision:
         cal = tracked.calibration
         limit = prompt_budget(report.num_ctx, self.settings.output_headroom)
-        upcoming = estimate_tokens(report.next_prompt_chars or report.sent_chars, cal,
-                                   report.next_prompt_messages)
+        if not report.next_prompt_chars:
+            upcoming = estimate_tokens(report.sent_chars, cal, report.sent_messages,
+                                       report.sent_extra_bytes)
+        else:
+            upcoming = estimate_tokens(report.next_prompt_chars, cal,
+                                       report.next_prompt_messages,
+                                       report.next_prompt_extra_bytes)
         level = level_for(upcoming, limit, self.policy())
         # What a compaction at that level could free: its own, smaller live zone.
         freeable = report.compactable_chars or 0

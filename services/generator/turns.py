@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
@@ -31,14 +31,10 @@ from schemas.messages import GenerationReport, Query, Reply
 from schemas.session import SessionRecord
 from services.core.boundary import choose_boundary, tail_turns_for
 from services.core.decision import Level, check_fit
-from services.core.prompt import (
-    HistoryWeights,
-    render_messages,
-    reusable_chars,
-    sent_chars,
-    tools_chars,
-)
+from services.core.prompt import HistoryWeights, render_messages, tools_chars
+from services.core.prompt_cache import cached_size, previous_call
 from services.core.state_machine import Action
+from services.core.text_size import Size, prompt_size
 from services.core.tokens import Calibration, calibrate, estimate_prompt, prompt_budget
 from services.generator.compaction import CompactionFailed, CompactionSkipped, Compactor
 from services.generator.head_start import HeadStart, HeadStartCount, still_good
@@ -51,12 +47,10 @@ from services.generator.toolbox import Toolbox
 from services.shared.bus import Bus
 from services.shared.history_store import HistoryStore, HistoryView
 from services.shared.live_config import LiveSettings
-from services.shared.recent import Recent
 from services.shared.sessions import SessionStore
 
 log = structlog.get_logger()
 Messages = list[dict[str, Any]]
-MAX_REMEMBERED_PROMPTS = 10_000
 FollowUp = Callable[[], Coroutine[Any, Any, None]]
 
 
@@ -77,8 +71,11 @@ class Turn:
     view: HistoryView
     # The user's message, then tool calls and results as they come.
     messages: list[ChatMessage]
-    # How much of the last call's prompt the provider may have had cached.
-    reused_chars: int = 0
+    # The session's call before the next one (read off the history, then the
+    # turn's own previous round), and how much of the last call a prompt cache
+    # may have served from it. Held for the turn only.
+    previous: Messages | None = None
+    reused: Size = field(default_factory=Size)
 
     @property
     def sid(self) -> str:
@@ -110,10 +107,6 @@ class TurnRunner:
         self._toolbox = toolbox
         self._compactor = compactor
         self.head_starts = HeadStartCount()
-        # Each session's last prompt and tools sent from this process: a prompt
-        # that extends it may be counted only in part by a caching provider.
-        self._last_prompts: Recent[str, tuple[Messages, Messages]] = Recent(
-            MAX_REMEMBERED_PROMPTS)
 
     @property
     def _settings(self) -> GeneratorSettings:
@@ -149,7 +142,8 @@ class TurnRunner:
         if done is not None:
             log.info("query_already_answered")
             return Reply(session_id=sid, query_id=query_id, reply=done), None
-        turn = Turn(env, record, view, [_question(env)])
+        turn = Turn(env, record, view, [_question(env)],
+                    previous=previous_call(record.system, view.conversation))
         started = time.monotonic()
         await self._states.apply(sid, Action.start_generation, env.correlation_id)
         result, prompt, tools = await self._tool_loop(turn, self._kept(head, turn))
@@ -161,9 +155,9 @@ class TurnRunner:
                       completion_tokens=result.completion_tokens)
 
         async def follow_up() -> None:
-            sent = sent_chars(prompt, tools)
-            await self._recalibrate(turn, result, sent, len(prompt))
-            await self._report(turn, result, sent, len(prompt), tools, started)
+            sent = prompt_size(prompt, tools)
+            await self._recalibrate(turn, result, sent)
+            await self._report(turn, result, sent, tools, started)
 
         return reply, follow_up
 
@@ -182,7 +176,8 @@ class TurnRunner:
         tools = head.tools if head else await self._toolbox.definitions()
         for _ in range(self._settings.max_tool_iterations + 1):
             prompt = head.prompt if head else await self._fitting_prompt(turn, tools)
-            turn.reused_chars = self._reused_chars(turn.sid, prompt, tools)
+            turn.reused = cached_size(turn.previous or [], prompt, tools)
+            turn.previous = prompt
             if head is not None:
                 result, head = await head.result(), None  # only the first call starts early
             else:
@@ -218,16 +213,11 @@ class TurnRunner:
                                  "larger than the window?)")
         return prompt
 
-    def _reused_chars(self, sid: str, prompt: Messages, tools: Messages) -> int:
-        previous, previous_tools = self._last_prompts.pop(sid) or ([], [])
-        self._last_prompts.put(sid, (prompt, tools))
-        return reusable_chars(previous, prompt, previous_tools=previous_tools, tools=tools)
-
     def _may_compact(self, record: SessionRecord) -> bool:
         return self._settings.compaction_threshold > 0 and record.auto_compact
 
     def _estimate(self, record: SessionRecord, prompt: Messages, tools: Messages) -> int:
-        return estimate_prompt(prompt, Calibration(record.tokens_per_char), tools)
+        return estimate_prompt(prompt, _calibration(record), tools)
 
     def _fits(self, record: SessionRecord, prompt: Messages, tools: Messages) -> bool:
         return check_fit(self._estimate(record, prompt, tools), self.budget()).fits
@@ -267,21 +257,22 @@ class TurnRunner:
             raise TurnError("empty_reply", f"the model returned an empty reply{where}")
         return result
 
-    async def _recalibrate(self, turn: Turn, result: ChatResult, sent: int,
-                           messages: int) -> None:
-        record = turn.record
-        previous = Calibration(record.tokens_per_char)
-        updated = calibrate(previous, result.prompt_tokens, sent, self._settings.num_ctx,
-                            reused_chars=turn.reused_chars, messages=messages)
-        ratio = updated.tokens_per_char
-        if ratio is not None and (previous.tokens_per_char is None
-                                  or abs(ratio / previous.tokens_per_char - 1) > 0.005):
-            await self._sessions.put(record.model_copy(update={"tokens_per_char": ratio}))
+    async def _recalibrate(self, turn: Turn, result: ChatResult, sent: Size) -> None:
+        record, reused = turn.record, turn.reused
+        previous = _calibration(record)
+        updated = calibrate(previous, result.prompt_tokens, sent.chars, self._settings.num_ctx,
+                            messages=sent.messages, extra_bytes=sent.extra_bytes,
+                            reused_chars=reused.chars, reused_extra_bytes=reused.extra_bytes,
+                            reused_messages=reused.messages)
+        if _moved(previous.tokens_per_char, updated.tokens_per_char):
+            await self._sessions.put(record.model_copy(
+                update={"tokens_per_char": updated.tokens_per_char}))
 
-    async def _report(self, turn: Turn, result: ChatResult, sent: int, messages: int,
+    async def _report(self, turn: Turn, result: ChatResult, sent: Size,
                       tools: Messages, started: float) -> None:
         conversation = turn.view.conversation
         weights = HistoryWeights.of(turn.record.system, conversation)
+        upcoming = prompt_size(render_messages(turn.record.system, conversation), tools)
         compactable = {level.value: weights.compactable(self._boundary(conversation, level))
                        for level in Level}
         report = GenerationReport(
@@ -289,15 +280,19 @@ class TurnRunner:
             model=turn.record.model_or(self._settings.model),
             prompt_tokens=result.prompt_tokens,
             completion_tokens=result.completion_tokens,
-            sent_chars=sent,
-            sent_messages=messages,
+            sent_chars=sent.chars,
+            sent_messages=sent.messages,
+            sent_extra_bytes=sent.extra_bytes,
             num_ctx=self._settings.num_ctx,
             duration_ms=(time.monotonic() - started) * 1000,
             next_prompt_chars=weights.next_prompt + tools_chars(tools),
             next_prompt_messages=weights.next_prompt_messages,
+            next_prompt_extra_bytes=upcoming.extra_bytes,
             compactable_chars=compactable[Level.gentle.value],
             compactable_chars_by_level=compactable,
-            reused_chars=turn.reused_chars,
+            reused_chars=turn.reused.chars,
+            reused_extra_bytes=turn.reused.extra_bytes,
+            reused_messages=turn.reused.messages,
             auto_compact=turn.record.auto_compact,
         )
         await self._bus.js_publish(subjects.RESPONSE_GENERATION, report,
@@ -307,6 +302,17 @@ class TurnRunner:
     def _boundary(self, conversation: Conversation, level: Level) -> int:
         tail = tail_turns_for(level, self._settings.compaction_tail_turns)
         return choose_boundary(conversation.messages, tail)
+
+
+def _calibration(record: SessionRecord) -> Calibration:
+    return Calibration(record.tokens_per_char)
+
+
+def _moved(before: float | None, after: float | None) -> bool:
+    """Whether the ratio changed enough to be worth a write (0.5 %)."""
+    if after is None:
+        return False
+    return before is None or abs(after / before - 1) > 0.005
 
 
 def _question(env: Envelope[Query]) -> ChatMessage:

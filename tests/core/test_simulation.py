@@ -39,13 +39,18 @@ def test_simulation() -> None:
         f"compactions, {total.splices} splices, {total.conflicts} splice conflicts, "
         f"{total.refused_turns} refused turns, {total.rejected_queries} queries rejected "
         f"while blocking; fullest prompt {total.max_fill:.1%} of budget, worst "
-        f"underestimate {total.max_underestimate:.1%}; closest firings: decider "
+        f"underestimate {total.max_underestimate:.1%}, overestimate "
+        f"{total.max_overestimate:.1%}; mixed sessions: {total.mixed_calls} calibrated calls, "
+        f"{total.mixed_within_5pct / max(1, total.mixed_calls):.1%} within 5 %, worst "
+        f"{total.mixed_underestimate:.1%} under and {total.mixed_overestimate:.1%} over; "
+        "closest firings: decider "
         f"{total.decider_excess:+.1%} from its threshold, guard {total.guard_excess:+.1%} "
         "from the emergency line (fractions of the budget)"
     )
     # The world must actually exercise the paths the invariants guard.
     assert total.decider_firings and total.emergency_compactions and total.conflicts
     assert total.splices and total.refused_turns and total.rejected_queries
+    assert total.mixed_calls
 
 
 def _accumulate(total: Stats, stats: Stats) -> None:
@@ -54,6 +59,11 @@ def _accumulate(total: Stats, stats: Stats) -> None:
         setattr(total, name, getattr(total, name) + getattr(stats, name))
     total.max_fill = max(total.max_fill, stats.max_fill)
     total.max_underestimate = max(total.max_underestimate, stats.max_underestimate)
+    total.max_overestimate = max(total.max_overestimate, stats.max_overestimate)
+    total.mixed_underestimate = max(total.mixed_underestimate, stats.mixed_underestimate)
+    total.mixed_overestimate = max(total.mixed_overestimate, stats.mixed_overestimate)
+    total.mixed_calls += stats.mixed_calls
+    total.mixed_within_5pct += stats.mixed_within_5pct
     total.decider_excess = min(total.decider_excess, stats.decider_excess)
     total.guard_excess = min(total.guard_excess, stats.guard_excess)
 
