@@ -23,7 +23,7 @@ from typing import Any
 
 from schemas.history import Conversation
 from services.core.prompt import render_messages
-from services.core.text_size import Size, leading_size
+from services.core.text_size import Size, leading_size, prompt_size
 
 Messages = Sequence[Mapping[str, Any]]
 
@@ -50,7 +50,12 @@ def common_prefix(previous: Messages, current: Messages) -> int:
 
 
 def cached_size(previous: Messages, current: Messages,
-                tools: Sequence[Mapping[str, Any]] = ()) -> Size:
+                tools: Sequence[Mapping[str, Any]] = (), whole: Size | None = None) -> Size:
     """The part of `current` a prefix cache holding `previous` may have served
-    (the tools with it: they are the same on every call of a process)."""
-    return leading_size(current, common_prefix(previous, current), tools)
+    (the tools with it: they are the same on every call of a process).
+    `whole`, the size of `current` with `tools` when known, spares weighing
+    the shared part again: only the rest is."""
+    shared = common_prefix(previous, current)
+    if whole is None or shared == 0:
+        return leading_size(current, shared, tools)
+    return whole - prompt_size(current[shared:])

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from services.core.prompt import compact_json, message_chars, tools_chars
+from services.core.prompt import MESSAGE_OVERHEAD_CHARS, compact_json, tools_chars
 
 
 @dataclass(frozen=True)
@@ -50,12 +50,17 @@ def extra_bytes(text: str) -> int:
 
 
 def message_size(message: Mapping[str, Any]) -> Size:
-    """One rendered message as sent: its texts and its framing."""
-    extra = extra_bytes(message.get("content") or "") + extra_bytes(message.get("tool_name") or "")
+    """One rendered message as sent (as `prompt.message_chars` counts it)."""
+    content = message.get("content") or ""
+    tool_name = message.get("tool_name") or ""
+    chars = len(content) + MESSAGE_OVERHEAD_CHARS + len(tool_name)
+    extra = extra_bytes(content) + extra_bytes(tool_name)
     tool_calls = message.get("tool_calls")
     if tool_calls:
-        extra += extra_bytes(compact_json(tool_calls))
-    return Size(message_chars(message), extra, 1)
+        calls = compact_json(tool_calls)  # the costliest step: once per message
+        chars += len(calls)
+        extra += extra_bytes(calls)
+    return Size(chars, extra, 1)
 
 
 def tools_size(tools: Sequence[Mapping[str, Any]]) -> Size:
@@ -78,7 +83,10 @@ def leading_size(messages: Sequence[Mapping[str, Any]], count: int,
     with it)."""
     if count <= 0:
         return Size()
-    total = tools_size(tools)
-    for message in messages[:count]:
-        total += message_size(message)
-    return total
+    tools_part = tools_size(tools)
+    chars, extra = tools_part.chars, tools_part.extra_bytes
+    head = messages[:count]
+    for message in head:
+        size = message_size(message)
+        chars, extra = chars + size.chars, extra + size.extra_bytes
+    return Size(chars, extra, len(head))

@@ -187,7 +187,8 @@ class Provider:
         sc = self.sc
         if not sc.mixed:
             return len(text) / sc.chars_per_token
-        dense = sum(1 for c in text if not c.isascii())
+        # Every non-ASCII character the script writes is a three-byte CJK one.
+        dense = 0 if text.isascii() else (len(text.encode()) - len(text)) // 2
         return (len(text) - dense) / sc.chars_per_token + dense * sc.dense_tokens
 
     def message_tokens(self, message: Msg) -> int:
@@ -465,7 +466,7 @@ class Simulation:
         if self.s.calibration.reports:
             self.check_estimate(true, estimate)
         reported = self.provider.report(messages)
-        reused = cached_size(self.s.previous_call, messages, TOOLS)
+        reused = cached_size(self.s.previous_call, messages, TOOLS, size)
         self.s.calibration = calibrate(
             self.s.calibration, reported, size.chars, sc.num_ctx, messages=size.messages,
             extra_bytes=size.extra_bytes, reused_chars=reused.chars,

@@ -83,4 +83,15 @@ def test_the_cached_part_is_a_prefix_of_the_call(history: tuple[ChatMessage, ...
     shared = common_prefix(previous, now)
     assert shared == min(cut, len(now))
     assert cached_size(previous, now) == leading_size(now, shared)
+    assert cached_size(previous, now, TOOLS, prompt_size(now, TOOLS)) == leading_size(
+        now, shared, TOOLS)
     assert leading_size(now, len(now), TOOLS) == prompt_size(now, TOOLS)
+
+
+@settings(max_examples=60, deadline=None)
+@given(histories(), st.text(max_size=20))
+def test_sizes_count_characters_as_the_prompt_does(history: tuple[ChatMessage, ...],
+                                                   system: str) -> None:
+    prompt = render_messages(system, Conversation(messages=history), [question("é中")])
+    assert prompt_size(prompt, TOOLS).chars == sent_chars(prompt, TOOLS)
+    assert prompt_size(prompt).extra_bytes >= 3
