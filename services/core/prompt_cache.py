@@ -11,9 +11,9 @@ That previous call is read off the durable history, not remembered by the
 process that sent it, so any generator (or one restarted) knows it: the last
 turn's final call sent everything the history now holds but that turn's
 answer. A snapshot written since (a compaction) replaced the summary, so only
-the pinned system prompt can still be shared; so it is before the first turn.
-Within a turn, the call before is the turn's own previous round of the tool
-loop. Nothing of it needs to be kept per session.
+the pinned system prompt can still be shared. Within a turn, the call before
+is the turn's own previous round of the tool loop. Nothing of it needs to be
+kept per session.
 """
 
 from __future__ import annotations
@@ -31,11 +31,14 @@ Messages = Sequence[Mapping[str, Any]]
 def previous_call(system: str, conversation: Conversation) -> list[dict[str, Any]]:
     """The messages of the session's last call that this history shows, as far
     as a later call can share them ([] when no call was built on it)."""
-    if conversation.just_compacted or not conversation.messages:
-        # A compaction since, or no turn stored yet (a first call, or one
-        # whose turn failed): at most the pinned system prompt, which other
-        # sessions' calls may have left in the cache as well.
+    if conversation.just_compacted:
+        # A compaction since: at most the pinned system prompt is shared.
         return [{"role": "system", "content": system}] if system else []
+    if not conversation.messages:
+        # No turn stored: the session has made no call we know of. (Another
+        # session's call with the same system prompt may have left it
+        # cached; the plausibility floor catches the largest such counts.)
+        return []
     return render_messages(system, conversation)[:-1]  # all but the last turn's answer
 
 

@@ -182,6 +182,7 @@ class Provider:
         self.sc = sc
         self.rng = rng
         self.cached: list[Msg] | None = None
+        self.memo: dict[str, int] = {}
 
     def text_tokens(self, text: str) -> float:
         sc = self.sc
@@ -192,10 +193,16 @@ class Provider:
         return (len(text) - dense) / sc.chars_per_token + dense * sc.dense_tokens
 
     def message_tokens(self, message: Msg) -> int:
-        text = message.get("content") or ""
-        if message.get("tool_calls"):
-            text += compact_json(message["tool_calls"])
-        return math.ceil(self.text_tokens(text)) + PROVIDER_OVERHEAD_TOKENS
+        # Every message's content starts with its unique id: a key for the memo.
+        content = message.get("content") or ""
+        known = self.memo.get(content)
+        if known is None:
+            text = content
+            if message.get("tool_calls"):
+                text += compact_json(message["tool_calls"])
+            known = math.ceil(self.text_tokens(text)) + PROVIDER_OVERHEAD_TOKENS
+            self.memo[content] = known
+        return known
 
     def true_tokens(self, messages: Sequence[Msg]) -> int:
         tools = math.ceil(self.text_tokens(compact_json(list(TOOLS))))
@@ -248,9 +255,11 @@ class Script:
                 piece = (f'{{"id": {rng.randint(1, 9999)}, "path": "src/m{rng.randint(1, 99)}.py",'
                          f' "ok": true, "tags": ["a", "b"]}}, ')
             elif kind == "cjk":
-                piece = "".join(rng.choice(CJK) for _ in range(12)) + "。"
+                start = rng.randrange(len(CJK) - 12)
+                piece = CJK[start:start + 12] + "。"
             else:
-                piece = " ".join(rng.choice(WORDS) for _ in range(8)) + ". "
+                start = rng.randrange(len(WORDS) - 8)
+                piece = " ".join(WORDS[start:start + 8]) + ". "
             pieces.append(piece)
             size += len(piece)
         return "".join(pieces)[:chars]

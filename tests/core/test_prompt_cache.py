@@ -58,12 +58,10 @@ def test_after_a_compaction_only_the_system_prompt_can_be_cached() -> None:
     assert len(previous_call(SYSTEM, later)) == len(render_messages(SYSTEM, later)) - 1
 
 
-def test_before_any_turn_the_system_prompt_may_be_cached() -> None:
-    # By another session's call with the same prompt, or this session's failed first turn.
-    assert previous_call(SYSTEM, Conversation()) == [{"role": "system", "content": SYSTEM}]
-    assert previous_call("", Conversation()) == []
-    now = render_messages("", Conversation(), [question()])
-    assert cached_size(previous_call("", Conversation()), now, TOOLS).chars == 0
+def test_before_any_turn_nothing_is_known_to_be_cached() -> None:
+    assert previous_call(SYSTEM, Conversation()) == []
+    now = render_messages(SYSTEM, Conversation(), [question()])
+    assert cached_size(previous_call(SYSTEM, Conversation()), now, TOOLS).chars == 0
 
 
 def test_the_tools_count_as_cached_with_any_shared_prefix() -> None:

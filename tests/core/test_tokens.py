@@ -95,9 +95,8 @@ def test_a_dense_count_of_only_the_new_part_is_not_taken_for_the_whole() -> None
     assert out.tokens_per_char == pytest.approx(0.25)
 
 
-def test_no_count_before_the_first_turn_is_trusted_to_lower_the_fallback() -> None:
-    # The system prompt may be cached (another session's call): a first count
-    # that may be partial leaves the session uncalibrated...
+def test_a_first_count_that_may_be_partial_leaves_the_session_uncalibrated() -> None:
+    # No ratio shown yet: nothing to tell a partial count from a whole one by.
     assert calibrate(Calibration(), 1000, 10000, NUM_CTX, reused_chars=1000) == Calibration()
     # ...unless it exceeds what the rest could cost.
     assert calibrate(Calibration(), 2000, 2100, NUM_CTX, reused_chars=2000).reports == 1
