@@ -87,6 +87,9 @@ class Conversation(Strict):
     compacted_by: str | None = None
     # The queries whose turns are folded into the summary (see `Snapshot`).
     compacted_query_ids: tuple[str, ...] = ()
+    # The last entry folded in was a snapshot: no model call has been sent
+    # with this summary yet, so a prompt cache can share only the system prompt.
+    just_compacted: bool = False
 
     def apply(self, entry: HistoryEntry) -> Conversation:
         if entry.kind == "snapshot" and entry.snapshot is not None:
@@ -94,8 +97,10 @@ class Conversation(Strict):
             return Conversation(
                 summary=snap.summary, messages=snap.messages, compactions=snap.compactions,
                 compacted_by=snap.request_id, compacted_query_ids=snap.compacted_query_ids,
+                just_compacted=True,
             )
-        return self.model_copy(update={"messages": (*self.messages, *entry.messages)})
+        return self.model_copy(update={"messages": (*self.messages, *entry.messages),
+                                       "just_compacted": False})
 
 
 def fold(entries: list[HistoryEntry]) -> Conversation:

@@ -89,12 +89,15 @@ class GenerationReport(Payload):
     sent_chars: int = Field(ge=0)
     # Messages in the prompt: the provider charges framing per message.
     sent_messages: int = Field(default=0, ge=0)
+    # UTF-8 bytes beyond one per character: dense scripts cost more tokens.
+    sent_extra_bytes: int = Field(default=0, ge=0)
     num_ctx: int = Field(gt=0)
     duration_ms: float = Field(default=0.0, ge=0)
     # What the next call would send without a new user message, in characters,
     # and how many of those lie before the live zone (what compaction could free).
     next_prompt_chars: int | None = Field(default=None, ge=0)
     next_prompt_messages: int = Field(default=0, ge=0)
+    next_prompt_extra_bytes: int = Field(default=0, ge=0)
     compactable_chars: int | None = Field(default=None, ge=0)
     # The same for the smaller live zones of the tighter and emergency levels.
     compactable_chars_by_level: dict[Level, int] = Field(default_factory=dict)
@@ -103,10 +106,12 @@ class GenerationReport(Payload):
     # The session's tokens-per-character ratio after this call (None: not yet
     # calibrated), so the decider counts the context as the rest of the system does.
     tokens_per_char: float | None = Field(default=None, gt=0)
-    # Characters of this prompt the provider may have served from its cache
-    # (the previous call's prompt, unchanged): a count covering only the rest
-    # must not be taken for the whole prompt's.
+    # The part of this prompt the provider may have served from its cache
+    # (its longest common prefix, in messages, with the session's previous
+    # call): a count covering only the rest must not be taken for the whole.
     reused_chars: int = Field(default=0, ge=0)
+    reused_extra_bytes: int = Field(default=0, ge=0)
+    reused_messages: int = Field(default=0, ge=0)
     auto_compact: bool = True
 
 

@@ -50,8 +50,10 @@ from schemas.envelope import Envelope, new_id
 from schemas.history import ChatMessage, Conversation, HistoryEntry, ToolCall
 from schemas.messages import GenerationReport
 from scripts.ollama_stub import count_prompt_tokens, echo_reply, filler_text
-from services.core.prompt import history_chars, render_messages, reusable_chars, sent_chars
+from services.core.prompt import history_chars, render_messages, sent_chars
+from services.core.prompt_cache import cached_size, previous_call
 from services.core.splice import plan_compaction, splice
+from services.core.text_size import prompt_size
 from services.core.tokens import Calibration, calibrate, estimate_tokens
 from services.generator.provider import ChatRequest, OllamaProvider
 from tests.nats_server import free_port, nats_server_binary, running_nats
@@ -1407,22 +1409,24 @@ def estimate_points_offline(cpt: float, script: Sequence[str]) -> list[EstimateP
     conversation = Conversation()
     calibration = Calibration()
     points: list[EstimatePoint] = []
-    previous: list[dict[str, Any]] = []
     for turn, content in enumerate(script, 1):
         user = ChatMessage(role="user", content=content)
         prompt = render_messages(ESTIMATE_SYSTEM, conversation, [user])
-        estimate = estimate_tokens(sent_chars(prompt), calibration, len(prompt))
+        size = prompt_size(prompt)
+        estimate = estimate_tokens(size.chars, calibration, size.messages, size.extra_bytes)
         actual = count_prompt_tokens(prompt, None, cpt)
         if calibration.reports:
             points.append(EstimatePoint(turn, estimate, actual))
-        # As the generator does: a count that may cover only what a prompt cache
-        # did not hold teaches nothing.
-        calibration = calibrate(calibration, actual, sent_chars(prompt), NUM_CTX,
-                                reused_chars=reusable_chars(previous, prompt),
-                                messages=len(prompt))
+        # As the generator does: the part a prompt cache may have served, read
+        # off the history, so a count of the rest alone is not taken for the whole.
+        reused = cached_size(previous_call(ESTIMATE_SYSTEM, conversation), prompt)
+        calibration = calibrate(calibration, actual, size.chars, NUM_CTX,
+                                messages=size.messages, extra_bytes=size.extra_bytes,
+                                reused_chars=reused.chars,
+                                reused_extra_bytes=reused.extra_bytes,
+                                reused_messages=reused.messages)
         answer = ChatMessage(role="assistant", content=echo_reply(prompt))
         conversation = conversation.apply(HistoryEntry.of_turn((user, answer)))
-        previous = prompt
     return points
 
 
@@ -1464,8 +1468,11 @@ async def estimate_points_live(env: Env, http: Http, watch: ReportWatch,
             points.append(EstimatePoint(turn, pending[0], actual))
             chars_mismatches += int(pending[1] != report.sent_chars)
         calibration = calibrate(calibration, report.prompt_tokens, report.sent_chars,
-                                report.num_ctx, reused_chars=report.reused_chars,
-                                messages=report.sent_messages)
+                                report.num_ctx, messages=report.sent_messages,
+                                extra_bytes=report.sent_extra_bytes,
+                                reused_chars=report.reused_chars,
+                                reused_extra_bytes=report.reused_extra_bytes,
+                                reused_messages=report.reused_messages)
         # The report comes after the generator stored its calibration: the gateway's
         # token_count is current now.
         session = (await http.get(f"/api/sessions/{sid}")).json()
@@ -1474,7 +1481,7 @@ async def estimate_points_live(env: Env, http: Http, watch: ReportWatch,
             messages=tuple(ChatMessage.model_validate(m) for m in session["messages"]))
         if report.next_prompt_chars is not None:
             own = estimate_tokens(report.next_prompt_chars, calibration,
-                                  report.next_prompt_messages)
+                                  report.next_prompt_messages, report.next_prompt_extra_bytes)
             gateway_deltas.append(int(session["token_count"]) - own)
         pending = None
         if turn < len(script):

@@ -51,6 +51,8 @@ ERROR_TEXT = "stub: simulated internal error"
 
 # Every chat message costs a few template tokens on top of its text, like real chat templates.
 PER_MESSAGE_OVERHEAD = 4
+# A CJK character costs 0.6-0.8 tokens on Llama 3 and Qwen tokenizers.
+DENSE_TOKENS_PER_CHAR = 0.7
 # Below this many new tokens a prompt-cache hit makes Ollama omit prompt_eval_count.
 CACHE_MIN_TOKENS = 5
 SUMMARY_MIN_CHARS = 80
@@ -81,6 +83,8 @@ _EARLIER_GOAL = re.compile(r"EARLIER NOTES[^\n]*\n(?:.*\n)*?Goal: (.+)")
 # The user label of a transcript rendered into one message: "[user]", "user:", "**User**:",
 # with the text on the same line or on the lines below it.
 _TRANSCRIPT_USER_LABEL = re.compile(r"^[ \t#*>]*(?:\[user\]:?|user\**:)[ \t]*(.*)$", re.IGNORECASE)
+_NOT_DENSE = re.compile("[\x00-\u07ff]+")
+_NOT_TWO_BYTE = re.compile("[^\u0080-\u07ff]+")
 # One streamed piece per word; whitespace stays attached so the pieces join losslessly.
 _STREAM_PIECE = re.compile(r"\S+\s*|\s+")
 
@@ -151,7 +155,16 @@ def message_text(message: Mapping[str, Any]) -> str:
 
 
 def count_text_tokens(text: str, chars_per_token: float) -> int:
-    return math.ceil(len(text) / chars_per_token)
+    """``chars_per_token`` ASCII characters make a token; other scripts are
+    denser, as on real tokenizers: a character of two UTF-8 bytes (Greek,
+    Cyrillic, Arabic) costs twice an ASCII one, and one of three or four
+    (CJK, kana, Hangul) DENSE_TOKENS_PER_CHAR."""
+    if text.isascii():
+        return math.ceil(len(text) / chars_per_token)
+    dense = len(_NOT_DENSE.sub("", text))
+    two_byte = len(_NOT_TWO_BYTE.sub("", text))
+    sparse = len(text) - dense + two_byte
+    return math.ceil(sparse / chars_per_token + dense * DENSE_TOKENS_PER_CHAR)
 
 
 def count_message_tokens(message: Mapping[str, Any], chars_per_token: float) -> int:
@@ -632,9 +645,11 @@ def reported_prompt_count(
 ) -> int | None:
     """The prompt_eval_count to report, remembering this prompt for the next request.
 
-    With the ``cache-count`` quirk Ollama only counts tokens it had to evaluate: a prompt
-    that extends the previous one costs just the new suffix, and the field is left out
-    entirely when that suffix is tiny.
+    With the ``cache-count`` quirk Ollama only counts tokens it had to evaluate: it keeps
+    the previous request's prompt (per model, whatever session sent it) and reuses its
+    longest common prefix, in whole messages here, so a prompt costs only what follows
+    that prefix (the tools are cached with it), and the field is left out entirely when
+    that rest is tiny.
     """
     key = normalize_model(request.model)
     if "cache-count" not in state.config.quirks:
@@ -648,12 +663,16 @@ def reported_prompt_count(
     state.prompt_cache[key] = current
     if previous is None:
         return prompt_tokens
-    same_tools = previous[0] == current[0]
-    prefix = previous[1]
-    if not same_tools or current[1][: len(prefix)] != prefix:
+    shared = 0
+    if previous[0] == current[0]:
+        for before, now in zip(previous[1], current[1], strict=False):
+            if before != now:
+                break
+            shared += 1
+    if shared == 0:
         return prompt_tokens
     cpt = state.config.chars_per_token
-    suffix_tokens = sum(count_message_tokens(m, cpt) for m in kept[len(prefix) :])
+    suffix_tokens = sum(count_message_tokens(m, cpt) for m in kept[shared:])
     return None if suffix_tokens < CACHE_MIN_TOKENS else suffix_tokens
 
 

@@ -494,3 +494,29 @@ async def test_a_tool_result_larger_than_the_window_is_cut_and_the_turn_answered
     assert "characters left out here: too long to send whole" in stored[0]["content"]
     stats = await stub_stats(stub)
     assert stats["max_prompt_tokens"] <= NUM_CTX - 256 and stats["truncated"] == 0
+async def test_after_a_compaction_a_count_without_the_cached_system_prompt_is_not_the_whole(
+    private_nats: NatsServer, stub: str, start: Callable[..., httpx.AsyncClient]
+) -> None:
+    """The first call after a compaction shares only the pinned system prompt
+    with the call before it, and a prefix cache (the stand-in's cache-count
+    quirk, the summariser being another model) counts only the rest. Taken for
+    the whole prompt, that count halved the ratio and the next, oversized
+    prompt was estimated to fit and sent."""
+    await configure_stub(stub, quirks=["cache-count"])
+    http = start(COMPACTION_MODEL="summariser")
+    sid = await create(http, system="You are terse. " * 187, auto_compact=False)  # 700 tokens
+    for i in range(3):
+        assert (await http.post(f"/api/sessions/{sid}/messages",
+                                json={"content": f"question {i} " + "q" * 400})).status_code == 200
+    async with watching(private_nats.url, *EVENTS) as watcher:
+        await http.post(f"/api/sessions/{sid}/compact")
+        assert (await next_result(watcher, sid))["status"] == "completed"
+    # Counted without the 700 cached tokens of the system prompt.
+    first = await http.post(f"/api/sessions/{sid}/messages", json={"content": "p" * 2000})
+    assert first.status_code == 200
+    assert first.json()["prompt_tokens"] < NUM_CTX // 2
+    # About 1,900 tokens in a budget of 1,792: it must not be sent.
+    oversized = await http.post(f"/api/sessions/{sid}/messages", json={"content": "r" * 1400})
+    assert oversized.status_code == 413, oversized.text
+    stats = await stub_stats(stub)
+    assert stats["max_prompt_tokens"] <= NUM_CTX - 256

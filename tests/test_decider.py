@@ -16,7 +16,8 @@ from schemas.envelope import Envelope
 from schemas.messages import CompactionRequest, CompactionResult, GenerationReport
 from services.compaction_decider.service import Decider
 from services.compaction_decider.settings import DeciderSettings
-from services.core.context import PromptSize, context_tokens
+from services.core.context import context_tokens
+from services.core.text_size import Size
 from services.core.tokens import Calibration
 from services.shared.bus import Bus, decode
 from services.shared.jetstream import ensure_layout
@@ -248,8 +249,33 @@ async def test_the_decider_counts_at_the_sessions_ratio_and_nets_out_the_summary
         asked = json.loads((await requests.next_msg(timeout=5)).data)["payload"]
         assert asked["session_id"] == "paste"
         # The same count as the session's gauge: its ratio, not the fallback's.
-        gauge = context_tokens(PromptSize(24400, 10), Calibration(0.25))
+        gauge = context_tokens(Size(24400, 0, 10), Calibration(0.25))
         assert asked["reason"].startswith(f"estimate {gauge} of budget 7168 tokens")
+    finally:
+        await decider.stop()
+        await nc.close()
+
+
+async def test_a_long_answer_in_a_dense_script_is_weighed_at_its_own_rate(
+        private_nats: NatsServer) -> None:
+    """English so far (4 characters a token), then a 5,000-character answer in
+    Chinese: at the English ratio the next prompt looked like 3,750 tokens of
+    a 7,168 budget, while Chinese costs 0.6-0.8 tokens a character."""
+    nc = await nats.connect(private_nats.url)
+    bus = Bus(nc, "compaction-decider")
+    await ensure_layout(bus.js)
+    decider = Decider(bus, DeciderSettings())
+    await decider.start()
+    requests = await nc.subscribe(subjects.COMPACTION_REQUEST)
+    try:
+        await bus.js_publish(subjects.RESPONSE_GENERATION, GenerationReport(
+            session_id="zh", model="m", prompt_tokens=2500 - 4 * 4 + 16, sent_chars=10000,
+            sent_messages=4, num_ctx=8192, next_prompt_chars=15000, next_prompt_messages=5,
+            next_prompt_extra_bytes=10000, compactable_chars=6000,
+            compactable_chars_by_level={"gentle": 6000, "tighter": 6000, "emergency": 9000},
+        ), session_id="zh")
+        request = await requests.next_msg(timeout=10)
+        assert b'"session_id":"zh"' in request.data
     finally:
         await decider.stop()
         await nc.close()

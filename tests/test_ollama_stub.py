@@ -456,6 +456,30 @@ async def test_cache_count_quirk_counts_only_the_new_suffix(stub_url: str) -> No
 
 
 @pytest.mark.asyncio
+async def test_cache_count_reuses_the_longest_common_prefix(stub_url: str) -> None:
+    """As Ollama's prefix cache: a prompt that shares only its leading messages
+    with the previous request (a compaction rewrote what follows the system
+    prompt, or another session sent the same system prompt) is charged only
+    for what follows them."""
+    configure(stub_url, quirks=["cache-count"])
+    system = {"role": "system", "content": "be helpful " * 50}
+    before = [system, user("first question"), {"role": "assistant", "content": "x" * 400}]
+    await chat(stub_url, before)
+    compacted = [system, {"role": "system", "content": "notes " * 20}, user("next")]
+    after = await chat(stub_url, compacted)
+    assert after.prompt_eval_count == count_prompt_tokens(compacted[1:], None, 4.0)
+    assert after.prompt_eval_count < count_prompt_tokens(compacted, None, 4.0)
+
+
+def test_dense_scripts_cost_more_tokens_than_ascii() -> None:
+    assert count_prompt_tokens([user("a" * 400)], None, 4.0) == 100 + 4
+    # CJK at 0.7 tokens a character, two-byte scripts at twice an ASCII one.
+    assert count_prompt_tokens([user("中" * 400)], None, 4.0) == 280 + 4
+    assert count_prompt_tokens([user("я" * 400)], None, 4.0) == 200 + 4
+    assert count_prompt_tokens([user("a" * 200 + "中" * 200)], None, 4.0) == 50 + 140 + 4
+
+
+@pytest.mark.asyncio
 async def test_cache_count_needs_the_quirk(stub_url: str) -> None:
     base = [user("question")]
     await chat(stub_url, base)

@@ -21,7 +21,7 @@ from schemas import subjects
 from schemas.envelope import Envelope, new_id
 from schemas.messages import CompactionRequest, CompactionResult, GenerationReport
 from services.compaction_decider.settings import DeciderSettings
-from services.core.context import PromptSize, context_tokens, summary_allowance
+from services.core.context import context_tokens, summary_allowance
 from services.core.decision import (
     Decision,
     Observation,
@@ -31,6 +31,7 @@ from services.core.decision import (
     level_for,
     on_result,
 )
+from services.core.text_size import Size
 from services.core.tokens import Calibration, calibrate, estimate_tokens, prompt_budget
 from services.shared.bus import Bus
 from services.shared.consumer import PullLoop, ensure_consumer
@@ -157,7 +158,9 @@ class Decider:
         tracked = self._track(sid)
         tracked.calibration = calibrate(
             tracked.calibration, report.prompt_tokens, report.sent_chars, report.num_ctx,
-            reused_chars=report.reused_chars, messages=report.sent_messages)
+            messages=report.sent_messages, extra_bytes=report.sent_extra_bytes,
+            reused_chars=report.reused_chars, reused_extra_bytes=report.reused_extra_bytes,
+            reused_messages=report.reused_messages)
         if not report.auto_compact:
             return
         decision, fired = self._decide(tracked, report)
@@ -199,8 +202,11 @@ class Decider:
         cal = (Calibration(report.tokens_per_char) if report.tokens_per_char is not None
                else tracked.calibration)
         limit = prompt_budget(report.num_ctx, self.settings.output_headroom)
-        upcoming = context_tokens(PromptSize(report.next_prompt_chars or report.sent_chars,
-                                             report.next_prompt_messages), cal)
+        upcoming = context_tokens(Size(report.next_prompt_chars or report.sent_chars,
+                                       report.next_prompt_extra_bytes if report.next_prompt_chars
+                                       else report.sent_extra_bytes,
+                                       report.next_prompt_messages if report.next_prompt_chars
+                                       else report.sent_messages), cal)
         level = level_for(upcoming, limit, self.policy())
         # What a compaction at that level replaces: its own, smaller live zone.
         freeable = report.compactable_chars or 0

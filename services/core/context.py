@@ -15,32 +15,23 @@ live zone and the summary it replaces, less the summary it writes.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from schemas.history import Conversation
-from services.core.prompt import MESSAGE_OVERHEAD_CHARS, SUMMARY_PREFIX, HistoryWeights, tools_chars
-from services.core.tokens import Calibration, estimate_tokens
-
-
-@dataclass(frozen=True)
-class PromptSize:
-    """What a prompt weighs before calibration: characters as sent, and messages."""
-
-    chars: int
-    messages: int
+from services.core.prompt import MESSAGE_OVERHEAD_CHARS, SUMMARY_PREFIX, render_messages
+from services.core.text_size import Size, prompt_size
+from services.core.tokens import Calibration, estimate_size, estimate_tokens
 
 
 def next_prompt_size(system: str, conversation: Conversation,
-                     tools: Sequence[Mapping[str, Any]] = ()) -> PromptSize:
+                     tools: Sequence[Mapping[str, Any]] = ()) -> Size:
     """The next call's prompt without a new user message, tools included."""
-    weights = HistoryWeights.of(system, conversation)
-    return PromptSize(weights.next_prompt + tools_chars(tools), weights.next_prompt_messages)
+    return prompt_size(render_messages(system, conversation), tools)
 
 
-def context_tokens(size: PromptSize, calibration: Calibration) -> int:
+def context_tokens(size: Size, calibration: Calibration) -> int:
     """Tokens in the context: the calibrated estimate of a prompt of this size."""
-    return estimate_tokens(size.chars, calibration, size.messages)
+    return estimate_size(size, calibration)
 
 
 def next_prompt_tokens(system: str, conversation: Conversation,

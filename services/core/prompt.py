@@ -127,27 +127,3 @@ class HistoryWeights:
         compaction could free."""
         return self.summary + self.running[boundary]
 
-
-def reusable_chars(
-    previous: Sequence[Mapping[str, Any]],
-    current: Sequence[Mapping[str, Any]],
-    *,
-    previous_tools: Sequence[Mapping[str, Any]] = (),
-    tools: Sequence[Mapping[str, Any]] = (),
-) -> int:
-    """Characters of `current` a provider's prompt cache may have served from the
-    session's previous call (`previous`: the messages it sent, without its reply).
-
-    Only a prompt that extends the previous one unchanged (same tools, all the
-    previous messages as its prefix) may reuse it, and then all of it: with the
-    cache-count quirk only the new suffix is counted. Any other prompt (the
-    first, one rewritten by a compaction, new tools) is taken as counted in
-    full, so 0 (a real Ollama may still reuse a leading system prompt: a small
-    undercount). `calibrate` uses this to tell a complete count from a
-    suffix-only one.
-    """
-    if not previous or len(current) < len(previous) or list(previous_tools) != list(tools):
-        return 0
-    if any(before != now for before, now in zip(previous, current, strict=False)):
-        return 0
-    return sent_chars(previous, tools)

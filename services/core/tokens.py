@@ -4,7 +4,10 @@ The estimate is the text's characters times a tokens-per-character ratio
 taken from the provider's last trustworthy report, plus a few tokens of
 framing per message; before any such report a conservative fallback
 over-estimates, so an uncalibrated session compacts early rather than
-overflows.
+overflows. Dense scripts (CJK, kana, Hangul: three UTF-8 bytes a character)
+are charged at a cautious rate of their own, told apart by their bytes
+(`text_size`): at the text ratio they would be under-counted two- or
+threefold.
 
 Framing is counted in tokens, not characters, because that is how chat
 templates add it (a role header and an end marker per message, whatever the
@@ -19,9 +22,11 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
-from services.core.prompt import MESSAGE_OVERHEAD_CHARS, sent_chars
+from services.core.prompt import MESSAGE_OVERHEAD_CHARS
+from services.core.text_size import Size, prompt_size
 
 # Tokens a chat template adds around each message (Llama 3 and ChatML add 4-5).
 FRAMING_TOKENS_PER_MESSAGE = 4
@@ -30,20 +35,30 @@ FRAMING_TOKENS_PER_MESSAGE = 4
 # fallback over-estimates until the provider's first usable count arrives.
 FALLBACK_TOKENS_PER_CHAR = 1 / 2.5
 
+# A character of three UTF-8 bytes is charged at least this many tokens,
+# whatever the text ratio: common tokenizers charge CJK 0.6-0.8 (Cyrillic,
+# two bytes, at least half as much on top of the ratio). The ratio is learnt
+# from counts in which such text weighs little, so its cautious rate never
+# pushes the ratio down.
+DENSE_TOKENS = 1.0
+
 # Fewer tokens than one per 12 characters means the provider did not count the
 # whole prompt (Ollama's KV cache reuse reports only the uncached tokens).
 MIN_TOKENS_PER_CHAR = 1 / 12
-
-# Chat text seldom costs more than one token per character, so a count no
-# larger than this per character of the new suffix may be of the suffix alone.
+# A byte-level tokenizer never makes more tokens than bytes.
 MAX_TOKENS_PER_CHAR = 1.0
 
-# A whole-prompt count and a fresh-part-only one are told apart by size only
-# when the whole prompt is at least this many times the fresh part.
-DISTINGUISHABLE = 2.0
-# ...and a count within this factor of the whole prompt's expected count is
-# taken for a whole count (the ratio drifts as the content mix changes).
-WHOLE_COUNT_TOLERANCE = 1.25
+# Dense text that owes at most this share of a prompt's expected tokens is
+# taken out of the count at its cautious rate; above it, the ratio takes the
+# whole count (an upper bound for the rest of the text).
+DENSE_MINOR_SHARE = 0.05
+
+# A count may be of the uncached part alone unless it exceeds this many
+# times that part's expected cost (and its bytes)...
+PARTIAL_SLACK = 2.0
+# ...or the whole prompt should cost at least this many times that part and
+# the count lies nearer (in ratio) the whole's cost.
+DISTINGUISHABLE = 2.5
 
 # A count at or above this share of num_ctx was capped by silent truncation.
 TRUNCATION_FRACTION = 0.98
@@ -54,6 +69,25 @@ class Calibration:
     tokens_per_char: float | None = None
     reports: int = 0
 
+    @property
+    def char_rate(self) -> float:
+        return self.tokens_per_char or FALLBACK_TOKENS_PER_CHAR
+
+    @property
+    def extra_byte_rate(self) -> float:
+        """What each UTF-8 byte beyond a character's first adds, so that a
+        three-byte character costs DENSE_TOKENS."""
+        return max(0.0, DENSE_TOKENS - self.char_rate) / 2
+
+
+class Reading(Enum):
+    """What a count covers: the whole prompt, the part after the cached
+    prefix, or either (the two would cost too nearly the same)."""
+
+    whole = "whole"
+    partial = "partial"
+    either = "either"
+
 
 def calibrate(
     previous: Calibration,
@@ -63,17 +97,34 @@ def calibrate(
     *,
     reused_chars: int = 0,
     messages: int = 0,
+    extra_bytes: int = 0,
+    reused_extra_bytes: int = 0,
+    reused_messages: int = 0,
 ) -> Calibration:
     """Fold one provider report into the calibration; untrustworthy ones change nothing.
 
-    `reused_chars` is what a prompt cache may have served this call from the
-    previous one (`prompt.reusable_chars`); Ollama leaves that part out of its
-    count. Pass it: without it, a count of only a large new suffix (a big tool
-    result) looks plausible and would make every later estimate too low.
+    `reused_*` is the part a prompt cache may have served this call
+    (`prompt_cache.cached_size`, the longest common prefix with the
+    session's previous call); Ollama leaves it out of its count. A count
+    surely of the rest alone is read so, the cached part charged at the
+    ratio the session has shown; one that may be partial never lowers the
+    ratio (the cache may have held more than we know: a failed turn's call).
     """
-    ratio = _sample(reported_prompt_tokens, sent_chars, num_ctx, reused_chars,
-                    previous.tokens_per_char, messages)
+    sent = Size(sent_chars, extra_bytes, messages)
+    reused = Size(reused_chars, reused_extra_bytes, reused_messages)
+    reported = reported_prompt_tokens
+    if reported is None or not _usable(reported, sent, reused, num_ctx):
+        return previous
+    reading = _reading(reported, sent, reused, previous)
+    whole = float(reported)
+    if reading is Reading.partial:
+        if not previous.reports:
+            return previous  # no ratio shown yet to charge the cached part at
+        whole += _expected(reused, previous)
+    ratio = _ratio(whole, sent, previous)
     if ratio is None:
+        return previous
+    if reading is not Reading.whole and ratio <= previous.char_rate:
         return previous
     # The latest sample wins, no averaging: consecutive prompts share almost
     # all their text, so the last call's ratio is the best predictor of the
@@ -82,57 +133,77 @@ def calibrate(
     return Calibration(ratio, previous.reports + 1)
 
 
-def _sample(reported: int | None, sent_chars: int, num_ctx: int, reused_chars: int,
-            known: float | None, messages: int) -> float | None:
-    """Tokens per character of text this report shows, or None when it shows
-    nothing reliable."""
-    if reported is None or reported <= 0 or sent_chars <= 0:
-        return None
+def _usable(reported: int, sent: Size, reused: Size, num_ctx: int) -> bool:
+    if reported <= 0 or sent.chars <= 0:
+        return False
     if reported >= TRUNCATION_FRACTION * num_ctx:
-        return None  # capped by truncation
-    if reported < sent_chars * MIN_TOKENS_PER_CHAR:
-        return None  # counted only what the cache did not hold
-    fresh = sent_chars - reused_chars
-    # Nothing could come from the cache, or more tokens than MAX_TOKENS_PER_CHAR
-    # per fresh character: the count cannot be of the fresh part alone.
-    whole = reused_chars <= 0 or fresh <= 0 or reported > fresh * MAX_TOKENS_PER_CHAR
-    if not whole and known is not None:
-        expected = _expected(sent_chars, known, messages)
-        whole = _whole_prompt_count(reported, sent_chars, fresh, expected)
-    if not whole:
-        return None  # it may count only the fresh part: nothing reliable to learn
-    text_tokens = reported - FRAMING_TOKENS_PER_MESSAGE * messages
+        return False  # capped by truncation
+    # Fewer tokens than this for what the cache cannot have held means it
+    # held more than we think: nothing reliable to learn.
+    return reported >= (sent - reused).chars * MIN_TOKENS_PER_CHAR
+
+
+def _reading(reported: int, sent: Size, reused: Size, known: Calibration) -> Reading:
+    """Whole when nothing could be cached, when nothing is left besides the
+    cached part (Ollama then counts a token or two: below the plausible
+    floor), or when the count exceeds what the rest could cost: more than
+    its bytes (a byte-level tokenizer never makes more tokens than bytes)
+    and more than twice its expected cost. Partial when too few for the
+    whole prompt. Else, where the whole should cost several times the rest,
+    the reading whose expected cost lies nearer (in ratio) the count.
+    """
+    fresh = sent - reused
+    if reused.chars <= 0 or fresh.chars <= 0:
+        return Reading.whole
+    if reported < sent.chars * MIN_TOKENS_PER_CHAR:
+        return Reading.partial
+    as_fresh = _expected(fresh, known)
+    if reported > max(fresh.bytes, PARTIAL_SLACK * as_fresh):
+        return Reading.whole
+    as_whole = _expected(sent, known)
+    if not known.reports or as_whole < DISTINGUISHABLE * as_fresh:
+        return Reading.either
+    return Reading.whole if reported * reported >= as_whole * as_fresh else Reading.partial
+
+
+def _text_chars(size: Size) -> int:
+    return max(1, size.chars - MESSAGE_OVERHEAD_CHARS * size.messages)
+
+
+def _expected(size: Size, cal: Calibration) -> float:
+    text = max(0, size.chars - MESSAGE_OVERHEAD_CHARS * size.messages)
+    return (text * cal.char_rate + size.extra_bytes * cal.extra_byte_rate
+            + FRAMING_TOKENS_PER_MESSAGE * size.messages)
+
+
+def _ratio(whole: float, sent: Size, known: Calibration) -> float | None:
+    """The text ratio a whole-prompt count of `whole` tokens shows, or None.
+
+    Dense text weighing little is taken out at its cautious rate; where it
+    weighs more, the count is charged to all characters alike: a ratio too
+    high for the other text, never too low, whatever the dense text costs.
+    """
+    text_tokens = whole - FRAMING_TOKENS_PER_MESSAGE * sent.messages
     if text_tokens <= 0:
         return None  # less than the framing alone: not a count of this prompt
-    return text_tokens / _text_chars(sent_chars, messages)
+    chars = _text_chars(sent)
+    dense = sent.extra_bytes * known.extra_byte_rate
+    if dense <= DENSE_MINOR_SHARE * (chars * known.char_rate + dense):
+        text_tokens -= dense
+    ratio = text_tokens / chars
+    return ratio if MIN_TOKENS_PER_CHAR <= ratio <= MAX_TOKENS_PER_CHAR else None
 
 
-def _text_chars(chars: int, messages: int) -> int:
-    return max(1, chars - MESSAGE_OVERHEAD_CHARS * messages)
-
-
-def _expected(chars: int, ratio: float, messages: int) -> float:
-    return _text_chars(chars, messages) * ratio + FRAMING_TOKENS_PER_MESSAGE * messages
-
-
-def _whole_prompt_count(reported: int, sent_chars: int, fresh: int, expected: float) -> bool:
-    """With a ratio already known, a count of the whole prompt lies near
-    sent_chars x ratio and a count of the fresh part alone near fresh x ratio.
-    Where those are far apart, a count close to the first is a whole count.
-    Without this, a session whose every prompt extends the last would keep
-    its first ratio for ever, and the first prompt (short, mostly framing) is
-    the least representative one."""
-    if sent_chars < fresh * DISTINGUISHABLE:
-        return False
-    return abs(math.log(reported / expected)) <= math.log(WHOLE_COUNT_TOLERANCE)
-
-
-def estimate_tokens(chars: int, calibration: Calibration, messages: int = 0) -> int:
+def estimate_tokens(chars: int, calibration: Calibration, messages: int = 0,
+                    extra_bytes: int = 0) -> int:
     """Tokens a prompt of `chars` characters (as `prompt.sent_chars` counts them)
-    in `messages` messages is expected to cost with this provider."""
-    ratio = calibration.tokens_per_char or FALLBACK_TOKENS_PER_CHAR
-    text = max(0, chars - MESSAGE_OVERHEAD_CHARS * messages)
-    return math.ceil(text * ratio) + FRAMING_TOKENS_PER_MESSAGE * messages
+    and `extra_bytes` (`text_size.extra_bytes`) in `messages` messages is
+    expected to cost with this provider."""
+    return math.ceil(_expected(Size(chars, extra_bytes, messages), calibration))
+
+
+def estimate_size(size: Size, calibration: Calibration) -> int:
+    return estimate_tokens(size.chars, calibration, size.messages, size.extra_bytes)
 
 
 def budget(num_ctx: int, output_headroom: int) -> int:
@@ -163,4 +234,4 @@ def prompt_budget(num_ctx: int, output_headroom: int | None = None) -> int:
 def estimate_prompt(messages: Sequence[Mapping[str, Any]], calibration: Calibration,
                     tools: Sequence[Mapping[str, Any]] = ()) -> int:
     """Tokens these rendered messages (and tools) are expected to cost."""
-    return estimate_tokens(sent_chars(messages, tools), calibration, len(messages))
+    return estimate_size(prompt_size(messages, tools), calibration)

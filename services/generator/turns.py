@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Coroutine, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
@@ -33,13 +33,10 @@ from services.core.boundary import choose_boundary, tail_turns_for
 from services.core.context import next_prompt_size
 from services.core.decision import Level, check_fit
 from services.core.overflow import FitsShare, best_case_prompt, cut_tool_output
-from services.core.prompt import (
-    HistoryWeights,
-    render_messages,
-    reusable_chars,
-    sent_chars,
-)
+from services.core.prompt import HistoryWeights, render_messages
+from services.core.prompt_cache import cached_size, previous_call
 from services.core.state_machine import Action
+from services.core.text_size import Size, prompt_size
 from services.core.tokens import Calibration, calibrate, estimate_prompt, prompt_budget
 from services.generator.compaction import CompactionFailed, CompactionSkipped, Compactor
 from services.generator.head_start import HeadStart, HeadStartCount, still_good
@@ -53,12 +50,10 @@ from services.generator.toolbox import Toolbox
 from services.shared.bus import Bus
 from services.shared.history_store import HistoryStore, HistoryView
 from services.shared.live_config import LiveSettings
-from services.shared.recent import Recent
 from services.shared.sessions import SessionStore
 
 log = structlog.get_logger()
 Messages = list[dict[str, Any]]
-MAX_REMEMBERED_PROMPTS = 10_000
 FollowUp = Callable[[], Coroutine[Any, Any, None]]
 
 
@@ -79,8 +74,11 @@ class Turn:
     view: HistoryView
     # The user's message, then tool calls and results as they come.
     messages: list[ChatMessage]
-    # How much of the last call's prompt the provider may have had cached.
-    reused_chars: int = 0
+    # The session's call before the next one (read off the history, then the
+    # turn's own previous round), and how much of the last call a prompt cache
+    # may have served from it. Held for the turn only.
+    previous: Messages | None = None
+    reused: Size = field(default_factory=Size)
 
     @property
     def sid(self) -> str:
@@ -112,10 +110,6 @@ class TurnRunner:
         self._toolbox = toolbox
         self._compactor = compactor
         self.head_starts = HeadStartCount()
-        # Each session's last prompt and tools sent from this process: a prompt
-        # that extends it may be counted only in part by a caching provider.
-        self._last_prompts: Recent[str, tuple[Messages, Messages]] = Recent(
-            MAX_REMEMBERED_PROMPTS)
 
     @property
     def _settings(self) -> GeneratorSettings:
@@ -186,7 +180,9 @@ class TurnRunner:
                          error="this query was answered before, and a compaction has "
                                "since folded its answer into the summary"), None
         record = await self._with_window(record)
-        turn = Turn(env, record, view, [_question(env)])
+        turn = Turn(env, record, view, [_question(env)],
+                    previous=previous_call(record.system, view.conversation,
+                                           record.tokens_per_char is not None))
         started = time.monotonic()
         await self._states.apply(sid, Action.start_generation, env.correlation_id)
         result, prompt, tools = await self._tool_loop(turn, self._kept(head, turn))
@@ -199,9 +195,9 @@ class TurnRunner:
                       thinking=result.thinking or None)
 
         async def follow_up() -> None:
-            sent = sent_chars(prompt, tools)
-            await self._recalibrate(turn, result, sent, len(prompt))
-            await self._report(turn, result, sent, len(prompt), tools, started)
+            sent = prompt_size(prompt, tools)
+            await self._recalibrate(turn, result, sent)
+            await self._report(turn, result, sent, tools, started)
 
         return reply, follow_up
 
@@ -221,7 +217,8 @@ class TurnRunner:
         stream = self._turn_stream(turn.env, head)
         for _ in range(self._settings.max_tool_iterations + 1):
             prompt = head.prompt if head else await self._fitting_prompt(turn, tools)
-            turn.reused_chars = self._reused_chars(turn.sid, prompt, tools)
+            turn.reused = cached_size(turn.previous or [], prompt, tools)
+            turn.previous = prompt
             if head is not None:
                 result, head = await head.result(), None  # only the first call starts early
             else:
@@ -310,16 +307,11 @@ class TurnRunner:
     def _render(self, turn: Turn) -> Messages:
         return render_messages(turn.record.system, turn.view.conversation, turn.messages)
 
-    def _reused_chars(self, sid: str, prompt: Messages, tools: Messages) -> int:
-        previous, previous_tools = self._last_prompts.pop(sid) or ([], [])
-        self._last_prompts.put(sid, (prompt, tools))
-        return reusable_chars(previous, prompt, previous_tools=previous_tools, tools=tools)
-
     def _may_compact(self, record: SessionRecord) -> bool:
         return self._settings.compaction_threshold > 0 and record.auto_compact
 
     def _estimate(self, record: SessionRecord, prompt: Messages, tools: Messages) -> int:
-        return estimate_prompt(prompt, Calibration(record.tokens_per_char), tools)
+        return estimate_prompt(prompt, _calibration(record), tools)
 
     def _fits(self, record: SessionRecord, prompt: Messages, tools: Messages,
               share: float = 1.0) -> bool:
@@ -363,19 +355,18 @@ class TurnRunner:
             raise TurnError("empty_reply", f"the model returned an empty reply{where}")
         return result
 
-    async def _recalibrate(self, turn: Turn, result: ChatResult, sent: int,
-                           messages: int) -> None:
-        record = turn.record
-        previous = Calibration(record.tokens_per_char)
-        updated = calibrate(previous, result.prompt_tokens, sent, self.num_ctx(record),
-                            reused_chars=turn.reused_chars, messages=messages)
-        ratio = updated.tokens_per_char
-        if ratio is not None and (previous.tokens_per_char is None
-                                  or abs(ratio / previous.tokens_per_char - 1) > 0.005):
-            turn.record = record.model_copy(update={"tokens_per_char": ratio})
+    async def _recalibrate(self, turn: Turn, result: ChatResult, sent: Size) -> None:
+        record, reused = turn.record, turn.reused
+        previous = _calibration(record)
+        updated = calibrate(previous, result.prompt_tokens, sent.chars, self.num_ctx(record),
+                            messages=sent.messages, extra_bytes=sent.extra_bytes,
+                            reused_chars=reused.chars, reused_extra_bytes=reused.extra_bytes,
+                            reused_messages=reused.messages)
+        if _moved(previous.tokens_per_char, updated.tokens_per_char):
+            turn.record = record.model_copy(update={"tokens_per_char": updated.tokens_per_char})
             await self._sessions.put(turn.record)
 
-    async def _report(self, turn: Turn, result: ChatResult, sent: int, messages: int,
+    async def _report(self, turn: Turn, result: ChatResult, sent: Size,
                       tools: Messages, started: float) -> None:
         conversation = turn.view.conversation
         weights = HistoryWeights.of(turn.record.system, conversation)
@@ -387,18 +378,22 @@ class TurnRunner:
             model=turn.record.model_or(self._settings.model),
             prompt_tokens=result.prompt_tokens,
             completion_tokens=result.completion_tokens,
-            sent_chars=sent,
-            sent_messages=messages,
+            sent_chars=sent.chars,
+            sent_messages=sent.messages,
+            sent_extra_bytes=sent.extra_bytes,
             num_ctx=self.num_ctx(turn.record),
             duration_ms=(time.monotonic() - started) * 1000,
             next_prompt_chars=upcoming.chars,
             next_prompt_messages=upcoming.messages,
+            next_prompt_extra_bytes=upcoming.extra_bytes,
             compactable_chars=compactable[Level.gentle.value],
             compactable_chars_by_level=compactable,
             summary_chars=weights.summary,
             # As stored in the session's record: the ratio the gateway counts with.
             tokens_per_char=turn.record.tokens_per_char,
-            reused_chars=turn.reused_chars,
+            reused_chars=turn.reused.chars,
+            reused_extra_bytes=turn.reused.extra_bytes,
+            reused_messages=turn.reused.messages,
             auto_compact=turn.record.auto_compact,
         )
         await self._bus.js_publish(subjects.RESPONSE_GENERATION, report,
@@ -408,6 +403,17 @@ class TurnRunner:
     def _boundary(self, conversation: Conversation, level: Level) -> int:
         tail = tail_turns_for(level, self._settings.compaction_tail_turns)
         return choose_boundary(conversation.messages, tail)
+
+
+def _calibration(record: SessionRecord) -> Calibration:
+    return Calibration(record.tokens_per_char)
+
+
+def _moved(before: float | None, after: float | None) -> bool:
+    """Whether the ratio changed enough to be worth a write (0.5 %)."""
+    if after is None:
+        return False
+    return before is None or abs(after / before - 1) > 0.005
 
 
 def _question(env: Envelope[Query]) -> ChatMessage:

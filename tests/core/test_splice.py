@@ -40,7 +40,8 @@ def test_plan_and_splice_keep_the_live_zone_and_new_messages() -> None:
     # What the rollup looks like after folding the history stream.
     folded = fold([HistoryEntry.of_message(m) for m in TURNS]
                   + [HistoryEntry.of_snapshot(out)])
-    assert folded == Conversation(summary="notes", messages=out.messages, compactions=1)
+    assert folded == Conversation(summary="notes", messages=out.messages, compactions=1,
+                                  just_compacted=True)
 
 
 def test_nothing_to_compact() -> None:

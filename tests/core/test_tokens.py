@@ -1,18 +1,26 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from schemas.history import ChatMessage, Conversation, HistoryEntry, Snapshot
+from services.core.decision import check_fit
+from services.core.prompt import render_messages, sent_chars
+from services.core.prompt_cache import cached_size, previous_call
+from services.core.text_size import prompt_size
 from services.core.tokens import (
     FALLBACK_TOKENS_PER_CHAR,
     Calibration,
     budget,
     calibrate,
     default_headroom,
+    estimate_prompt,
     estimate_tokens,
+    prompt_budget,
 )
 
 NUM_CTX = 32768
@@ -49,17 +57,49 @@ def test_just_plausible_and_just_below_the_cap_are_used() -> None:
     assert calibrate(PRIOR, below_cap, 4 * below_cap, NUM_CTX).tokens_per_char == 0.25
 
 
-def test_a_count_that_may_cover_only_the_new_suffix_is_ignored() -> None:
-    # 10000 chars sent, extending a 6000-char previous prompt a cache may have
-    # served. 3000 tokens looks plausible for 10000 chars, but it is also under
-    # one token per fresh character: it may count only the 4000-char suffix.
-    assert calibrate(PRIOR, 3000, 10000, NUM_CTX, reused_chars=6000) is PRIOR
-    assert calibrate(PRIOR, 4000, 10000, NUM_CTX, reused_chars=6000) is PRIOR
-    # More tokens than fresh characters cannot be a suffix-only count.
+def test_a_count_is_read_as_whole_or_as_the_part_after_the_cache() -> None:
+    # 10000 chars sent, extending a 6000-char previous call a cache may have served.
+    # More tokens than the fresh part has bytes cannot be of it alone.
     assert calibrate(PRIOR, 4100, 10000, NUM_CTX, reused_chars=6000) == Calibration(0.41, 4)
+    # Nearer (in ratio) the whole prompt's expected 2000 than the fresh part's 800.
+    assert calibrate(PRIOR, 2100, 10000, NUM_CTX, reused_chars=6000) == Calibration(0.21, 4)
+    # Nearer the fresh part's: the cached part keeps the ratio shown, 1200 tokens.
+    assert calibrate(PRIOR, 1000, 10000, NUM_CTX, reused_chars=6000) == Calibration(0.22, 4)
     # Nothing fresh (identical prompt) or nothing reusable: the plain rules apply.
     assert calibrate(PRIOR, 3000, 10000, NUM_CTX, reused_chars=10000).reports == 4
     assert calibrate(PRIOR, 3000, 10000, NUM_CTX, reused_chars=0).reports == 4
+
+
+def test_a_count_that_may_be_partial_never_lowers_the_ratio() -> None:
+    # The fresh part is most of the prompt: a whole count and a partial one
+    # would be too alike to tell apart. Lower than the ratio shown: ignored.
+    assert calibrate(PRIOR, 1500, 10000, NUM_CTX, reused_chars=2000) is PRIOR
+    # Higher: the whole prompt costs at least that much, whichever it is.
+    assert calibrate(PRIOR, 2500, 10000, NUM_CTX, reused_chars=2000) == Calibration(0.25, 4)
+    # Read as partial, a count that would lower the ratio is ignored too: the
+    # cache may have held more than we know (the call of a failed turn).
+    assert calibrate(PRIOR, 150, 10000, NUM_CTX, reused_chars=9000) is PRIOR
+
+
+def test_a_dense_count_of_only_the_new_part_is_not_taken_for_the_whole() -> None:
+    """1.3 tokens per character (Chinese on a 32k-vocabulary model): the count
+    of the 1000 new characters alone is 1300. The rule "at most one token per
+    new character" took it for the whole 10000: 0.13, ten times too low."""
+    dense = Calibration(1.3, 1)
+    assert calibrate(dense, 1300, 10000, NUM_CTX, reused_chars=9000) is dense
+    chinese = Calibration(0.9, 1)
+    assert calibrate(chinese, 900, 10000, NUM_CTX, reused_chars=9000) is chinese
+    # Told the bytes, 1000 new CJK characters after ASCII may cost up to 3000
+    # tokens: 700 of them is read as theirs alone, and raises the ratio.
+    out = calibrate(PRIOR, 700, 10000, NUM_CTX, extra_bytes=2000, reused_chars=9000)
+    assert out.tokens_per_char == pytest.approx(0.25)
+
+
+def test_a_first_count_that_may_be_partial_leaves_the_session_uncalibrated() -> None:
+    # No ratio shown yet: nothing to tell a partial count from a whole one by.
+    assert calibrate(Calibration(), 1000, 10000, NUM_CTX, reused_chars=1000) == Calibration()
+    # ...unless it exceeds what the rest could cost.
+    assert calibrate(Calibration(), 2000, 2100, NUM_CTX, reused_chars=2000).reports == 1
 
 
 def test_estimate_uses_ratio_or_conservative_fallback() -> None:
@@ -82,7 +122,7 @@ def test_budget_and_headroom() -> None:
         budget(10, -1)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(
     st.integers(1, 10**6),
     st.integers(0, 10**6),
@@ -94,18 +134,18 @@ def test_calibrate_properties(sent: int, reported: int, num_ctx: int, reused: in
     if out is PRIOR:
         return
     assert out.reports == PRIOR.reports + 1
-    assert out.tokens_per_char == reported / sent
-    # What is accepted is plausible, was not truncated, and cannot be a suffix
-    # count, or lies close to the whole prompt's expected count while the fresh
-    # part is at most half the prompt.
-    assert reported * 12 >= sent
+    assert out.tokens_per_char is not None
+    # What is accepted was not truncated and is plausible for what the cache
+    # cannot have held.
     assert reported < 0.98 * num_ctx
-    fresh = sent - reused
-    certainly_whole = reused <= 0 or reused >= sent or reported > fresh
+    fresh = max(0, sent - reused)
+    assert reported * 12 >= fresh
+    # A count that may cover only the part after the cache never lowers the ratio.
     assert PRIOR.tokens_per_char is not None
-    near_whole = (sent >= 2 * fresh
-                  and abs(math.log(reported / (sent * PRIOR.tokens_per_char))) <= math.log(1.25))
-    assert certainly_whole or near_whole
+    surely_whole = reused <= 0 or reused >= sent or reported > fresh
+    near_whole = sent >= 2.5 * fresh and reported**2 >= (sent * 0.2) * (fresh * 0.2)
+    if not (surely_whole or near_whole):
+        assert out.tokens_per_char > PRIOR.tokens_per_char
 
 
 @settings(max_examples=100, deadline=None)
@@ -122,7 +162,7 @@ def test_the_stand_ins_cache_count_would_poison_a_plain_calibration() -> None:
     4 chars per token; the previous prompt was 4000 chars (1000 tokens), the new
     one adds an 8000-char result. Counted as a suffix it reports 2000 of the
     3000 tokens: plausible for 12000 chars, so the plain rule takes a ratio a
-    third too low. Told what was reusable, calibrate keeps the previous ratio.
+    third too low. Told what was reusable, calibrate keeps the true ratio.
     """
     truth = Calibration(0.25, 1)
     suffix_only = 2000
@@ -133,20 +173,86 @@ def test_the_stand_ins_cache_count_would_poison_a_plain_calibration() -> None:
     assert calibrate(truth, 3000, 12000, NUM_CTX, reused_chars=4000) is truth
     # A short suffix settles it: 1025 tokens cannot be a count of 100 new characters.
     assert calibrate(truth, 1025, 4100, NUM_CTX, reused_chars=4000) == Calibration(0.25, 2)
-    # After a compaction nothing is reusable: the count is complete.
+    # Nothing reusable: the count is complete.
     assert calibrate(truth, 750, 3000, NUM_CTX, reused_chars=0) == Calibration(0.25, 2)
 
 
-def test_a_whole_count_near_the_expected_one_moves_a_stale_ratio() -> None:
-    """Every prompt extends the last (the common case), and the first ratio came
-    from a short prompt that was mostly framing: a count close to what the whole
-    prompt should cost is a whole count, and the ratio follows it."""
-    first = Calibration(0.17, 1)
-    whole = calibrate(first, 700, 5000, NUM_CTX, reused_chars=4000)
-    assert whole == Calibration(700 / 5000, 2)
-    # Far from the whole prompt's expected 850 tokens: left alone.
-    assert calibrate(first, 300, 5000, NUM_CTX, reused_chars=4000) is first
-    # The fresh part is more than half the prompt: too close to call.
-    assert calibrate(first, 800, 5000, NUM_CTX, reused_chars=2000) is first
-    # With no ratio yet there is nothing to compare with.
-    assert calibrate(Calibration(), 700, 5000, NUM_CTX, reused_chars=4000) == Calibration()
+def test_dense_text_is_charged_at_its_own_cautious_rate() -> None:
+    """15,000 Chinese characters cost at least 9,750 tokens on common tokenizers:
+    at the text ratio the fallback said 6,004 and the message was sent into an
+    8,192 window."""
+    message = [{"role": "user", "content": "中文" * 7500}]
+    limit = prompt_budget(8192)
+    for calibration in (Calibration(), Calibration(0.25, 3)):
+        estimate = estimate_prompt(message, calibration)
+        assert estimate >= 15000
+        assert not check_fit(estimate, limit).fits
+    # Cyrillic (two bytes) on top of a 0.25 ratio: (1 - 0.25) / 2 more per character.
+    assert estimate_prompt([{"role": "user", "content": "я" * 1000}], Calibration(0.25, 1)) == (
+        math.ceil(1000 * 0.625) + 4)
+    # Mixed text: ASCII at the ratio, CJK at one token each.
+    assert estimate_tokens(1000, Calibration(0.25, 1), 0, extra_bytes=200) == 250 + 75
+
+
+def test_dense_text_that_weighs_little_does_not_lower_the_ratio() -> None:
+    # 9900 ASCII chars at 0.25 and 100 CJK ones at 0.7: a whole count of 2545.
+    out = calibrate(Calibration(), 2545, 10000, NUM_CTX, extra_bytes=200)
+    assert out.tokens_per_char == pytest.approx((2545 - 200 * 0.3) / 10000)
+    # Where dense text carries the prompt, the ratio takes all of the count: too
+    # high for the ASCII in it, never too low, whatever CJK costs.
+    heavy = calibrate(Calibration(), 4000, 10000, NUM_CTX, extra_bytes=10000)
+    assert heavy.tokens_per_char == pytest.approx(0.4)
+    assert estimate_tokens(10000, heavy, 0, 10000) >= 4000
+
+
+def test_after_a_compaction_a_big_cached_system_prompt_does_not_halve_the_ratio() -> None:
+    """4 characters per token, a 6,000-character system prompt. The first call
+    after a compaction is counted without the system prompt (still cached):
+    read as the whole prompt it took the ratio from 0.25 to 0.121, and a true
+    10,498-token prompt was estimated at 5,106 and found to fit in 8,192."""
+    system = "S" * 6000
+    before = Conversation(messages=(ChatMessage(role="user", content="u" * 9000),
+                                    ChatMessage(role="assistant", content="a" * 9000)))
+    kept = (ChatMessage(role="user", content="q" * 300),
+            ChatMessage(role="assistant", content="b" * 3000))
+    after = before.apply(HistoryEntry.of_snapshot(Snapshot(summary="N" * 2000, messages=kept,
+                                                           compactions=1)))
+    now = render_messages(system, after, [ChatMessage(role="user", content="next" * 50)])
+    reused = cached_size(previous_call(system, after), now)
+    assert reused.chars == sent_chars(now[:1])
+    size = prompt_size(now)
+    true_of = _true_tokens
+    reported = true_of(now) - true_of(now[:1])  # Ollama counts what it evaluated
+    cal = calibrate(Calibration(0.25, 5), reported, size.chars, 8192, messages=size.messages,
+                    reused_chars=reused.chars, reused_messages=reused.messages)
+    assert cal.tokens_per_char == pytest.approx(0.25, rel=0.02)
+    grown = render_messages(system, after, [
+        ChatMessage(role="user", content="next" * 50),
+        ChatMessage(role="assistant", content="c" * 30000),
+        ChatMessage(role="user", content="more" * 50)])
+    assert true_of(grown) > 8192
+    assert not check_fit(estimate_prompt(grown, cal), prompt_budget(8192)).fits
+
+
+def test_on_another_generator_the_previous_call_is_read_off_the_history() -> None:
+    """The first turn on a generator that did not send the session's previous
+    call: with an 8,000-character paste the ratio fell to 0.0995 and a true
+    8,653-token prompt was estimated at 3,462."""
+    turns = Conversation()
+    for question, answer in (("u" * 400, "a" * 14000), ("v" * 600, "w" * 2000)):
+        turns = turns.apply(HistoryEntry.of_turn((ChatMessage(role="user", content=question),
+                                                  ChatMessage(role="assistant", content=answer))))
+    sent_before = render_messages("", turns)[:-1]  # what the other process sent last
+    call = render_messages("", turns, [ChatMessage(role="user", content="p" * 8000)])
+    reused = cached_size(previous_call("", turns), call)
+    assert reused == cached_size(sent_before, call)
+    reported = _true_tokens(call) - _true_tokens(sent_before)
+    size = prompt_size(call)
+    cal = calibrate(Calibration(0.25, 4), reported, size.chars, 8192, messages=size.messages,
+                    reused_chars=reused.chars, reused_messages=reused.messages)
+    assert cal.tokens_per_char == pytest.approx(0.25, rel=0.02)
+
+
+def _true_tokens(messages: list[dict[str, Any]]) -> int:
+    """A tokenizer at 4 characters per token with 4 tokens of framing per message."""
+    return sum(math.ceil(len(m["content"]) / 4) + 4 for m in messages)

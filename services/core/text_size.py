@@ -1,0 +1,92 @@
+"""What a prompt weighs in the two measures the token estimate needs.
+
+Characters alone misjudge dense scripts: a Chinese, Japanese or Korean
+character costs two to four times the tokens of a Latin letter on common
+tokenizers. The UTF-8 bytes a character takes beyond its first tell the
+scripts apart: none for ASCII (prose, code, JSON), one for Greek, Cyrillic,
+Arabic or Hebrew, two for CJK, kana and Hangul. Estimates charge each
+measure at a rate of its own (`tokens.Calibration`). Bytes are also a hard
+ceiling: a byte-level tokenizer never makes more tokens than bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from services.core.prompt import MESSAGE_OVERHEAD_CHARS, compact_json, tools_chars
+
+
+@dataclass(frozen=True)
+class Size:
+    """Characters (as `prompt.sent_chars` counts them, framing included),
+    UTF-8 bytes beyond one per character, and messages."""
+
+    chars: int = 0
+    extra_bytes: int = 0
+    messages: int = 0
+
+    def __add__(self, other: Size) -> Size:
+        return Size(self.chars + other.chars, self.extra_bytes + other.extra_bytes,
+                    self.messages + other.messages)
+
+    def __sub__(self, other: Size) -> Size:
+        return Size(max(0, self.chars - other.chars),
+                    max(0, self.extra_bytes - other.extra_bytes),
+                    max(0, self.messages - other.messages))
+
+    @property
+    def bytes(self) -> int:
+        return self.chars + self.extra_bytes
+
+
+def extra_bytes(text: str) -> int:
+    """UTF-8 bytes of `text` beyond one per character (0 for ASCII)."""
+    if text.isascii():
+        return 0
+    # surrogatepass: a lone surrogate in a message must not break the estimate.
+    return len(text.encode("utf-8", "surrogatepass")) - len(text)
+
+
+def message_size(message: Mapping[str, Any]) -> Size:
+    """One rendered message as sent (as `prompt.message_chars` counts it)."""
+    content = message.get("content") or ""
+    tool_name = message.get("tool_name") or ""
+    chars = len(content) + MESSAGE_OVERHEAD_CHARS + len(tool_name)
+    extra = extra_bytes(content) + extra_bytes(tool_name)
+    tool_calls = message.get("tool_calls")
+    if tool_calls:
+        calls = compact_json(tool_calls)  # the costliest step: once per message
+        chars += len(calls)
+        extra += extra_bytes(calls)
+    return Size(chars, extra, 1)
+
+
+def tools_size(tools: Sequence[Mapping[str, Any]]) -> Size:
+    """The offered tools (no messages of their own)."""
+    if not tools:
+        return Size()
+    return Size(tools_chars(tools), extra_bytes(compact_json(list(tools))), 0)
+
+
+def prompt_size(messages: Sequence[Mapping[str, Any]],
+                tools: Sequence[Mapping[str, Any]] = ()) -> Size:
+    """The size of a call: every message with its framing, plus the tools."""
+    return leading_size(messages, len(messages), tools) if messages else tools_size(tools)
+
+
+def leading_size(messages: Sequence[Mapping[str, Any]], count: int,
+                 tools: Sequence[Mapping[str, Any]] = ()) -> Size:
+    """The size of the first `count` messages, with the tools when count > 0
+    (templates render them ahead of the conversation, or a cache holds them
+    with it)."""
+    if count <= 0:
+        return Size()
+    tools_part = tools_size(tools)
+    chars, extra = tools_part.chars, tools_part.extra_bytes
+    head = messages[:count]
+    for message in head:
+        size = message_size(message)
+        chars, extra = chars + size.chars, extra + size.extra_bytes
+    return Size(chars, extra, len(head))
