@@ -72,7 +72,7 @@ async def serve(
     stopping.cancel()
     nc = connecting.result()
     bus = Bus(nc, name)
-    await ensure_layout(bus.js, lock_lease_s)
+    await ensure_layout(bus.js, lock_lease_s, settings.jetstream_replicas)
     component = await build(bus)
     await component.start()
     micro = await add_service(nc, name=name, version=VERSION, description=description)
