@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import nats
@@ -70,9 +71,17 @@ def traceparent(correlation_id: str) -> str | None:
     return f"00-{correlation_id}-{secrets.token_hex(8)}-01"
 
 
-async def connect(url: str, name: str, timeout_s: float = 2.0) -> NATS:
+async def connect(url: str, name: str, timeout_s: float = 2.0,
+                  on_reconnect: Callable[[], Awaitable[None]] | None = None) -> NATS:
     """Connect, retrying until NATS answers; afterwards nats-py reconnects
-    forever, to any server `url` lists (comma-separated) or the cluster announces."""
+    forever, to any server `url` lists (comma-separated) or the cluster
+    announces, calling `on_reconnect` each time it is back."""
+
+    async def reconnected() -> None:
+        log.info("nats_reconnected")
+        if on_reconnect is not None:
+            await on_reconnect()
+
     delay = 0.2
     while True:
         try:
@@ -85,7 +94,7 @@ async def connect(url: str, name: str, timeout_s: float = 2.0) -> NATS:
                 reconnect_time_wait=0.5,
                 error_cb=_on_error,
                 disconnected_cb=_on_disconnect,
-                reconnected_cb=_on_reconnect,
+                reconnected_cb=reconnected,
             )
         except (OSError, TimeoutError, nats.errors.NoServersError) as err:
             log.warning("nats_connect_failed", url=url, error=str(err), retry_in_s=delay)
@@ -99,10 +108,6 @@ async def _on_error(err: Exception) -> None:
 
 async def _on_disconnect() -> None:
     log.warning("nats_disconnected")
-
-
-async def _on_reconnect() -> None:
-    log.info("nats_reconnected")
 
 
 class Bus:

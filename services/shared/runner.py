@@ -14,6 +14,7 @@ import contextlib
 import gc
 import json
 import signal
+import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -62,8 +63,18 @@ async def serve(
 ) -> None:
     configure_logging(name, settings.log_level, settings.log_format)
     stop = _stop_on_signals()
+    buses: list[Bus] = []
+
+    async def restore_layout() -> None:
+        # A restarted server has lost its memory streams (session states);
+        # made again here, since no one else would until a service restarts.
+        try:
+            await ensure_layout(buses[0].js, lock_lease_s, settings.jetstream_replicas)
+        except Exception as err:
+            log.warning("layout_restore_failed", error=f"{type(err).__name__}: {err}")
+
     connecting = asyncio.create_task(
-        connect(settings.nats_url, name, settings.nats_connect_timeout_s))
+        connect(settings.nats_url, name, settings.nats_connect_timeout_s, restore_layout))
     stopping = asyncio.create_task(stop.wait())
     await asyncio.wait({connecting, stopping}, return_when=asyncio.FIRST_COMPLETED)
     if not connecting.done():  # asked to stop before NATS ever answered
@@ -72,10 +83,13 @@ async def serve(
     stopping.cancel()
     nc = connecting.result()
     bus = Bus(nc, name)
+    buses.append(bus)
     await ensure_layout(bus.js, lock_lease_s, settings.jetstream_replicas)
     component = await build(bus)
     await component.start()
-    micro = await add_service(nc, name=name, version=VERSION, description=description)
+    # The host lets `services.shared.healthcheck` find this very instance.
+    micro = await add_service(nc, name=name, version=VERSION, description=description,
+                              metadata={"host": socket.gethostname()})
 
     async def status(request: Request) -> None:
         await request.respond(json.dumps(component.status()).encode())

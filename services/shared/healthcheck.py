@@ -1,0 +1,63 @@
+"""`python -m services.shared.healthcheck NAME`: exit 0 when the service NAME
+running on this host (a container: its own hostname) is connected to NATS and
+serving, else 1. Compose runs it as each service's healthcheck.
+
+Every service announces its host in its NATS micro-service metadata; the
+check pings all instances of NAME and waits for the one on this host, so a
+healthy twin in another container cannot answer for a broken one here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import sys
+
+import nats
+from nats.aio.msg import Msg
+
+from services.shared.settings import ServiceSettings, nats_servers
+
+TIMEOUT_S = 3.0
+
+
+async def answers_here(name: str, url: str, host: str) -> bool:
+    nc = await nats.connect(nats_servers(url), connect_timeout=TIMEOUT_S,
+                            allow_reconnect=False)
+    try:
+        found = asyncio.get_running_loop().create_future()
+
+        async def on_ping(msg: Msg) -> None:
+            metadata = json.loads(msg.data).get("metadata") or {}
+            if metadata.get("host") == host and not found.done():
+                found.set_result(True)
+
+        inbox = nc.new_inbox()
+        await nc.subscribe(inbox, cb=on_ping)
+        await nc.publish(f"$SRV.PING.{name}", b"", reply=inbox)
+        try:
+            return await asyncio.wait_for(found, TIMEOUT_S)
+        except TimeoutError:
+            return False
+    finally:
+        await nc.close()
+
+
+def main() -> int:
+    if len(sys.argv) != 2:
+        print("usage: python -m services.shared.healthcheck SERVICE_NAME", file=sys.stderr)
+        return 2
+    url = ServiceSettings().nats_url
+    try:
+        healthy = asyncio.run(answers_here(sys.argv[1], url, socket.gethostname()))
+    except Exception as err:  # NATS unreachable: unhealthy, said why
+        print(f"unhealthy: {type(err).__name__}: {err}", file=sys.stderr)
+        return 1
+    if not healthy:
+        print(f"unhealthy: no {sys.argv[1]} on {socket.gethostname()} answers", file=sys.stderr)
+    return 0 if healthy else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
