@@ -122,7 +122,7 @@ async def until(check: Any, timeout_s: float = 60) -> None:
 
 
 @pytest.mark.compose
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(900)  # a first run builds the Debian base image (~3 min)
 async def test_the_stack_runs_heals_and_keeps_its_history(stack: Stack) -> None:
     stack.compose("up", "-d", "--scale", "generator=2")
     stack.wait_healthy()
