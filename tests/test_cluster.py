@@ -16,10 +16,14 @@ import httpx
 import nats
 import pytest
 from nats.js.errors import KeyNotFoundError, NoKeysError
+from pydantic import ValidationError
 
 from schemas import subjects
 from services.generator.session_lock import FREE
+from services.shared.jetstream import ReplicasMismatch, ensure_layout
+from services.shared.settings import ServiceSettings, nats_servers
 from tests.nats_cluster import NatsCluster, running_cluster
+from tests.nats_server import NatsServer
 from tests.stub_server import running_stub
 from tests.system import System
 
@@ -196,3 +200,33 @@ async def run_and_check(cluster: NatsCluster, system: System, http: httpx.AsyncC
     await assert_no_lock_outlives_its_lease(cluster.url)
     assert load.error_seconds() <= MOST_ERROR_SECONDS
     await assert_replicated(cluster.url, 3)
+
+
+async def test_a_layout_made_with_one_replica_is_moved_to_three(cluster: NatsCluster) -> None:
+    nc = await nats.connect(cluster.url.split(","))
+    try:
+        await ensure_layout(nc.jetstream())  # as a single-server deployment left it
+        await assert_replicated(cluster.url, 1)
+        await ensure_layout(nc.jetstream(), replicas=3)
+    finally:
+        await nc.close()
+    await assert_replicated(cluster.url, 3)
+
+
+async def test_more_replicas_than_the_servers_is_reported_by_stream(
+        private_nats: NatsServer) -> None:
+    nc = await nats.connect(private_nats.url)
+    try:
+        await ensure_layout(nc.jetstream())
+        with pytest.raises(ReplicasMismatch, match="JETSTREAM_REPLICAS is 3"):
+            await ensure_layout(nc.jetstream(), replicas=3)
+    finally:
+        await nc.close()
+
+
+def test_nats_url_may_list_several_servers() -> None:
+    settings = ServiceSettings(nats_url="nats://a:4222, nats://b:4222,nats://c:4222")
+    assert nats_servers(settings.nats_url) == ["nats://a:4222", "nats://b:4222",
+                                               "nats://c:4222"]
+    with pytest.raises(ValidationError, match="NATS_URL names no server"):
+        ServiceSettings(nats_url=" , ")
