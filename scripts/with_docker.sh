@@ -30,7 +30,7 @@ if ! docker info >/dev/null 2>&1; then
   echo "################################################################" >&2
   echo "#  NO DOCKER ENGINE: the compose stack tests are SKIPPED.       #" >&2
   echo "#  Install docker.io, docker-compose and debootstrap, as root,  #" >&2
-  echo "#  to run them (see README, 'Testing the compose stack').       #" >&2
+  echo "#  to run them (see README, Development).                       #" >&2
   echo "################################################################" >&2
 fi
 "$@"
