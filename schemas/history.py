@@ -53,6 +53,10 @@ class Snapshot(Strict):
     # The compaction request (its envelope's message id) this snapshot answers,
     # so a redelivered request finds its work done; None inside a turn.
     request_id: str | None = None
+    # The queries whose turns this and earlier compactions folded into the
+    # summary, the latest last (a bounded number of them): a query that comes
+    # back (its acknowledgement lost) finds it was answered.
+    compacted_query_ids: tuple[str, ...] = ()
 
 
 class HistoryEntry(Strict):
@@ -81,13 +85,15 @@ class Conversation(Strict):
     compactions: int = 0
     # The request the last compaction answered, if it answered one.
     compacted_by: str | None = None
+    # The queries whose turns are folded into the summary (see `Snapshot`).
+    compacted_query_ids: tuple[str, ...] = ()
 
     def apply(self, entry: HistoryEntry) -> Conversation:
         if entry.kind == "snapshot" and entry.snapshot is not None:
             snap = entry.snapshot
             return Conversation(
                 summary=snap.summary, messages=snap.messages, compactions=snap.compactions,
-                compacted_by=snap.request_id,
+                compacted_by=snap.request_id, compacted_query_ids=snap.compacted_query_ids,
             )
         return self.model_copy(update={"messages": (*self.messages, *entry.messages)})
 

@@ -37,6 +37,8 @@ COMPACTIONS_STREAM = "COMPACTIONS"
 GENERATIONS_STREAM = "GENERATIONS"
 HISTORY_STREAM = "HISTORY"
 STATE_STREAM = "GENERATOR_STATE"
+# Compaction results kept, so a decider that was away still hears its answer.
+RESULTS_STREAM = "COMPACTION_RESULTS"
 HISTORY_PREFIX = "history"
 
 # JetStream key-value buckets.

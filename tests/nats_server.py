@@ -43,15 +43,8 @@ class NatsServer:
         self._proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
-        config = Path(self.store_dir) / "nats.conf"
-        config.write_text(
-            f"listen: 127.0.0.1:{self.port}\n"
-            "max_payload: 8MB\n"
-            f'jetstream {{ store_dir: "{self.store_dir}" }}\n'
-            f"{self.extra_config}\n"
-        )
         self._proc = subprocess.Popen(
-            [nats_server_binary(), "-c", str(config)],
+            [nats_server_binary(), "-c", str(self._write_config())],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
         wait_for_port(self.port, 10.0)
@@ -65,6 +58,23 @@ class NatsServer:
                 self._proc.kill()
                 self._proc.wait()
         self._proc = None
+
+    def _write_config(self) -> Path:
+        config = Path(self.store_dir) / "nats.conf"
+        config.write_text(
+            f"listen: 127.0.0.1:{self.port}\n"
+            "max_payload: 8MB\n"
+            f'jetstream {{ store_dir: "{self.store_dir}" }}\n'
+            f"{self.extra_config}\n"
+        )
+        return config
+
+    def reload(self, extra_config: str) -> None:
+        """Run on with another `extra_config` (e.g. other permissions): the
+        server reads its file again on SIGHUP, keeping its clients."""
+        self.extra_config = extra_config
+        self._write_config()
+        self.signal(signal.SIGHUP)
 
     def signal(self, sig: int) -> None:
         """SIGSTOP / SIGCONT: a server that stops answering for a while."""

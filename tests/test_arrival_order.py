@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from services.generator.arrival_order import ArrivalOrder
+from services.generator.arrival_order import ArrivalOrder, HandBacks
 
 
 async def test_a_query_arriving_as_the_lock_passes_on_waits_for_the_woken_one() -> None:
@@ -61,3 +61,19 @@ async def test_a_failing_query_frees_the_session() -> None:
         async with order.turn("s"):
             pass
     assert len(order) == 0
+
+
+def test_a_hand_back_waits_longer_each_time_up_to_a_cap() -> None:
+    hand_backs = HandBacks(first_s=0.02, cap_s=0.5)
+    delays = [hand_backs.delay("q2", earlier_seq=1) for _ in range(8)]
+    assert delays == [0.02, 0.04, 0.08, 0.16, 0.32, 0.5, 0.5, 0.5]
+
+
+def test_a_hand_back_starts_short_again_once_the_earlier_query_moved() -> None:
+    hand_backs = HandBacks(first_s=0.02, cap_s=0.5)
+    for _ in range(4):
+        hand_backs.delay("q3", earlier_seq=1)
+    assert hand_backs.delay("q3", earlier_seq=2) == 0.02  # the first was answered
+    assert hand_backs.delay("q4", earlier_seq=2) == 0.02  # each query counts its own
+    hand_backs.forget("q3")
+    assert hand_backs.delay("q3", earlier_seq=2) == 0.02

@@ -16,7 +16,7 @@ import pytest
 from nats.aio.msg import Msg
 
 from schemas import subjects
-from schemas.messages import ToolOutcome
+from schemas.messages import CompactionRequest, ToolOutcome
 from services.shared.bus import Bus
 from tests.events import Watcher, consumer_caught_up, watching
 from tests.nats_server import NatsServer
@@ -45,9 +45,10 @@ async def start(private_nats: NatsServer, stub: str
     systems: list[System] = []
     clients: list[httpx.AsyncClient] = []
 
-    def starter(**env: str) -> httpx.AsyncClient:
+    def starter(services: tuple[str, ...] = ("generator", "decider", "gateway"),
+                **env: str) -> httpx.AsyncClient:
         systems.append(System(private_nats.url, stub, {**SMALL_WINDOW, **env},
-                              services=("generator", "decider", "gateway")).start())
+                              services=services).start())
         clients.append(httpx.AsyncClient(base_url=systems[-1].base_url, timeout=60))
         return clients[-1]
 
@@ -86,6 +87,55 @@ def results(watcher: Watcher, sid: str) -> list[dict[str, Any]]:
 async def next_result(watcher: Watcher, sid: str, count: int = 1) -> dict[str, Any]:
     await watcher.wait_until(lambda: len(results(watcher, sid)) >= count, 20)
     return results(watcher, sid)[count - 1]
+
+
+async def test_one_count_of_the_tokens_in_the_context(
+    private_nats: NatsServer, start: Callable[..., httpx.AsyncClient]
+) -> None:
+    """A compaction's before and after, the session's token_count (the page's gauge)
+    and the decider's estimate are one number: the next prompt, offered tools included."""
+    http = start(services=("tools", "generator", "decider", "gateway"),
+                 COMPACTION_THRESHOLD="0.6", COMPACTION_MIN_RELIEF="0.05")
+    manual = await create(http, auto_compact=False)  # the decider leaves it alone
+    await chat(http, manual, 4, filler=200)
+    before = await session(http, manual)
+    async with watching(private_nats.url, *EVENTS) as watcher:
+        await http.post(f"/api/sessions/{manual}/compact")
+        result = await next_result(watcher, manual)
+    after = await session(http, manual)
+    assert result["status"] == "completed", result
+    assert (result["tokens_before"], result["tokens_after"]) == (
+        before["token_count"], after["token_count"])
+    assert watcher.payloads("compaction.event")[0]["tokens_before"] == before["token_count"]
+
+    auto = await create(http)
+    async with watching(private_nats.url, subjects.RESPONSE_GENERATION, *EVENTS) as watcher:
+        requested = await turns_until_the_decider_fires(private_nats.url, http, watcher, auto)
+        result = await next_result(watcher, auto)
+    estimate = int(requested["reason"].split()[1])  # "estimate N of budget ..."
+    assert result["status"] == "completed", result
+    assert result["tokens_before"] == estimate
+    assert watcher.payloads("compaction.event")[0]["tokens_before"] == estimate
+    assert result["tokens_after"] == (await session(http, auto))["token_count"]
+
+
+async def turns_until_the_decider_fires(nats_url: str, http: httpx.AsyncClient,
+                                        watcher: Watcher, sid: str) -> dict[str, Any]:
+    """One turn at a time, each judged by the decider before the next, until it asks
+    for a compaction: the history it judged is then the one compacted."""
+    for turn in range(1, 13):
+        assert (await http.post(f"/api/sessions/{sid}/messages",
+                                json={"content": f"question {turn} !long 600"})).status_code == 200
+        await watcher.wait_until(lambda: len(reports(watcher, sid)) >= turn, 20)  # noqa: B023
+        await consumer_caught_up(nats_url, subjects.GENERATIONS_STREAM, "compaction-decider")
+        requests = [p for p in watcher.payloads("compaction.request") if p["session_id"] == sid]
+        if requests:
+            return requests[0]
+    raise AssertionError("the decider never asked for a compaction")
+
+
+def reports(watcher: Watcher, sid: str) -> list[dict[str, Any]]:
+    return [p for p in watcher.payloads("response.generation") if p["session_id"] == sid]
 
 
 async def test_manual_compaction_keeps_the_tail_and_stacks_summaries(
@@ -287,7 +337,7 @@ async def test_a_message_larger_than_the_window_is_refused_before_sending(
     assert all(m["content"] != "x" * 20_000 for m in (await session(http, sid))["messages"])
 
 
-async def serve_a_verbose_tool(nats_url: str) -> Any:
+async def serve_a_verbose_tool(nats_url: str, output: str = "line of output\n" * 150) -> Any:
     """A tool of the test's own on real NATS whose output is long."""
     nc = await nats.connect(nats_url)
     definition = [{"type": "function", "function": {
@@ -298,7 +348,7 @@ async def serve_a_verbose_tool(nats_url: str) -> Any:
 
     async def dump(msg: Msg) -> None:
         await msg.respond(Bus(nc, "tools").envelope(
-            msg.subject, ToolOutcome(name="dump", content="line of output\n" * 150)
+            msg.subject, ToolOutcome(name="dump", content=output)
         ).model_dump_json().encode())
 
     await nc.subscribe(subjects.TOOL_LIST, cb=listing)
@@ -345,3 +395,102 @@ async def test_a_summary_that_takes_too_long_is_abandoned(
     assert result["status"] == "failed"
     assert result["error"].startswith("summariser failed: no summary within 0.5 s")
     assert (await session(http, sid))["messages"] == before["messages"]
+
+
+async def publish_request(nats_url: str, sid: str, level: str) -> None:
+    """A compaction request at a given level, as the decider sends one."""
+    nc = await nats.connect(nats_url)
+    try:
+        await Bus(nc, "compaction-decider").js_publish(
+            subjects.COMPACTION_REQUEST,
+            CompactionRequest(session_id=sid, auto=True, level=level,  # type: ignore[arg-type]
+                              reason="test"), session_id=sid)
+    finally:
+        await nc.drain()
+
+
+@pytest.mark.parametrize("level", ["gentle", "tighter", "emergency"])
+async def test_every_summary_call_fits_the_summarisers_window_at_every_level(
+    private_nats: NatsServer, stub: str, start: Callable[..., httpx.AsyncClient], level: str
+) -> None:
+    """The summariser (another model, with a window of its own) gets a zone far
+    larger than its window: it is summarised in pieces, each within it."""
+    http = start(NUM_CTX="8192", COMPACTION_THRESHOLD="0", COMPACTION_MODEL="writer",
+                 COMPACTION_NUM_CTX="2048", COMPACTION_TAIL_TURNS="4")
+    sid = await create(http)
+    await http.post(f"/api/sessions/{sid}/messages", json={"content": "Port the parser."})
+    await chat(http, sid, 12, filler=700)
+    async with watching(private_nats.url, *EVENTS) as watcher:
+        await publish_request(private_nats.url, sid, level)
+        result = await next_result(watcher, sid)
+    assert (result["status"], result["method"], result["level"]) == (
+        "completed", "summary", level), result
+    assert result["summary"].startswith("Goal: Port the parser.")
+    writer = (await stub_stats(stub))["models"]["writer"]
+    assert writer["requests"] > 1  # in pieces
+    assert writer["max_prompt_tokens"] <= 2048 - 256 and writer["truncated"] == 0
+
+
+async def test_after_an_oversized_message_long_turns_never_overflow_any_call(
+    private_nats: NatsServer, stub: str, start: Callable[..., httpx.AsyncClient]
+) -> None:
+    """One message larger than the window, then 25 turns of about 1,200
+    characters: every call the stand-in receives fits, the summariser's too."""
+    http = start()
+    sid = await create(http)
+    huge = await http.post(f"/api/sessions/{sid}/messages", json={"content": "x" * 20_000})
+    assert huge.status_code == 413
+    async with watching(private_nats.url, *EVENTS) as watcher:
+        replies = [await http.post(f"/api/sessions/{sid}/messages",
+                                   json={"content": f"question {i} " + "w" * 1200})
+                   for i in range(25)]
+        await consumer_caught_up(private_nats.url, subjects.GENERATIONS_STREAM,
+                                 "compaction-decider")
+    assert all(r.status_code == 200 for r in replies), [r.text for r in replies]
+    levels = {p["level"] for p in watcher.payloads("compaction.event")}
+    assert "emergency" in levels, levels
+    stats = await stub_stats(stub)
+    assert stats["max_prompt_tokens"] <= NUM_CTX - 256 and stats["truncated"] == 0
+
+
+async def test_a_paste_no_compaction_could_fit_is_refused_with_the_history_untouched(
+    private_nats: NatsServer, stub: str, start: Callable[..., httpx.AsyncClient]
+) -> None:
+    """30,000 characters (7,500 tokens against a limit of 6,809): no emergency
+    compaction, no model call, 413 at once."""
+    http = start(NUM_CTX="8192", COMPACTION_THRESHOLD="0.95")
+    sid = await create(http)
+    await chat(http, sid, 4, filler=2000)
+    before = await session(http, sid)
+    sent_before = (await stub_stats(stub))["requests"]
+    async with watching(private_nats.url, *EVENTS) as watcher:
+        paste = await http.post(f"/api/sessions/{sid}/messages", json={"content": "x" * 30_000})
+        await chat(http, sid, 1, filler=10, start=9)  # events of the paste are out by now
+    assert paste.status_code == 413, paste.text
+    assert "no compaction could make room" in paste.json()["error"]["message"]
+    assert not watcher.payloads("compaction.event")
+    assert (await stub_stats(stub))["requests"] == sent_before + 1  # the next turn's only
+    after = await session(http, sid)
+    assert after["compactions"] == 0 and after["messages"][:-2] == before["messages"]
+
+
+async def test_a_tool_result_larger_than_the_window_is_cut_and_the_turn_answered(
+    private_nats: NatsServer, stub: str, start: Callable[..., httpx.AsyncClient]
+) -> None:
+    tools = await serve_a_verbose_tool(private_nats.url, "#start " + "o" * 60_000)
+    try:
+        http = start()
+        sid = await create(http)
+        await chat(http, sid, 2, filler=50)
+        reply = await http.post(f"/api/sessions/{sid}/messages", json={"content": "!tool dump"})
+        # Cut to leave room: the session goes on (its last turn is kept raw).
+        following = await chat(http, sid, 2, filler=300, start=5)
+    finally:
+        await tools.drain()
+    assert reply.status_code == 200, reply.text
+    assert all(r.status_code == 200 for r in following), [r.text for r in following]
+    stored = [m for m in (await session(http, sid))["messages"] if m["role"] == "tool"]
+    assert stored[0]["content"].startswith("#start ooo")
+    assert "characters left out here: too long to send whole" in stored[0]["content"]
+    stats = await stub_stats(stub)
+    assert stats["max_prompt_tokens"] <= NUM_CTX - 256 and stats["truncated"] == 0

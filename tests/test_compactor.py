@@ -4,9 +4,12 @@ every attempt ends in exactly one `compaction.result`, whatever fails."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
+import httpx
 import pytest
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -15,8 +18,9 @@ from schemas import subjects
 from schemas.history import ChatMessage
 from schemas.messages import CompactionRequest, CompactionResult
 from schemas.session import SessionRecord
+from services.core.pieces import Piece
 from services.core.state_machine import CompactionMode
-from services.generator.compaction import Compactor
+from services.generator.compaction import Compactor, PieceWritten
 from services.generator.provider import OllamaProvider
 from services.generator.session_lock import SessionLocks
 from services.generator.settings import GeneratorSettings
@@ -37,18 +41,21 @@ def slow_summariser() -> Iterator[str]:
         yield url
 
 
-async def compactor_on(nc: NATS, stub: str
+async def compactor_on(nc: NATS, stub: str, on_piece: PieceWritten | None = None,
+                       **settings_: Any
                        ) -> tuple[Compactor, HistoryStore, SessionStore, OllamaProvider]:
     js = nc.jetstream()
     await ensure_layout(js)
     bus = Bus(nc, "compactor-test")
-    settings = GeneratorSettings(ollama_host=stub, model="stub-model",
-                                 compaction_model="summariser", compaction_tail_turns=1)
+    settings = GeneratorSettings(**{"ollama_host": stub, "model": "stub-model",
+                                    "compaction_model": "summariser",
+                                    "compaction_tail_turns": 1, **settings_})
     history, sessions = HistoryStore(js), SessionStore(await sessions_bucket(js))
     locks = SessionLocks(await locks_bucket(js, None), "compactor-test", 5.0, 5.0)
     provider = OllamaProvider(stub, 30.0)
     compactor = Compactor(bus, LiveSettings(js, settings), provider, history, sessions, locks,
-                          SessionStates(bus, "compactor-test", CompactionMode.background))
+                          SessionStates(bus, "compactor-test", CompactionMode.background),
+                          on_piece=on_piece)
     return compactor, history, sessions, provider
 
 
@@ -125,3 +132,91 @@ async def test_an_emergency_compaction_whose_splice_is_refused_still_reports_it(
         for sub in subs:
             await sub.unsubscribe()
         await provider.close()
+
+
+async def stand_in_stats(stub: str) -> dict[str, Any]:
+    async with httpx.AsyncClient() as client:
+        return dict((await client.get(f"{stub}/_stub/stats")).json())
+
+
+async def compact_once(nc: NATS, stub: str, turns: list[tuple[str, str]],
+                       on_piece: PieceWritten | None = None
+                       ) -> tuple[CompactionResult, HistoryView, HistoryView]:
+    """One manual compaction of a session holding these turns (then one more, kept
+    raw), by a summariser named `writer` with a 2,048-token window."""
+    compactor, history, sessions, provider = await compactor_on(
+        nc, stub, on_piece, compaction_model="writer", compaction_num_ctx=2048)
+    sid = uuid.uuid4().hex
+    await sessions.create(SessionRecord(session_id=sid, system="Be brief."))
+    view = await history.read(sid)
+    for question, answer in [*turns, ("the last question", "the last answer")]:
+        view = await history.append(sid, view, [ChatMessage(role="user", content=question),
+                                                ChatMessage(role="assistant", content=answer)])
+    request = Bus(nc, "gateway").envelope(
+        subjects.COMPACTION_REQUEST, CompactionRequest(session_id=sid, auto=False), session_id=sid)
+    try:
+        result = await compactor.handle(request)
+    finally:
+        await provider.close()
+    return result, view, await history.read(sid)
+
+
+async def test_a_zone_larger_than_the_summarisers_window_is_summarised_in_pieces(
+        nc: NATS, stub_url: str) -> None:
+    turns = [("Port the parser to Rust, keeping every error code.", "Starting.")]
+    turns += [(f"question {i} " + "q" * 600, f"answer {i} " + "a" * 900) for i in range(12)]
+    pieces: list[Piece] = []
+
+    async def written(sid: str, piece: Piece) -> None:
+        pieces.append(piece)
+
+    before = await stand_in_stats(stub_url)
+    result, _, after = await compact_once(nc, stub_url, turns, written)
+    stats = (await stand_in_stats(stub_url))["models"]["writer"]
+    assert result.status == "completed" and result.method == "summary", result
+    # Progress piece by piece: each starts where the one before ended, to the zone's end.
+    assert len(pieces) > 1 and pieces[0].start == 0 and pieces[-1].end == 2 * len(turns)
+    assert all(a.end == b.start for a, b in itertools.pairwise(pieces))
+    assert stats["requests"] - before["models"].get("writer", {}).get("requests", 0) > 1
+    # Every call within the window, the summary's own room kept.
+    assert stats["max_prompt_tokens"] <= 2048 - 256 and stats["truncated"] == 0
+    assert after.conversation.summary is not None
+    assert after.conversation.summary.startswith(
+        "Goal: Port the parser to Rust, keeping every error code.")
+
+
+async def test_a_summary_cut_off_at_its_length_limit_is_written_again_with_more_room(
+        nc: NATS, stub_url: str) -> None:
+    """The first call leaves 256 tokens (1,024 characters) for a summary of
+    1,500: cut off, it is not spliced but asked for again with 512."""
+    turns = [("Write the release notes.", "Sure."), ("the changes", "c" * 6000),
+             ("!summary 1500 now", "ok")]
+    result, _, after = await compact_once(nc, stub_url, turns)
+    assert result.status == "completed" and result.method == "summary", result
+    assert after.conversation.summary is not None and len(after.conversation.summary) == 1500
+
+
+async def test_a_summary_cut_off_even_with_half_the_window_is_never_spliced(
+        nc: NATS, stub_url: str) -> None:
+    turns = [("Write the release notes.", "Sure."), ("!summary 100000 now", "ok")]
+    result, before, after = await compact_once(nc, stub_url, turns)
+    assert result.status == "failed" and result.error is not None
+    assert "cut off at its length limit even with 1024 of the window's 2048" in result.error
+    assert after.conversation == before.conversation
+
+
+async def test_one_message_too_large_for_any_piece_is_cut_with_a_marker(
+        nc: NATS, stub_url: str) -> None:
+    pieces: list[Piece] = []
+
+    async def written(sid: str, piece: Piece) -> None:
+        pieces.append(piece)
+
+    turns = [("Read the log.", "Done."), ("Show it", "log line\n" * 5000), ("Now?", "ok")]
+    result, _, _ = await compact_once(nc, stub_url, turns, written)
+    assert result.status == "completed" and result.method == "summary", result
+    cut = [piece for piece in pieces if piece.cut_chars]
+    assert len(cut) == 1 and cut[0].cut_chars > 30_000
+    assert f"[… {cut[0].cut_chars:,} characters left out here" in cut[0].messages[1]["content"]
+    stats = (await stand_in_stats(stub_url))["models"]["writer"]
+    assert stats["max_prompt_tokens"] <= 2048 - 256 and stats["truncated"] == 0

@@ -16,7 +16,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, RetentionPolicy, StreamConfig
 
-from services.shared.consumer import Credits, PullLoop, ensure_consumer
+from services.shared.consumer import Credits, Delivery, PullLoop, ensure_consumer
 from tests.nats_server import NatsServer
 
 # --------------------------------------------------------------------------- the ledger
@@ -247,3 +247,24 @@ async def test_a_changed_ack_wait_reaches_the_existing_consumer(nc: NATS) -> Non
     assert info.config.filter_subject == subject
     await ensure_consumer(nc, stream, config)  # unchanged: nothing to do
     assert (await js.consumer_info(stream, "worker")).config.ack_wait == 120
+
+
+async def test_a_message_handed_back_with_a_delay_comes_back_after_the_delay(
+        nc: NATS) -> None:
+    """The handler still works on (its lock's release, say) after handing the
+    message back: no heartbeat may follow the `-NAK`, or the server waits a
+    whole ack wait (30 s here) instead of the delay."""
+    subject = await fresh_stream(nc, "handback")
+    js = nc.jetstream()
+    sub = await js.pull_subscribe(subject, durable="worker", stream=stream_of("handback"))
+    await js.publish(subject, b"query")
+    [msg] = await sub.fetch(1, timeout=5)
+    delivery = Delivery(msg, heartbeat_s=0.02)
+    await delivery.nak(delay_s=0.2)
+    try:
+        [again] = await sub.fetch(1, timeout=10)  # well within the ack wait
+    finally:
+        delivery.stop_heartbeat()  # the handler ends only now
+    assert again.metadata.sequence.stream == msg.metadata.sequence.stream
+    assert again.metadata.num_delivered == 2
+    assert await Delivery(again, heartbeat_s=10).ack_confirmed(timeout_s=5)

@@ -1,18 +1,27 @@
 """The compaction decider in process, on a real NATS: what it remembers of
-each session stays bounded however many sessions report."""
+each session stays bounded however many sessions report, and a request lost
+on the way out or a result missed never turns automatic compaction off."""
 
 from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Callable
 
 import nats
 
 from schemas import subjects
-from schemas.messages import GenerationReport
+from schemas.envelope import Envelope
+from schemas.messages import CompactionRequest, CompactionResult, GenerationReport
 from services.compaction_decider.service import Decider
 from services.compaction_decider.settings import DeciderSettings
-from services.shared.bus import Bus
+from services.core.context import PromptSize, context_tokens
+from services.core.tokens import Calibration
+from services.shared.bus import Bus, decode
 from services.shared.jetstream import ensure_layout
 from tests.events import consumer_caught_up
-from tests.nats_server import NatsServer
+from tests.nats_server import NatsServer, free_port
 
 
 def report(sid: str) -> GenerationReport:
@@ -33,6 +42,214 @@ async def test_no_more_sessions_are_remembered_than_the_bound(
         await consumer_caught_up(private_nats.url, subjects.GENERATIONS_STREAM,
                                  "compaction-decider")
         assert decider.status()["tracked_sessions"] == 2
+    finally:
+        await decider.stop()
+        await nc.close()
+
+
+def crowded_report(sid: str) -> GenerationReport:
+    """A session whose next prompt is near the window, with plenty to compact."""
+    return GenerationReport(session_id=sid, model="m", prompt_tokens=7000, sent_chars=28000,
+                            sent_messages=10, num_ctx=8192, next_prompt_chars=28400,
+                            next_prompt_messages=10, compactable_chars=20000,
+                            compactable_chars_by_level={"gentle": 20000, "tighter": 22000,
+                                                        "emergency": 24000})
+
+
+async def stored_requests(bus: Bus) -> list[Envelope[CompactionRequest]]:
+    """The compaction requests in the work queue (no generator takes them here)."""
+    state = (await bus.js.stream_info(subjects.COMPACTIONS_STREAM)).state
+    if state.messages == 0:
+        return []
+    found = []
+    for seq in range(state.first_seq, state.last_seq + 1):
+        msg = await bus.js.get_msg(subjects.COMPACTIONS_STREAM, seq)
+        found.append(decode(msg.data or b"", CompactionRequest, subjects.COMPACTION_REQUEST))
+    return found
+
+
+async def settled(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    """Wait until the decider's state meets `condition` (it changes in its own tasks)."""
+    async with asyncio.timeout(timeout_s):
+        while True:
+            if condition():
+                return
+            await asyncio.sleep(0.02)
+
+
+async def report_and_settle(bus: Bus, url: str, sid: str) -> None:
+    await bus.js_publish(subjects.RESPONSE_GENERATION, crowded_report(sid), session_id=sid)
+    await consumer_caught_up(url, subjects.GENERATIONS_STREAM, "compaction-decider")
+
+
+@contextlib.asynccontextmanager
+async def running_decider(url: str, settings: DeciderSettings) -> AsyncIterator[
+        tuple[Bus, Decider]]:
+    nc = await nats.connect(url)
+    bus = Bus(nc, "compaction-decider")
+    await ensure_layout(bus.js)
+    decider = Decider(bus, settings)
+    await decider.start()
+    try:
+        yield bus, decider
+    finally:
+        await decider.stop()
+        await nc.close()
+
+
+async def test_a_request_that_was_not_stored_leaves_the_session_free(
+        private_nats: NatsServer) -> None:
+    """With the work queue gone the publish fails: nothing may be marked pending,
+    so the next report, once the queue is back, asks again."""
+    async with running_decider(private_nats.url,
+                               DeciderSettings(compaction_cooldown_s=0)) as (bus, decider):
+        await bus.js.delete_stream(subjects.COMPACTIONS_STREAM)
+        await report_and_settle(bus, private_nats.url, "lost-publish")
+        assert decider.status()["pending"] == [] and decider.status()["fired"] == 0
+        await ensure_layout(bus.js)
+        await report_and_settle(bus, private_nats.url, "lost-publish")
+        requests = await stored_requests(bus)
+        assert [r.payload.session_id for r in requests] == ["lost-publish"]
+        assert decider.status()["pending"] == ["lost-publish"]
+
+
+async def test_a_missed_result_does_not_stop_automatic_compaction(
+        private_nats: NatsServer) -> None:
+    """The first request's result never comes: after the expiry the session is
+    asked for again, and the result of that second request is honoured."""
+    settings = DeciderSettings(compaction_cooldown_s=0, compaction_result_timeout_s=0.5)
+    async with running_decider(private_nats.url, settings) as (bus, decider):
+        sid = "lost-result"
+        await report_and_settle(bus, private_nats.url, sid)
+        assert len(await stored_requests(bus)) == 1
+        async with asyncio.timeout(20):
+            while len(requests := await stored_requests(bus)) < 2:
+                await asyncio.sleep(0.1)  # polling: each report asks whether the expiry passed
+                await report_and_settle(bus, private_nats.url, sid)
+        assert len(requests) == 2 and "no result in time" in requests[1].payload.reason
+        await bus.publish(subjects.COMPACTION_RESULT,
+                          CompactionResult(session_id=sid, tokens_after=100),
+                          correlation_id=requests[1].correlation_id, session_id=sid)
+        await settled(lambda: not decider.status()["pending"])
+        await report_and_settle(bus, private_nats.url, sid)
+        requests = await stored_requests(bus)
+        assert len(requests) == 3 and "no result in time" not in requests[2].payload.reason
+
+
+class CuttableLink:
+    """A TCP relay to the NATS server that a test cuts and restores: while it
+    is cut, the client behind it is disconnected and nothing reaches it."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self.port = free_port()
+        self.url = f"nats://127.0.0.1:{self.port}"
+        self._server: asyncio.Server | None = None
+        self._writers: list[asyncio.StreamWriter] = []
+
+    async def open(self) -> None:
+        self._server = await asyncio.start_server(self._relay, "127.0.0.1", self.port)
+
+    async def cut(self) -> None:
+        assert self._server is not None
+        self._server.close()
+        for writer in self._writers:
+            writer.close()
+        self._writers.clear()
+        await self._server.wait_closed()
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        self._writers += [writer, up_writer]
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer),
+                             return_exceptions=True)
+
+
+async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    try:
+        while data := await reader.read(65536):
+            writer.write(data)
+            await writer.drain()
+    finally:
+        writer.close()
+
+
+async def test_a_result_published_while_the_decider_was_cut_off_still_counts(
+        private_nats: NatsServer) -> None:
+    """Results are kept in a stream the decider reads: one published while its
+    connection was down clears the pending request when it is back, long
+    before the pending expiry would."""
+    link = CuttableLink(private_nats.port)
+    await link.open()
+    down, up = asyncio.Event(), asyncio.Event()
+
+    async def on_down() -> None:
+        down.set()
+
+    async def on_up() -> None:
+        up.set()
+
+    direct = await nats.connect(private_nats.url)
+    generator = Bus(direct, "generator")
+    await ensure_layout(generator.js)
+    cut_off = await nats.connect(link.url, reconnect_time_wait=0.1, max_reconnect_attempts=-1,
+                                 disconnected_cb=on_down, reconnected_cb=on_up)
+    decider = Decider(Bus(cut_off, "compaction-decider"), DeciderSettings(compaction_cooldown_s=0))
+    await decider.start()
+    sid = "cut-off"
+    try:
+        await report_and_settle(generator, private_nats.url, sid)
+        [first] = await stored_requests(generator)
+        await link.cut()
+        await asyncio.wait_for(down.wait(), 10)
+        await generator.js_publish(subjects.COMPACTION_RESULT,
+                                   CompactionResult(session_id=sid, tokens_after=100),
+                                   correlation_id=first.correlation_id, session_id=sid)
+        await link.open()
+        await asyncio.wait_for(up.wait(), 10)
+        await settled(lambda: not decider.status()["pending"])
+        await report_and_settle(generator, private_nats.url, sid)
+        requests = await stored_requests(generator)
+        assert len(requests) == 2 and "no result in time" not in requests[1].payload.reason
+    finally:
+        await decider.stop()
+        await cut_off.close()
+        await direct.close()
+        await link.cut()
+def at_85_percent(sid: str, compactable_chars: int) -> GenerationReport:
+    """A report of a session at 85% of an 8,192 window with 3,300 characters of notes,
+    counted at the session's own ratio of 0.25 (this call gave no count of its own)."""
+    return GenerationReport(
+        session_id=sid, model="m", prompt_tokens=None, sent_chars=24000, sent_messages=9,
+        num_ctx=8192, next_prompt_chars=24400, next_prompt_messages=10,
+        compactable_chars=compactable_chars,
+        compactable_chars_by_level={"gentle": compactable_chars}, summary_chars=3300,
+        tokens_per_char=0.25)
+
+
+async def test_the_decider_counts_at_the_sessions_ratio_and_nets_out_the_summary(
+        private_nats: NatsServer) -> None:
+    nc = await nats.connect(private_nats.url)
+    bus = Bus(nc, "compaction-decider")
+    await ensure_layout(bus.js)
+    requests = await nc.subscribe(subjects.COMPACTION_REQUEST)
+    decider = Decider(bus, DeciderSettings())
+    await decider.start()
+    try:
+        # Only the notes and one short turn lie before the live zone: a compaction
+        # would rewrite the notes and free almost nothing.
+        await bus.js_publish(subjects.RESPONSE_GENERATION, at_85_percent("notes", 3360),
+                             session_id="notes")
+        # A 10,000-character paste lies there too: worth compacting.
+        await bus.js_publish(subjects.RESPONSE_GENERATION, at_85_percent("paste", 13360),
+                             session_id="paste")
+        await consumer_caught_up(private_nats.url, subjects.GENERATIONS_STREAM,
+                                 "compaction-decider")
+        asked = json.loads((await requests.next_msg(timeout=5)).data)["payload"]
+        assert asked["session_id"] == "paste"
+        # The same count as the session's gauge: its ratio, not the fallback's.
+        gauge = context_tokens(PromptSize(24400, 10), Calibration(0.25))
+        assert asked["reason"].startswith(f"estimate {gauge} of budget 7168 tokens")
     finally:
         await decider.stop()
         await nc.close()

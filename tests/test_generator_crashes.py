@@ -17,9 +17,10 @@ import nats
 from nats.aio.msg import Msg
 
 from schemas import subjects
-from schemas.history import ChatMessage
+from schemas.history import ChatMessage, Snapshot
 from schemas.messages import Query, Reply
 from schemas.session import SessionRecord
+from services.generator.models import ModelFacts
 from services.generator.provider import ChatRequest, ChatResult, OnToken, ProviderError
 from services.generator.service import MAX_CRASHES, Generator
 from services.generator.session_lock import SessionLocks
@@ -43,6 +44,9 @@ class BrokenModel:
     async def chat(self, request: ChatRequest, on_token: OnToken | None = None) -> ChatResult:
         self.calls += 1
         raise RuntimeError("a bug in the model client")
+
+    async def facts(self, model: str) -> ModelFacts:
+        return ModelFacts()
 
     async def close(self) -> None:
         pass
@@ -118,6 +122,25 @@ async def test_a_query_whose_answer_was_stored_is_answered_from_history(
         assert (reply.reply, reply.error) == ("stored answer", None)
         assert rig.model.calls == 0
         assert len((await history.read(SID)).conversation.messages) == 2
+
+
+async def test_a_query_whose_turn_was_compacted_is_not_answered_again(
+        private_nats: NatsServer) -> None:
+    """Its answer is in the summary now, and later turns follow it: answered
+    afresh, it would land after them. The snapshot lists the folded queries."""
+    async with in_process_generator(private_nats.url, GeneratorSettings(model="stub-model")) as rig:
+        history = HistoryStore(rig.bus.js)
+        later = [ChatMessage(role="user", content="later", query_id="q-2"),
+                 ChatMessage(role="assistant", content="later answer", query_id="q-2")]
+        await history.splice(SID, await history.read(SID), Snapshot(
+            summary="q-1 was asked and answered", messages=tuple(later), compactions=1,
+            compacted_query_ids=("q-1",)))
+        await rig.bus.js_publish(subjects.query(SID), Query(session_id=SID, content="hi"),
+                                 session_id=SID, message_id="q-1")
+        reply = await asyncio.wait_for(rig.replies.get(), 10)
+        assert (reply.query_id, reply.error_code) == ("q-1", "already_answered")
+        assert rig.model.calls == 0
+        assert (await history.read(SID)).conversation.messages == tuple(later)
 
 
 async def test_waiting_for_the_lock_does_not_use_up_the_retries(

@@ -260,3 +260,34 @@ async def test_a_streamed_answer_cut_by_a_killed_generator_restarts_cleanly(
     streamed = "".join(str(d["text"]) for _, d in after_restart)
     assert streamed == events[-1][1]["reply"]
     assert [r for r, _ in await history(http, sid)] == ["user", "assistant"]
+
+
+async def test_a_turn_cut_short_at_shutdown_is_handed_back_at_once(
+    system: System, stub: str, http: httpx.AsyncClient, private_nats: NatsServer
+) -> None:
+    """SIGTERM gives a turn longer than the shutdown allows a few seconds, then
+    cancels it: its query must be offered again at once, not after a whole ack
+    wait (two minutes here) before another generator may answer it."""
+    system.env["QUERY_ACK_WAIT_S"] = "120"
+    await configure_stub(stub, model_latency={"stub-model": 60_000})
+    launch(system, "gen-a")
+    sid = await create(http)
+    async with watching(private_nats.url, STATES) as watcher:
+        pending = asyncio.create_task(say(http, sid, "a long one"))
+        await watcher.wait_for(lambda e: e["payload"].get("to_state") == "generating"
+                               and e["payload"]["session_id"] == sid)
+    assert await asyncio.to_thread(system["gen-a"].stop) == 0
+    nc = await nats.connect(private_nats.url)
+    try:
+        queries = await nc.jetstream().pull_subscribe_bind("generator", subjects.QUERIES_STREAM)
+        [again] = await queries.fetch(1, timeout=10)  # well within the ack wait
+        assert again.metadata.num_delivered == 2
+        await again.nak()  # for the next generator
+    finally:
+        await nc.close()
+    await configure_stub(stub, model_latency={"stub-model": 0})
+    add_generator(system, "gen-b")
+    reply = (await asyncio.wait_for(pending, 60)).json()
+    assert reply["reply"] == "Echo: a long one (turn 1)"
+    assert await history(http, sid) == [("user", "a long one"),
+                                        ("assistant", "Echo: a long one (turn 1)")]

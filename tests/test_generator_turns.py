@@ -3,6 +3,7 @@ transitions, streaming, tool calls, and every way the model can fail."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -113,6 +114,30 @@ async def test_answers_stream_as_server_sent_events(http: httpx.AsyncClient) -> 
     assert set(done) == {"session_id", "reply", "prompt_tokens", "completion_tokens"}
 
 
+async def test_a_streamed_answer_with_a_tool_call_is_numbered_as_one(
+        http: httpx.AsyncClient) -> None:
+    """Text streamed before a tool call, then the answer after its result: the
+    second call's tokens follow the first's, so no `restart` wipes the answer.
+    (The second turn's first call may be a head start, whose stream is the turn's.)"""
+    sid = await create(http)
+    for _ in range(2):
+        await streams_one_numbering(http, sid)
+
+
+async def streams_one_numbering(http: httpx.AsyncClient, sid: str) -> None:
+    async with http.stream("POST", f"/api/sessions/{sid}/messages", json={
+            "content": '!lead "Let me check" !tool word_count {"text": "one two"}'},
+            headers={"Accept": "text/event-stream"}) as response:
+        events = [event async for event in server_sent_events(response)]
+    names = [n for n, _ in events]
+    assert "restart" not in names and names[-1] == "done", names
+    tokens = [d for n, d in events if n == "token"]
+    assert [d["index"] for d in tokens] == list(range(len(tokens)))
+    text = "".join(str(d["text"]) for d in tokens)
+    assert text.startswith("Let me check") and text.endswith(str(events[-1][1]["reply"]))
+    assert str(events[-1][1]["reply"]).startswith("tool results: ")
+
+
 @pytest.mark.parametrize("quirk, status, code", [
     ("error", 502, "provider_error"),
     ("hang", 504, "timeout"),
@@ -203,23 +228,51 @@ async def test_tool_failures_reach_the_model_as_clear_errors(private_nats: NatsS
     await nc.drain()
 
 
-def test_answered_queries_are_remembered_up_to_a_bound() -> None:
+def confirmation(confirmed: bool | None) -> asyncio.Future[bool]:
+    """The server's word on an acknowledgement; None: not come yet."""
+    future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+    if confirmed is not None:
+        future.set_result(confirmed)
+    return future
+
+
+async def test_answered_queries_are_remembered_up_to_a_bound() -> None:
     answered = AnsweredQueries(size=3)
     for seq in (10, 11, 12, 13):
-        answered.remember(seq, Reply(session_id="s", query_id=f"q{seq}", reply="fine"))
-    assert 10 not in answered and all(seq in answered for seq in (11, 12, 13))
+        answered.remember(seq, Reply(session_id="s", query_id=f"q{seq}", reply="fine"),
+                          confirmation(True))
+    assert not await answered.acknowledged(10)
+    assert all([await answered.acknowledged(seq) for seq in (11, 12, 13)])
     assert answered.count == 4
 
 
-def test_only_error_replies_are_kept_to_be_sent_again() -> None:
-    """An answer is in the history; an error reply is nowhere else."""
+async def test_only_an_acknowledgement_the_server_confirmed_counts_as_done() -> None:
+    """The ordering check skips an earlier query only once the server took
+    its acknowledgement: one refused or lost leaves the query to come back,
+    and the session's later queries must wait for it."""
+    answered = AnsweredQueries()
+    fine = Reply(session_id="s", query_id="q", reply="fine")
+    answered.remember(1, fine, confirmation(False))
+    assert not await answered.acknowledged(1)
+    on_its_way = confirmation(None)
+    answered.remember(2, fine, on_its_way)
+    waiting = asyncio.ensure_future(answered.acknowledged(2))
+    await asyncio.sleep(0)
+    assert not waiting.done()  # waits for the server's word
+    on_its_way.set_result(True)
+    assert await waiting
+
+
+async def test_only_error_replies_are_kept_to_be_sent_again() -> None:
+    """An answer is in the history; an error reply is nowhere else, and is
+    kept even when its acknowledgement was never confirmed."""
     answered = AnsweredQueries()
     failed = Reply(session_id="s", query_id="q1", error="no model", error_code="ollama_error")
-    answered.remember(1, failed)
-    answered.remember(2, Reply(session_id="s", query_id="q2", reply="fine"))
+    answered.remember(1, failed, confirmation(False))
+    answered.remember(2, Reply(session_id="s", query_id="q2", reply="fine"), confirmation(True))
     assert answered.error_reply(1, "q1") == failed
     assert answered.error_reply(1, "another query") is None  # the stream was made anew
-    assert answered.error_reply(2, "q2") is None and 2 in answered
+    assert answered.error_reply(2, "q2") is None and await answered.acknowledged(2)
 
 
 async def test_bookkeeping_after_a_reply_does_not_hold_the_sessions_slot(

@@ -13,7 +13,7 @@ import pytest
 from nats.aio.client import Client as NATS
 
 from schemas import subjects
-from schemas.history import ChatMessage, Snapshot
+from schemas.history import ChatMessage, HistoryEntry, Snapshot
 from services.shared.history_store import HistoryConflict, HistoryStore
 from services.shared.jetstream import ensure_layout
 from tests.nats_server import NatsServer
@@ -228,3 +228,31 @@ async def test_a_long_read_never_takes_the_cache_back_behind_a_write(nc: NATS) -
     assert (await reading).last_seq < appended.last_seq
     cached = ours.cached(sid)
     assert cached is not None and cached.last_seq == appended.last_seq
+
+
+async def test_a_stale_mark_lasts_as_long_as_the_view_it_marks(nc: NATS) -> None:
+    """Marks once had a bounded map of their own: marks of views the cache had
+    let go pushed out the mark of a view still kept, which then read as
+    current. Here the cache keeps two views; the mark of A must outlive B's."""
+    js = nc.jetstream()
+    await ensure_layout(js)
+    ours = HistoryStore(js, cached_sessions=2)
+    a, b, c = new_sid(), new_sid(), new_sid()
+    for sid in (b, a):  # cached in that order: B is the least recently used
+        await ours.append(sid, await ours.read(sid), turn(1))
+    following = await ours.follow()
+
+    async def write_unseen(sid: str) -> None:
+        # No compare-and-swap header: a write a followed view cannot take in.
+        await js.publish(subjects.history(sid), HistoryEntry.of_turn(tuple(turn(2)))
+                         .model_dump_json().encode())
+        await eventually(lambda: ours.cached(sid) is None)
+
+    await write_unseen(a)
+    await write_unseen(b)
+    await ours.append(c, await ours.read(c), turn(1))  # the cache lets B go
+    await write_unseen(c)
+    assert ours.cached(a) is None, "A's view is stale, but its mark was dropped"
+    assert len((await ours.read(a)).conversation.messages) == 4
+    assert ours.cached(a) is not None  # read afresh: current again
+    await following.unsubscribe()

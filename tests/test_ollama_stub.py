@@ -276,6 +276,14 @@ async def test_tool_call_round_trip(stub_url: str) -> None:
 
 
 @pytest.mark.asyncio
+async def test_a_tool_call_can_write_text_before_its_calls(stub_url: str) -> None:
+    messages = [user('!lead "Let me check" !tool word_count {"text": "a b"}')]
+    first = await chat(stub_url, messages, tools=[WORD_COUNT_TOOL])
+    assert first.message.content == "Let me check"
+    assert first.message.tool_calls is not None and len(first.message.tool_calls) == 1
+
+
+@pytest.mark.asyncio
 async def test_tool_directive_variants(stub_url: str) -> None:
     tools = [WORD_COUNT_TOOL, ECHO_TOOL]
     several = await chat(
@@ -780,3 +788,24 @@ async def test_summary_goal_carries_the_quoted_first_request(stub_url: str) -> N
     for message in (first, merged):
         reply = await client.chat(model="stub-model", messages=[system, message], stream=False)
         assert reply.message.content.startswith("Goal: build a parser")
+
+
+@pytest.mark.asyncio
+async def test_num_predict_cuts_the_answer_and_says_length(stub_url: str) -> None:
+    """As Ollama: an answer longer than num_predict tokens stops there, with
+    done_reason "length"; a shorter one, or -1 (no limit), stops as usual."""
+    conversation = summary_request([user("goal text !summary 2000"),
+                                    {"role": "assistant", "content": "done"}])
+    whole = await chat(stub_url, conversation)
+    assert whole.done_reason == "stop" and len(whole.message.content or "") == 2000
+    cut = await chat(stub_url, conversation, options={"num_predict": 100})
+    assert cut.done_reason == "length" and cut.eval_count == 100
+    assert whole.message.content is not None
+    assert cut.message.content == whole.message.content[:400]  # 4 characters per token
+    parts = await stream_parts(stub_url, conversation, options={"num_predict": 100})
+    assert parts[-1].done_reason == "length" and joined_content(parts) == cut.message.content
+    for roomy in (600, -1):
+        answer = await chat(stub_url, conversation, options={"num_predict": roomy})
+        assert answer.done_reason == "stop" and answer.message.content == whole.message.content
+    echo = await chat(stub_url, [user("hello !long 1000")], options={"num_predict": 10})
+    assert echo.done_reason == "length" and len(echo.message.content or "") == 40

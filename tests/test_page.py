@@ -220,11 +220,18 @@ banner.push(mod.compactingAfter("unknown", "compaction.result", "c3"));
 // against a start seen at load 3).
 const reload = [["idle", 4, 3], ["compacting", 4, 3], ["generating", 4, 3], ["idle", 3, 3]]
   .map(([state, readSeq, seenAt]) => mod.compactingAfterReload("c1", state, readSeq, seenAt));
+// The gauge after a compaction's result: completed moves it, anything else does not.
+const shown = { token_count: 1255, budget: 1792 };
+const gauge = [{ status: "completed", tokens_before: 1255, tokens_after: 1002 },
+               { status: "skipped", error: "nothing to compact" },
+               { status: "completed" }]
+  .map((result) => mod.sessionAfterCompaction(shown, result).token_count);
 console.log(JSON.stringify({
   events: out, levels, fmt: mod.fmt(1234567), pct: mod.percent(1234, 3584),
-  types: mod.LIVE_EVENT_TYPES, banner, reload,
+  types: mod.LIVE_EVENT_TYPES, banner, reload, gauge,
   shown: [["idle", false], ["generating", true], ["idle", true], ["compacting", false]]
     .map(([phase, compacting]) => mod.sessionState(phase, compacting)),
+  noSession: mod.sessionAfterCompaction(null, { status: "completed", tokens_after: 5 }),
 }));
 """
 
@@ -258,3 +265,5 @@ def test_sse_parser_and_helpers_under_node(tmp_path: Path) -> None:
     assert result["reload"] == [None, "c1", None, "c1"]
     # As the server's session_state: a running compaction hides the turn's phase.
     assert result["shown"] == ["idle", "compacting", "compacting", "compacting"]
+    assert result["gauge"] == [1002, 1255, 1255]
+    assert result["noSession"] is None

@@ -18,3 +18,13 @@ def test_a_key_taken_out_is_gone() -> None:
     recent: Recent[str, int] = Recent(2)
     recent.put("a", 1)
     assert recent.pop("a") == 1 and recent.pop("a") is None and len(recent) == 0
+
+
+def test_a_value_replaced_keeps_its_place() -> None:
+    recent: Recent[str, int] = Recent(2)
+    recent.put("a", 1)
+    recent.put("b", 2)
+    recent.replace("a", 3)  # not a use: "a" is still the least recent
+    recent.replace("z", 9)  # not kept: stays out
+    recent.put("c", 4)
+    assert recent.items() == [("b", 2), ("c", 4)]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 
 import nats
@@ -16,6 +17,9 @@ from services.generator.settings import GeneratorSettings
 from services.generator.states import SessionStates
 from services.shared.bus import Bus
 from services.shared.live_config import LiveSettings
+from tests.nats_server import NatsServer
+from tests.processes import ServiceProcess
+from tests.system import running_system
 
 
 async def test_an_illegal_transition_is_raised_and_reported(nc: NATS) -> None:
@@ -84,6 +88,35 @@ async def test_only_live_settings_change_and_bad_bytes_stop_nothing(nc: NATS) ->
             await kv.delete(key)
 
 
+async def test_a_deletion_found_at_start_changes_nothing(nc: NATS) -> None:
+    """The watch replays a key's deletion to a service starting later: it already
+    has its start-up value, so nothing changes and nothing is announced."""
+    kv = await nc.jetstream().key_value(subjects.CONFIG_BUCKET)
+    await kv.put("compaction_threshold", b"0.5")
+    await kv.delete("compaction_threshold")
+    changes: list[DeciderSettings] = []
+    arrived = asyncio.Event()
+
+    def changed(settings: DeciderSettings) -> None:
+        changes.append(settings)
+        arrived.set()
+
+    live = LiveSettings(nc.jetstream(), DeciderSettings(compaction_threshold=0.8),
+                        on_change=changed)
+    await live.start()
+    try:
+        await kv.put("compaction_cooldown_s", b"12")  # comes after the replayed deletion
+        async with asyncio.timeout(5):
+            while live.current.compaction_cooldown_s != 12:
+                arrived.clear()
+                await arrived.wait()
+        assert [(c.compaction_threshold, c.compaction_cooldown_s) for c in changes] == [
+            (0.8, 12)]
+    finally:
+        await live.stop()
+        await kv.delete("compaction_cooldown_s")
+
+
 async def test_a_state_change_that_cannot_be_published_still_happens(nats_url: str) -> None:
     """Publishing is for watchers: a closed connection must not leave a turn or a
     compaction half-way, its state changed here but its cleanup skipped."""
@@ -94,3 +127,50 @@ async def test_a_state_change_that_cannot_be_published_still_happens(nats_url: s
     assert machine.current("s-unseen").visible.value == "compacting"
     await machine.apply("s-unseen", Action.complete_compaction)
     assert machine.current("s-unseen").visible.value == "idle"
+
+
+def live_values(process: ServiceProcess, key: str) -> list[object]:
+    """The values `key` took in a running service, in order, from its JSON log."""
+    values = []
+    for line in process.log().splitlines():
+        with contextlib.suppress(ValueError):
+            event = json.loads(line)
+            if event.get("event") == "live_setting_changed" and event.get("key") == key:
+                values.append(event["value"])
+    return values
+
+
+async def went_through(process: ServiceProcess, key: str, values: list[object],
+                       timeout_s: float = 15.0) -> None:
+    """Wait until the service's setting has taken exactly `values`, in order."""
+    async with asyncio.timeout(timeout_s):
+        while True:
+            seen = live_values(process, key)
+            if len(seen) >= len(values):
+                assert seen == values
+                return
+            await asyncio.sleep(0.05)  # polling the process's log
+
+
+async def test_deleting_a_live_setting_restores_the_start_up_value(
+        private_nats: NatsServer, stub_url: str) -> None:
+    """`nats kv del config compaction_threshold`: every running service goes back
+    to the value it started with (the deletion arrives as an empty value)."""
+    key = "compaction_threshold"
+    with running_system(private_nats.url, stub_url, env={"COMPACTION_THRESHOLD": "0.7"},
+                        services=("generator", "decider")) as system:
+        nc = await nats.connect(private_nats.url)
+        try:
+            kv = await nc.jetstream().key_value(subjects.CONFIG_BUCKET)
+            await kv.put(key, b"0.3")
+            await kv.delete(key)
+            for name in ("generator", "decider"):
+                await went_through(system[name], key, [0.3, 0.7])
+            status = await nc.request("compaction-decider.status", b"", timeout=5)
+            assert json.loads(status.data)["threshold"] == 0.7
+            await kv.put(key, b"0.4")
+            await kv.purge(key)
+            await went_through(system["decider"], key, [0.3, 0.7, 0.4, 0.7])
+            assert "live_setting_rejected" not in system["decider"].log()
+        finally:
+            await nc.close()

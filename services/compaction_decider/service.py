@@ -11,15 +11,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import nats.errors
 import structlog
 from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from schemas import subjects
-from schemas.envelope import Envelope
+from schemas.envelope import Envelope, new_id
 from schemas.messages import CompactionRequest, CompactionResult, GenerationReport
 from services.compaction_decider.settings import DeciderSettings
+from services.core.context import PromptSize, context_tokens, summary_allowance
 from services.core.decision import (
     Decision,
     Observation,
@@ -37,6 +38,7 @@ from services.shared.recent import Recent
 from services.shared.runner import Endpoint
 
 CONSUMER = "compaction-decider"
+RESULTS_CONSUMER = "compaction-decider-results"
 # Sessions whose calibration and hysteresis are kept; the least recently
 # reported is forgotten first (its next report calibrates it afresh).
 MAX_TRACKED_SESSIONS = 10_000
@@ -61,7 +63,7 @@ class Decider:
         self._live = LiveSettings(bus.js, settings)
         self._tracked: Recent[str, Tracked] = Recent(max_tracked)
         self._loop: PullLoop | None = None
-        self._results: Subscription | None = None
+        self._results: PullLoop | None = None
         self._fired = 0
 
     @property
@@ -71,12 +73,19 @@ class Decider:
     def policy(self) -> Policy:
         s = self.settings
         return Policy(threshold=s.compaction_threshold, cooldown_s=s.compaction_cooldown_s,
-                      min_relief=s.compaction_min_relief)
+                      min_relief=s.compaction_min_relief,
+                      pending_expiry_s=s.compaction_result_timeout_s)
 
     async def start(self) -> None:
         await self._live.start()
-        self._results = await self._bus.nc.subscribe(subjects.COMPACTION_RESULT,
-                                                     cb=self._on_result)
+        # Durable, so a result published while this process was disconnected
+        # (a NATS restart, a network cut) is still read when it is back.
+        await ensure_consumer(self._bus.nc, subjects.RESULTS_STREAM, ConsumerConfig(
+            durable_name=RESULTS_CONSUMER, filter_subject=subjects.COMPACTION_RESULT,
+            ack_policy=AckPolicy.EXPLICIT, deliver_policy=DeliverPolicy.NEW, ack_wait=30))
+        self._results = PullLoop(self._bus.nc, subjects.RESULTS_STREAM, RESULTS_CONSUMER,
+                                 self._on_result_message)
+        await self._results.start()
         await ensure_consumer(self._bus.nc, subjects.GENERATIONS_STREAM, ConsumerConfig(
             durable_name=CONSUMER, filter_subject=subjects.RESPONSE_GENERATION,
             ack_policy=AckPolicy.EXPLICIT, deliver_policy=DeliverPolicy.NEW, ack_wait=30))
@@ -89,7 +98,7 @@ class Decider:
         if self._loop:
             await self._loop.stop()
         if self._results:
-            await self._results.unsubscribe()
+            await self._results.stop()
 
     def endpoints(self) -> list[Endpoint]:
         return []
@@ -126,35 +135,62 @@ class Decider:
             reused_chars=report.reused_chars, messages=report.sent_messages)
         if not report.auto_compact:
             return
-        decision = self._decide(tracked, report)
+        decision, fired = self._decide(tracked, report)
         if not decision.fire or decision.level is None:
             log.debug("no_compaction", reason=decision.reason)
             return
         log.info("compaction_requested", level=decision.level.value, reason=decision.reason)
-        request, _ = await self._bus.js_publish(
-            subjects.COMPACTION_REQUEST,
-            CompactionRequest(session_id=sid, auto=True, reason=decision.reason,
-                              level=decision.level.value),
-            session_id=sid,
-        )
-        tracked.awaiting = request.correlation_id
-        self._fired += 1
+        # The result names the request by its correlation id. It is awaited even
+        # when the publish seems to fail: a lost acknowledgement may hide a
+        # request that was stored, and its result then still counts.
+        correlation_id = tracked.awaiting = new_id()
+        if await self._request(sid, decision, correlation_id):
+            self._fired += 1
+            # Pending only once the request is stored, and only if its result
+            # has not already come meanwhile (it clears `awaiting`).
+            if tracked.awaiting == correlation_id:
+                tracked.memory = fired
 
-    def _decide(self, tracked: Tracked, report: GenerationReport) -> Decision:
-        cal = tracked.calibration
+    async def _request(self, sid: str, decision: Decision, correlation_id: str) -> bool:
+        """Publish the request; False (logged) when it was not confirmed stored."""
+        assert decision.level is not None
+        try:
+            await self._bus.js_publish(
+                subjects.COMPACTION_REQUEST,
+                CompactionRequest(session_id=sid, auto=True, reason=decision.reason,
+                                  level=decision.level.value),
+                correlation_id=correlation_id, session_id=sid,
+            )
+        except (nats.errors.Error, TimeoutError) as err:
+            log.warning("compaction_request_not_sent", error=repr(err),
+                        request_correlation_id=correlation_id)
+            return False
+        return True
+
+    def _decide(self, tracked: Tracked, report: GenerationReport
+                ) -> tuple[Decision, SessionMemory]:
+        # The session's own ratio when the report carries it: the estimate is
+        # then the very number the gauge and the compaction results show.
+        cal = (Calibration(report.tokens_per_char) if report.tokens_per_char is not None
+               else tracked.calibration)
         limit = prompt_budget(report.num_ctx, self.settings.output_headroom)
-        upcoming = estimate_tokens(report.next_prompt_chars or report.sent_chars, cal,
-                                   report.next_prompt_messages)
+        upcoming = context_tokens(PromptSize(report.next_prompt_chars or report.sent_chars,
+                                             report.next_prompt_messages), cal)
         level = level_for(upcoming, limit, self.policy())
-        # What a compaction at that level could free: its own, smaller live zone.
+        # What a compaction at that level replaces: its own, smaller live zone.
         freeable = report.compactable_chars or 0
         if level is not None:
             freeable = report.compactable_chars_by_level.get(level.value, freeable)
         obs = Observation(next_prompt_tokens=upcoming, budget=limit,
                           compactable_tokens=estimate_tokens(freeable, cal),
-                          now=time.monotonic())
-        decision, tracked.memory = decide(obs, tracked.memory, self.policy())
-        return decision
+                          now=time.monotonic(),
+                          summary_tokens=estimate_tokens(report.summary_chars, cal),
+                          summary_allowance=summary_allowance(report.num_ctx, limit, cal))
+        return decide(obs, tracked.memory, self.policy())
+
+    async def _on_result_message(self, msg: Msg) -> None:
+        await self._on_result(msg)
+        await msg.ack()
 
     async def _on_result(self, msg: Msg) -> None:
         env = await self._bus.decode_or_report(msg, CompactionResult)

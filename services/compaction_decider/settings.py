@@ -13,4 +13,7 @@ class DeciderSettings(ServiceSettings):
     compaction_cooldown_s: float = Field(default=30.0, ge=0)
     # A compaction must be able to free at least this fraction of the budget.
     compaction_min_relief: float = Field(default=0.1, ge=0, le=1)
+    # An automatic request with no result after this long is taken as lost
+    # (publish or result missed) and the session may be asked for again.
+    compaction_result_timeout_s: float = Field(default=300.0, gt=0)
     output_headroom: int | None = Field(default=None, ge=0)

@@ -36,6 +36,9 @@ class Policy:
     threshold: float = 0.8
     cooldown_s: float = 30.0
     min_relief: float = 0.1
+    # How long a request may go unanswered before it counts as lost (its
+    # publish or its result went astray) and the session may be asked for again.
+    pending_expiry_s: float = 300.0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.threshold <= 1.0:
@@ -44,6 +47,8 @@ class Policy:
             raise ValueError(f"cooldown_s must be >= 0, got {self.cooldown_s}")
         if not 0.0 <= self.min_relief <= 1.0:
             raise ValueError(f"min_relief must be within [0, 1], got {self.min_relief}")
+        if self.pending_expiry_s <= 0:
+            raise ValueError(f"pending_expiry_s must be > 0, got {self.pending_expiry_s}")
 
     @property
     def tighter_fraction(self) -> float:
@@ -55,15 +60,29 @@ class Policy:
 class Observation:
     next_prompt_tokens: int
     budget: int
+    # Everything a compaction at the level replaces: the messages before its
+    # live zone and the existing summary (`summary_tokens` of it).
     compactable_tokens: int
     now: float
+    summary_tokens: int = 0
+    # The most the summary it writes may take (`context.summary_allowance`).
+    summary_allowance: int = 0
+
+    @property
+    def relief_tokens(self) -> int:
+        """What the compaction is expected to free: what it replaces, less the
+        summary it writes. That summary is sized at its bound, and at least as
+        large as the one it replaces, since it merges it: the existing summary
+        is rewritten by a compaction, not freed."""
+        written = max(self.summary_tokens, self.summary_allowance)
+        return max(0, self.compactable_tokens - written)
 
 
 @dataclass(frozen=True)
 class SessionMemory:
+    # A request is out and unanswered; it was sent at `last_fired_at`.
     pending: bool = False
     last_fired_at: float | None = None
-    tokens_after_last: int | None = None
 
 
 @dataclass(frozen=True)
@@ -98,7 +117,12 @@ def level_for(next_prompt_tokens: int, budget: int, policy: Policy) -> Level | N
 def decide(
     obs: Observation, memory: SessionMemory, policy: Policy
 ) -> tuple[Decision, SessionMemory]:
-    """Whether to request a compaction now, and the session's updated memory."""
+    """Whether to request a compaction now, and the session's updated memory.
+
+    The memory returned with a firing says a request is pending: keep it only
+    once the request is confirmed stored, so a publish that failed leaves the
+    session free to be asked for on its next report.
+    """
     if policy.threshold <= 0:
         return Decision(False, None, "automatic compaction is disabled (threshold 0)"), memory
     usage = _usage(obs, policy)
@@ -109,7 +133,8 @@ def decide(
     if veto is not None:
         return Decision(False, None, f"{usage}, {level.value}, but {veto}"), memory
     fired = replace(memory, pending=True, last_fired_at=obs.now)
-    return Decision(True, level, f"{usage}: compact ({level.value})"), fired
+    lost = " again: the last request got no result in time" if memory.pending else ""
+    return Decision(True, level, f"{usage}: compact ({level.value}){lost}"), fired
 
 
 def _usage(obs: Observation, policy: Policy) -> str:
@@ -125,7 +150,7 @@ def _veto(obs: Observation, memory: SessionMemory, policy: Policy, level: Level)
     """Why a compaction must not start although the estimate crossed, if it must not."""
     # One compaction in flight per session, whatever the level: a second one
     # would only conflict with the first at splice time.
-    if memory.pending:
+    if awaits_result(memory, obs.now, policy):
         return "a compaction is already pending for this session"
     # Emergency ignores the cooldown: overflow is worse than a second summary.
     if level is not Level.emergency and memory.last_fired_at is not None:
@@ -136,13 +161,27 @@ def _veto(obs: Observation, memory: SessionMemory, policy: Policy, level: Level)
                 f"cooldown {policy.cooldown_s:g}s)"
             )
     needed = policy.min_relief * obs.budget
-    if obs.compactable_tokens < needed:
+    relief = obs.relief_tokens
+    # Nothing to free is never worth a model call, whatever the minimum.
+    if relief < needed or relief <= 0:
         return (
-            f"only {obs.compactable_tokens} tokens lie outside the live zone, less than the "
-            f"minimum relief of {needed:.0f} ({policy.min_relief:.0%} of budget): "
-            "a compaction would free too little to be worth it"
+            f"a compaction would free about {relief} tokens ({obs.compactable_tokens} outside "
+            f"the live zone, summary included, less a summary of up to "
+            f"{max(obs.summary_tokens, obs.summary_allowance)}), less than the minimum relief "
+            f"of {needed:.0f} ({policy.min_relief:.0%} of budget): not worth it"
         )
     return None
+
+
+def awaits_result(memory: SessionMemory, now: float, policy: Policy) -> bool:
+    """A request is out and may still be answered. One unanswered for
+    `pending_expiry_s` is taken as lost (its result missed, or the request
+    itself), so a missed message cannot turn automatic compaction off for good."""
+    if not memory.pending:
+        return False
+    if memory.last_fired_at is None:
+        return True
+    return now - memory.last_fired_at < policy.pending_expiry_s
 
 
 def on_result(memory: SessionMemory, tokens_after: int | None, now: float) -> SessionMemory:
@@ -152,7 +191,7 @@ def on_result(memory: SessionMemory, tokens_after: int | None, now: float) -> Se
     broken summariser is retried once per cooldown rather than on every turn.
     """
     last = now if tokens_after is None else memory.last_fired_at
-    return SessionMemory(pending=False, last_fired_at=last, tokens_after_last=tokens_after)
+    return SessionMemory(pending=False, last_fired_at=last)
 
 
 def check_fit(next_prompt_tokens: int, budget: int, margin: float = FIT_MARGIN) -> Fit:

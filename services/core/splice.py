@@ -14,6 +14,12 @@ from dataclasses import dataclass
 from schemas.history import ChatMessage, Conversation, Snapshot
 from services.core.boundary import choose_boundary, elide_tool_output
 
+# How many folded query ids a snapshot keeps. Only a query still in the work
+# queue can come back, and a session's later queries wait until the server
+# took an earlier one's acknowledgement, so just the last few can be answered
+# and still unacknowledged; the rest is margin, at about 35 bytes an id.
+KEPT_QUERY_IDS = 256
+
 
 class SpliceConflict(Exception):
     """The history changed under the snapshot in a way a splice cannot absorb."""
@@ -56,7 +62,17 @@ def splice(current: Conversation, plan: CompactionPlan, summary: str) -> Snapsho
         summary=summary,
         messages=current.messages[plan.boundary :],
         compactions=current.compactions + 1,
+        compacted_query_ids=compacted_query_ids(current, plan.boundary),
     )
+
+
+def compacted_query_ids(current: Conversation, boundary: int,
+                        keep: int = KEPT_QUERY_IDS) -> tuple[str, ...]:
+    """The ids of the queries folded so far, then those of the messages
+    before `boundary`, each once, in order, the last `keep` of them."""
+    folded = (m.query_id for m in current.messages[:boundary] if m.query_id is not None)
+    ids = dict.fromkeys((*current.compacted_query_ids, *folded))
+    return tuple(ids)[-keep:] if keep > 0 else ()
 
 
 def splice_elided(current: Conversation, plan: CompactionPlan, max_chars: int = 200) -> Snapshot:
@@ -69,6 +85,7 @@ def splice_elided(current: Conversation, plan: CompactionPlan, max_chars: int = 
         summary=current.summary,
         messages=(*zone, *current.messages[plan.boundary :]),
         compactions=current.compactions + 1,
+        compacted_query_ids=current.compacted_query_ids,  # every message stays
     )
 
 

@@ -61,44 +61,72 @@ _GOAL_VERBATIM = (
 _GOAL_CARRIED = "\n   Keep the first request quoted in the earlier notes verbatim."
 
 
+# The first request is quoted once, in its own part; where it stood in the
+# transcript, this reference takes its place.
+FIRST_REQUEST_REFERENCE = "[user]\n(the FIRST REQUEST quoted above)"
+
+# The smallest summary the prompt allows: every section, with nothing to say.
+# What an emergency compaction leaves at the very least in place of the
+# history it summarises.
+MINIMAL_SUMMARY = "\n".join(f"## {section}\n- none" for section in SECTIONS)
+
+
 def summary_messages(
     previous_summary: str | None,
     to_compact: Sequence[ChatMessage],
     first_request: str | None,
     instructions: str | None = None,
 ) -> list[dict[str, str]]:
-    """The system and user messages of one summarisation call."""
+    """The system and user messages of one summarisation call over the whole zone."""
     if not to_compact:
         raise ValueError("nothing to summarise: the compact zone is empty")
+    return summary_request(transcript_entries(to_compact, first_request), previous_summary,
+                           first_request, instructions)
+
+
+def summary_request(
+    entries: Sequence[str],
+    earlier_notes: str | None,
+    first_request: str | None,
+    instructions: str | None = None,
+) -> list[dict[str, str]]:
+    """One summarisation call over transcript entries (`transcript_entries`),
+    merging `earlier_notes`. `first_request` is quoted when given (in the
+    call that covers the session's start); later calls find it in the notes."""
     goal_rule = _GOAL_VERBATIM if first_request is not None else _GOAL_CARRIED
     system = _SYSTEM.format(goal_rule=goal_rule)
-    return [
-        {"role": "system", "content": system},
-        {"role": "user", "content": _user_content(previous_summary, to_compact, first_request,
-                                                  instructions)},
-    ]
-
-
-def _user_content(
-    previous_summary: str | None,
-    to_compact: Sequence[ChatMessage],
-    first_request: str | None,
-    instructions: str | None,
-) -> str:
     parts: list[str] = []
     if first_request is not None:
         parts.append(f"FIRST REQUEST (quote it verbatim under Goal):\n{first_request}")
-    if previous_summary:
-        parts.append(f"EARLIER NOTES (merge them):\n{previous_summary}")
-    parts.append("TRANSCRIPT TO CONDENSE:\n" + transcript(to_compact))
+    if earlier_notes:
+        parts.append(f"EARLIER NOTES (merge them):\n{earlier_notes}")
+    parts.append("TRANSCRIPT TO CONDENSE:\n" + "\n\n".join(entries))
     if instructions and instructions.strip():
         parts.append(f"ADDITIONAL INSTRUCTIONS FROM THE USER:\n{instructions.strip()}")
-    return "\n\n".join(parts)
+    return [
+        {"role": "system", "content": system},
+        {"role": "user", "content": "\n\n".join(parts)},
+    ]
+
+
+def transcript_entries(messages: Sequence[ChatMessage], first_request: str | None = None
+                       ) -> list[str]:
+    """One role-labelled entry per message. With `first_request`, the first user
+    message holding it becomes a reference to the quoted part instead of
+    sending the same text twice (a pasted spec would cost its size twice)."""
+    entries = [_entry(m) for m in messages]
+    if first_request is not None:
+        for index, message in enumerate(messages):
+            if message.role == "user":
+                if message.content == first_request and not message.tool_calls:
+                    entries[index] = FIRST_REQUEST_REFERENCE
+                break
+    return entries
 
 
 def transcript(messages: Sequence[ChatMessage]) -> str:
     """Role-labelled text of the messages, with tool calls and their arguments."""
-    return "\n\n".join(_entry(m) for m in messages)
+    return "\n\n".join(transcript_entries(messages))
 
 
 def _entry(message: ChatMessage) -> str:

@@ -22,13 +22,13 @@ from schemas import subjects
 from schemas.envelope import new_id
 from schemas.messages import MAX_CONTENT_CHARS, CompactionRequest, Query, Reply, StateChange
 from schemas.session import MAX_SYSTEM_PROMPT_CHARS, CompactionsRunning, SessionRecord
-from services.core.prompt import render_messages
+from services.core.context import next_prompt_tokens
 from services.core.state_machine import Phase, session_state
-from services.core.tokens import Calibration, estimate_prompt, prompt_budget
+from services.core.tokens import Calibration, prompt_budget
 from services.gateway.live import LiveFeed
 from services.gateway.replies import ReplyRouter, events_until_reply
 from services.gateway.settings import GatewaySettings
-from services.shared.bus import Bus
+from services.shared.bus import Bus, parse_json
 from services.shared.history_store import HistoryStore
 from services.shared.sessions import SessionNotFound, SessionStore
 from services.shared.tool_catalogue import ToolCatalogue
@@ -42,9 +42,12 @@ ERROR_STATUS = {
     "unknown_session": 404,
     "context_overflow": 413,
     "compacting": 409,
+    "already_answered": 409,
     "unreachable": 502,
     "provider_error": 502,
     "empty_reply": 502,
+    # Ollama's own status for a model it has not pulled.
+    "model_not_found": 404,
     "timeout": 504,
     "tool_loop_limit": 502,
 }
@@ -85,7 +88,7 @@ async def parse_body(request: Request, model: type[M], optional: bool = False) -
     if not raw.strip() and optional:
         return model()
     try:
-        data = json.loads(raw)
+        data = parse_json(raw)
     except ValueError as err:
         raise HttpError(error(400, "invalid_json", f"body is not valid JSON: {err}")) from err
     try:
@@ -161,10 +164,10 @@ class Api:
         record = await self._record(session_id_of(request))
         sid = record.session_id
         view = await self._history.read(sid)
-        # As the generator's fit check counts it: the offered tools included.
-        tokens = estimate_prompt(render_messages(record.system, view.conversation),
-                                 Calibration(record.tokens_per_char),
-                                 await self._tools.definitions())
+        # Tokens in the context, as compaction results and the decider count them.
+        tokens = next_prompt_tokens(record.system, view.conversation,
+                                    await self._tools.definitions(),
+                                    Calibration(record.tokens_per_char))
         return JSONResponse({
             "session_id": sid,
             "system": record.system,
@@ -174,8 +177,8 @@ class Api:
             "compactions": view.conversation.compactions,
             "messages": [m.model_dump(exclude_defaults=True) for m in view.conversation.messages],
             "token_count": tokens,
-            "num_ctx": self._settings.num_ctx,
-            "budget": self._budget(),
+            "num_ctx": self._num_ctx(record),
+            "budget": self._budget(record),
             **await self._state(sid),
         })
 
@@ -250,9 +253,12 @@ class Api:
         if reply.error:
             return {"error": {"code": reply.error_code, "message": reply.error},
                     "session_id": reply.session_id}
-        return {"session_id": reply.session_id, "reply": reply.reply,
+        body = {"session_id": reply.session_id, "reply": reply.reply,
                 "prompt_tokens": reply.prompt_tokens,
                 "completion_tokens": reply.completion_tokens}
+        if reply.thinking:
+            body["thinking"] = reply.thinking
+        return body
 
     async def _require(self, sid: str) -> None:
         """404 unless the session exists; sessions are never deleted, so once seen
@@ -283,9 +289,9 @@ class Api:
         except NotFoundError:
             return Phase.idle
         try:
-            change = StateChange.model_validate(json.loads(msg.data or b"{}")["payload"])
+            change = StateChange.model_validate(parse_json(msg.data or b"{}")["payload"])
             return Phase(change.to_state)
-        except (ValueError, KeyError, ValidationError):
+        except (ValueError, KeyError, TypeError, ValidationError):
             return None
 
     async def _compacting(self, sid: str) -> bool:
@@ -301,8 +307,11 @@ class Api:
         except ValidationError:
             return False
 
-    def _budget(self) -> int:
-        return prompt_budget(self._settings.num_ctx, self._settings.output_headroom)
+    def _num_ctx(self, record: SessionRecord) -> int:
+        return record.window(self._settings.num_ctx)
+
+    def _budget(self, record: SessionRecord) -> int:
+        return prompt_budget(self._num_ctx(record), self._settings.output_headroom)
 
 
 def sse(event: str, data: dict[str, Any]) -> str:

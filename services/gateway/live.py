@@ -16,6 +16,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from schemas import subjects
+from services.shared.bus import parse_json
 
 WATCHED = (
     f"{subjects.STATE_PREFIX}.*",
@@ -67,7 +68,7 @@ class LiveFeed:
 
     async def _on_message(self, msg: Msg) -> None:
         try:
-            envelope = json.loads(msg.data)
+            envelope = parse_json(msg.data)
         except ValueError:
             return  # malformed events are reported by the services that consume them
         if not isinstance(envelope, dict):

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import structlog
 
@@ -27,8 +28,9 @@ from schemas.history import Conversation
 from schemas.messages import CompactionEvent, CompactionRequest, CompactionResult, Level
 from schemas.session import SessionRecord
 from services.core.boundary import tail_turns_for
+from services.core.context import next_prompt_tokens
 from services.core.decision import Level as CoreLevel
-from services.core.prompt import render_messages
+from services.core.pieces import NothingFits, Piece, SummaryWindow, Zone, next_piece
 from services.core.splice import (
     CompactionPlan,
     SpliceConflict,
@@ -38,9 +40,8 @@ from services.core.splice import (
 )
 from services.core.splice import first_user_request as first_request_of
 from services.core.state_machine import Action, CompactionMode, IllegalTransition
-from services.core.summary_prompt import summary_messages
-from services.core.tokens import Calibration, estimate_prompt
-from services.generator.provider import ChatProvider, ChatRequest, ProviderError
+from services.core.tokens import Calibration
+from services.generator.provider import ChatProvider, ChatRequest, ChatResult, ProviderError
 from services.generator.session_lock import LockTimeout, SessionLocks
 from services.generator.settings import GeneratorSettings
 from services.generator.states import SessionStates
@@ -50,6 +51,9 @@ from services.shared.live_config import LiveSettings
 from services.shared.sessions import SessionNotFound, SessionStore
 
 log = structlog.get_logger()
+# Called after each piece of a summary is written (session id, the piece):
+# where progress can be published.
+PieceWritten = Callable[[str, Piece], Awaitable[None]]
 
 
 class CompactionSkipped(Exception):
@@ -80,10 +84,22 @@ class Job:
     request_id: str | None = None
 
 
+class ToolDefinitions(Protocol):
+    async def definitions(self) -> list[dict[str, Any]]: ...
+
+
+class NoTools:
+    """Offers no tools: what a compactor without a tool catalogue counts."""
+
+    async def definitions(self) -> list[dict[str, Any]]:
+        return []
+
+
 class Compactor:
     def __init__(self, bus: Bus, live: LiveSettings[GeneratorSettings], provider: ChatProvider,
                  history: HistoryStore, sessions: SessionStore, locks: SessionLocks,
-                 states: SessionStates) -> None:
+                 states: SessionStates, tools: ToolDefinitions | None = None,
+                 on_piece: PieceWritten | None = None) -> None:
         self._bus = bus
         self._live = live
         self._provider = provider
@@ -91,7 +107,12 @@ class Compactor:
         self._sessions = sessions
         self._locks = locks
         self._states = states
+        # The offered tools count in the context's size, as everywhere: read
+        # afresh when a compaction starts (the catalogue caches them).
+        self._tools = tools or NoTools()
+        self._offered: list[dict[str, Any]] = []
         self._running: set[str] = set()
+        self._on_piece = on_piece
 
     @property
     def _settings(self) -> GeneratorSettings:
@@ -120,6 +141,7 @@ class Compactor:
         """Emergency compaction by a turn that already holds the session lock."""
         job = Job(record.session_id, "emergency", True, "the next prompt would not fit",
                   None, correlation_id)
+        self._offered = await self._tools.definitions()
         plan = self._plan(view.conversation, job.level)
         before = self.tokens(record, view.conversation)
         await self._announce(job, before)
@@ -147,6 +169,7 @@ class Compactor:
         self._running.add(sid)
         try:
             record = await self._sessions.get(sid)
+            self._offered = await self._tools.definitions()
             async with self._exclusive_if_blocking(sid):
                 return await self._compact(job, record)
         except SessionNotFound:
@@ -207,25 +230,58 @@ class Compactor:
             return Written(None, str(err))
 
     async def _summarise(self, record: SessionRecord, plan: CompactionPlan, job: Job) -> str:
-        messages = summary_messages(plan.snapshot.summary, plan.to_compact,
-                                    first_request_of(plan.snapshot), job.instructions)
-        request = ChatRequest(
-            model=self._settings.compaction_model or record.model_or(self._settings.model),
-            messages=messages, num_ctx=self._settings.num_ctx,
-        )
+        zone = Zone.of(plan.to_compact, first_request_of(plan.snapshot), job.instructions)
+        timeout = self._settings.summary_timeout_s
         try:
-            async with asyncio.timeout(self._settings.summary_timeout_s):
-                result = await self._provider.chat(request)
+            async with asyncio.timeout(timeout):
+                return await self._in_pieces(record, zone, plan.snapshot.summary, job)
         except TimeoutError as err:
-            raise CompactionFailed(
-                f"summariser failed: no summary within {self._settings.summary_timeout_s:g} s"
-            ) from err
-        except ProviderError as err:
+            raise CompactionFailed(f"summariser failed: no summary within {timeout:g} s") from err
+        except (ProviderError, NothingFits) as err:
             raise CompactionFailed(f"summariser failed: {err}") from err
-        if not result.content.strip():
-            where = " (all its output was in 'thinking')" if result.thinking else ""
-            raise CompactionFailed(f"summariser failed: it returned an empty summary{where}")
-        return result.content.strip()
+
+    async def _in_pieces(self, record: SessionRecord, zone: Zone, notes: str | None,
+                         job: Job) -> str:
+        """notes₁ from the first piece, notes₂ from notes₁ and the next, ...
+        Each piece is planned (and checked) with the notes it is sent with."""
+        window, start = self._summary_window(record), 0
+        while start < len(zone.entries):
+            piece = next_piece(zone, start, notes, window)
+            result = await self._provider.chat(ChatRequest(
+                model=self._summary_model(record), messages=piece.messages,
+                num_ctx=window.num_ctx, num_predict=window.output_tokens,
+                # A thinking model could spend the whole output on thinking and
+                # leave the summary empty; streamed so a stall is caught midway.
+                # The model's answers go first, unless this is an emergency
+                # compaction, itself part of an answer (it has no request).
+                think="off", watch_gaps=True, background=job.request_id is not None))
+            if result.done_reason == "length":
+                window = _more_room(window)  # the same entries again, with more room
+                continue
+            notes = _written(result)
+            log.info("summary_piece_written", first=piece.start, end=piece.end,
+                     entries=len(zone.entries), cut_chars=piece.cut_chars,
+                     output_tokens=piece.output_tokens)
+            if self._on_piece is not None:
+                await self._on_piece(job.session_id, piece)
+            start = piece.end
+        assert notes is not None  # the zone is never empty
+        return notes
+
+    def _summary_model(self, record: SessionRecord) -> str:
+        return self._settings.compaction_model or record.model_or(self._settings.model)
+
+    def _summary_window(self, record: SessionRecord) -> SummaryWindow:
+        """The summariser's window, estimated with the session's calibration when
+        the summariser is the session's own model (another model's is unknown:
+        the conservative fallback)."""
+        settings = self._settings
+        own = self._summary_model(record) == record.model_or(settings.model)
+        calibration = Calibration(record.tokens_per_char) if own else Calibration()
+        # The session's model may have a smaller window than NUM_CTX (its record knows).
+        num_ctx = settings.compaction_num_ctx or (
+            record.window(settings.num_ctx) if own else settings.num_ctx)
+        return SummaryWindow.for_summaries(num_ctx, calibration)
 
     async def _splice(self, record: SessionRecord, current: HistoryView, plan: CompactionPlan,
                       written: Written, job: Job) -> tuple[HistoryView, int]:
@@ -251,9 +307,9 @@ class Compactor:
         return await self._history.splice(record.session_id, current, snapshot), before
 
     def tokens(self, record: SessionRecord, conversation: Conversation) -> int:
-        """Calibrated estimate of the prompt this conversation makes (not chars/4)."""
-        return estimate_prompt(render_messages(record.system, conversation),
-                               Calibration(record.tokens_per_char))
+        """Tokens in the context this conversation makes, as the gauge counts them."""
+        return next_prompt_tokens(record.system, conversation, self._offered,
+                                  Calibration(record.tokens_per_char))
 
     @contextlib.asynccontextmanager
     async def _exclusive_if_blocking(self, sid: str) -> AsyncIterator[None]:
@@ -321,3 +377,21 @@ class Compactor:
     def _failed(job: Job, error: str, tokens_before: int | None = None) -> CompactionResult:
         return CompactionResult(session_id=job.session_id, status="failed", error=error,
                                 tokens_before=tokens_before, auto=job.auto, level=job.level)
+
+
+def _more_room(window: SummaryWindow) -> SummaryWindow:
+    """A summary cut off at its length limit is never spliced: it is written
+    again with twice the room, up to half the window."""
+    roomier = window.with_more_room()
+    if roomier is None:
+        raise CompactionFailed(
+            f"summariser failed: the summary was cut off at its length limit even with "
+            f"{window.output_tokens} of the window's {window.num_ctx} tokens for it")
+    return roomier
+
+
+def _written(result: ChatResult) -> str:
+    if not result.content.strip():
+        where = " (all its output was in 'thinking')" if result.thinking else ""
+        raise CompactionFailed(f"summariser failed: it returned an empty summary{where}")
+    return result.content.strip()

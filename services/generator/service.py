@@ -4,9 +4,9 @@ many sessions at once and each session's queries strictly in order.
 Ordering holds across processes without any coordinator: a work-queue stream
 deletes a query when it is acknowledged, so the oldest query still in the
 stream for a session is the next one to answer. A process holding a later
-query of that session hands it back with a short delay, and whoever holds the
-earlier one answers it first; the session lock then keeps the two from ever
-overlapping.
+query of that session hands it back with a short delay (growing while the
+same earlier query stays pending), and whoever holds the earlier one answers
+it first; the session lock then keeps the two from ever overlapping.
 """
 
 from __future__ import annotations
@@ -26,17 +26,18 @@ from schemas import subjects
 from schemas.envelope import Envelope
 from schemas.messages import CompactionRequest, Query, Reply
 from services.core.state_machine import Action, CompactionMode
-from services.generator.arrival_order import ArrivalOrder
+from services.generator.arrival_order import ArrivalOrder, HandBacks
 from services.generator.compaction import Compactor
 from services.generator.head_start import HeadStart
 from services.generator.provider import ChatProvider, OllamaProvider
 from services.generator.session_lock import Lease, LockTimeout, SessionLocks
 from services.generator.settings import GeneratorSettings
+from services.generator.slots import Slots
 from services.generator.states import SessionStates
 from services.generator.toolbox import Toolbox
 from services.generator.turns import FollowUp, TurnError, TurnRunner
 from services.shared.bus import Bus
-from services.shared.consumer import PullLoop, ensure_consumer
+from services.shared.consumer import Delivery, PullLoop, ensure_consumer
 from services.shared.history_store import HistoryConflict, HistoryStore
 from services.shared.jetstream import locks_bucket, sessions_bucket
 from services.shared.live_config import LiveSettings
@@ -49,40 +50,69 @@ QUERY_CONSUMER = "generator"
 COMPACTION_CONSUMER = "generator-compactions"
 # After this many crashed attempts in this process a query is answered with an error.
 MAX_CRASHES = 3
-# How long a later query of a session waits before it is offered again.
+# How long a later query of a session waits before it is offered again, at
+# first and at most (see `HandBacks`).
 OUT_OF_ORDER_DELAY_S = 0.02
+OUT_OF_ORDER_MAX_DELAY_S = 0.5
+# How long the server may take to confirm that it took an acknowledgement.
+ACK_CONFIRM_S = 5.0
+# At shutdown, how long turns in hand may run on before they are cancelled
+# and their queries handed back; within the runner's budget for stopping.
+SHUTDOWN_GRACE_S = 5.0
+HAND_BACK_S = 2.0
 # Stream sequences of the queries answered last, kept for the ordering check.
 REMEMBERED_ANSWERS = 4096
 log = structlog.get_logger()
 
 
 class AnsweredQueries:
-    """Stream sequences of queries this process acknowledged lately: the
-    server drops an acknowledged query from the work queue a moment after
-    the acknowledgement, and the session's next query must not wait for it.
+    """Queries this process answered lately, by stream sequence, and whether
+    the server confirmed their acknowledgements.
 
-    An error reply is kept too. Nothing of such a query is stored, so if its
-    acknowledgement is lost (the connection drops with it unsent) and the
-    query comes back, only this memory stops it from being answered a second
-    time, after the session's later queries. An answer is not kept: the
-    history holds it, tagged with the query's id."""
+    The server drops an acknowledged query from the work queue a moment
+    after the acknowledgement, and the session's next query must not wait
+    for it: the ordering check skips a query whose acknowledgement the
+    server confirmed (waiting for a confirmation on its way). One merely
+    sent may be lost (the connection drops with it, or it is refused); were
+    it skipped, the later queries would run and the earlier one would come
+    back after them, maybe after a compaction folded its turn away.
+
+    An error reply is kept too, confirmed or not. Nothing of such a query is
+    stored, so if its acknowledgement is lost and the query comes back, only
+    this memory stops it from being answered a second time, after the
+    session's later queries. An answer is not kept: the history holds it,
+    tagged with the query's id."""
 
     def __init__(self, size: int = REMEMBERED_ANSWERS) -> None:
-        self._recent: Recent[int, Reply | None] = Recent(size)
+        self._errors: Recent[int, Reply] = Recent(size)
+        self._acks: Recent[int, asyncio.Future[bool]] = Recent(size)
         self.count = 0
 
-    def remember(self, stream_seq: int, reply: Reply) -> None:
-        self._recent.put(stream_seq, reply if reply.error else None)
+    def remember(self, stream_seq: int, reply: Reply, confirmation: asyncio.Future[bool]
+                 ) -> None:
+        if reply.error:
+            self._errors.put(stream_seq, reply)
+        self._acks.put(stream_seq, confirmation)
         self.count += 1
 
     def error_reply(self, stream_seq: int, query_id: str) -> Reply | None:
         """The error this query was answered with here, if it was. (The id is
         checked too: a stream made anew numbers its messages from 1 again.)"""
-        reply = self._recent.get(stream_seq)
+        reply = self._errors.get(stream_seq)
         return reply if reply is not None and reply.query_id == query_id else None
 
-    def __contains__(self, stream_seq: object) -> bool:
-        return stream_seq in self._recent
+    async def acknowledged(self, stream_seq: int) -> bool:
+        """Whether the server confirmed this process's acknowledgement of the query."""
+        ack = self._acks.get(stream_seq)
+        if ack is None:
+            return False
+        if not ack.done():
+            await asyncio.wait([ack])  # not cancelled with the waiter: others may wait too
+        return not ack.cancelled() and ack.result()
+
+    def cancel_pending(self) -> None:
+        for _, ack in self._acks.items():
+            ack.cancel()
 
 
 class CrashCounts:
@@ -112,18 +142,20 @@ class Generator:
         self._locks = locks
         self._states = SessionStates(bus, settings.generator_id,
                                      CompactionMode(settings.compaction_mode))
+        toolbox = Toolbox(bus, settings.tool_timeout_s)
         self._compactor = Compactor(bus, self._live, provider, self._history, sessions, locks,
-                                    self._states)
+                                    self._states, toolbox)
         self._turns = TurnRunner(bus, self._live, provider, self._history, sessions,
-                                 self._states, Toolbox(bus, settings.tool_timeout_s),
-                                 self._compactor)
+                                 self._states, toolbox, self._compactor)
         self._arrival = ArrivalOrder()
+        self._hand_backs = HandBacks(OUT_OF_ORDER_DELAY_S, OUT_OF_ORDER_MAX_DELAY_S)
         self._tasks: set[asyncio.Task[None]] = set()
-        # Queries and compactions being worked on. A query gives its room back
-        # once its reply is out: what follows (the lock's release, the report)
-        # is bookkeeping, and with every slot taken the session's next query
-        # would otherwise find no pull request standing for it.
-        self._occupying: set[asyncio.Task[None]] = set()
+        # Queries and compactions being worked on, a session's queries sharing
+        # one slot. A query gives its room back once its reply is out: what
+        # follows (the lock's release, the report) is bookkeeping, and with
+        # every slot taken the session's next query would otherwise find no
+        # pull request standing for it.
+        self._slots = Slots(settings.max_concurrent_sessions)
         # The compaction request being handled here, if any.
         self._compaction: asyncio.Task[None] | None = None
         self._loops: list[PullLoop] = []
@@ -160,9 +192,23 @@ class Generator:
                 await self._following.unsubscribe()
         for loop in self._loops:
             await loop.stop()
-        if self._tasks:
-            await asyncio.wait(self._tasks, timeout=10)
+        await self._finish_or_hand_back()
+        self._answered.cancel_pending()
         await self._provider.close()
+
+    async def _finish_or_hand_back(self) -> None:
+        """Let the turns in hand finish for a while, then cancel them: each
+        cancelled one hands its query back at once (`_working_on`), and
+        another generator answers it now rather than after a whole ack wait."""
+        if not self._tasks:
+            return
+        _, unfinished = await asyncio.wait(self._tasks, timeout=SHUTDOWN_GRACE_S)
+        if not unfinished:
+            return
+        log.warning("work_cancelled_at_shutdown", tasks=len(unfinished))
+        for task in unfinished:
+            task.cancel()
+        await asyncio.wait(unfinished, timeout=HAND_BACK_S)
 
     def endpoints(self) -> list[Endpoint]:
         return []
@@ -180,7 +226,7 @@ class Generator:
         }
 
     def _capacity(self) -> int:
-        return self._settings.max_concurrent_sessions - len(self._occupying)
+        return self._slots.free()
 
     def _compaction_capacity(self) -> int:
         """Compactions and queries share `max_concurrent_sessions`, and each
@@ -205,24 +251,33 @@ class Generator:
         if env is None:
             await msg.term()  # a malformed request would only come back
             return
-        async with self._working_on(msg, env.payload.session_id, env.correlation_id):
+        async with self._working_on(msg, env.payload.session_id,
+                                    env.correlation_id) as delivery:
             await self._compactor.handle(env)
-        await msg.ack()
+            await delivery.ack()
 
     @contextlib.asynccontextmanager
     async def _working_on(self, msg: Msg, sid: str, correlation_id: str,
-                          **context: str) -> AsyncIterator[None]:
+                          **context: str) -> AsyncIterator[Delivery]:
         """Log with the message's ids, and keep it from being redelivered while
         we work: long answers (and waiting behind a session's earlier query)
-        must not look like a dead generator."""
-        heartbeat = asyncio.create_task(self._keep_in_progress(msg))
+        must not look like a dead generator. Work cancelled (at shutdown)
+        before its message was settled hands the message back at once."""
+        delivery = Delivery(msg, self._settings.query_ack_wait_s / 3)
         try:
             with structlog.contextvars.bound_contextvars(
                 session_id=sid, correlation_id=correlation_id, **context
             ):
-                yield
+                try:
+                    yield delivery
+                except asyncio.CancelledError:
+                    if not delivery.settled:
+                        log.warning("handed_back_at_shutdown")
+                        with contextlib.suppress(Exception):
+                            await delivery.nak()
+                    raise
         finally:
-            heartbeat.cancel()
+            delivery.stop_heartbeat()
 
     def _spawn(self, work: Coroutine[Any, Any, None], busy: bool = True
                ) -> asyncio.Task[None]:
@@ -230,14 +285,15 @@ class Generator:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         if busy:
-            self._occupying.add(task)
+            self._slots.take(task)
             task.add_done_callback(self._give_room_back)
         return task
 
     def _give_room_back(self, task: asyncio.Task[Any] | None) -> None:
-        if task not in self._occupying:
-            return  # given back already, when its reply went out
-        self._occupying.discard(task)
+        if self._slots.give_back(task):
+            self._room_freed()
+
+    def _room_freed(self) -> None:
         for loop in self._loops:
             loop.room_freed()
 
@@ -247,22 +303,27 @@ class Generator:
             await msg.term()  # a malformed query would only come back
             return
         sid = env.payload.session_id
-        async with self._working_on(msg, sid, env.correlation_id, query_id=env.message_id):
+        task = asyncio.current_task()
+        if self._slots.holds(task) and self._slots.join(task, sid):
+            self._room_freed()  # queued behind the session's own query: no slot of its own
+        async with self._working_on(msg, sid, env.correlation_id,
+                                    query_id=env.message_id) as delivery:
             async with self._arrival.turn(sid):
                 try:
-                    follow_up = await self._answer_in_order(msg, env)
+                    follow_up = await self._answer_in_order(delivery, env)
                 except Exception as err:  # e.g. NATS away while taking the lock
-                    await self._unexpected(msg, env, err)
+                    await self._unexpected(delivery, env, err)
                     follow_up = None
             if follow_up is not None:  # outside the session's locks, and its slot
                 self._spawn(follow_up(), busy=False)
 
-    async def _answer_in_order(self, msg: Msg, env: Envelope[Query]) -> FollowUp | None:
-        sid = env.payload.session_id
+    async def _answer_in_order(self, delivery: Delivery, env: Envelope[Query]
+                               ) -> FollowUp | None:
+        sid, msg = env.payload.session_id, delivery.msg
         answered = self._answered.error_reply(msg.metadata.sequence.stream, env.message_id)
         if answered is not None:  # its acknowledgement was lost: the same answer again
             log.warning("query_answered_again", error_code=answered.error_code)
-            await self._send_reply(msg, env, answered)
+            await self._send_reply(delivery, env, answered)
             return None
         # Blocking mode: a query meeting a compaction waits only so long, then
         # gets an error instead of the answer.
@@ -274,47 +335,59 @@ class Generator:
         early = not blocked and msg.metadata.num_delivered == 1
         head = await self._turns.head_start(env) if early else None
         try:
-            earlier_pending, taken = await self._first_try(sid, msg)
-            if earlier_pending:
-                await msg.nak(delay=OUT_OF_ORDER_DELAY_S)
+            earlier, taken = await self._first_try(sid, msg)
+            if earlier is not None:
+                await delivery.nak(self._hand_backs.delay(env.message_id, earlier))
                 return None
+            self._hand_backs.forget(env.message_id)
             if taken is None and head is not None:
                 head.abandon()  # someone else holds the session: its history will move
                 head = None
             async with self._locks.hold(sid, "query", wait_s=wait, taken=taken) as lease:
-                return await self._answer(msg, env, lease, head)
+                return await self._answer(delivery, env, lease, head)
         except LockTimeout:
             if blocked:
-                await self._send_reply(msg, env, self._error_reply(env, TurnError(
+                await self._send_reply(delivery, env, self._error_reply(env, TurnError(
                     "compacting", "the session is being compacted (blocking mode); "
                     "try again when it is done")))
                 return None
             log.warning("session_lock_timeout")
-            await msg.nak(delay=1.0)
+            await delivery.nak(1.0)
             return None
         finally:
             if head is not None:
                 head.abandon()  # nothing once the turn has used it
 
-    async def _first_try(self, sid: str, msg: Msg) -> tuple[bool, Lease | None]:
-        """Whether an earlier query of the session is still pending, and the
-        session's lock if it is free right now: asked together, since each is a
-        round trip. (No query can join the stream ahead of this one, so the
-        ordering check need not wait for the lock.)"""
+    async def _first_try(self, sid: str, msg: Msg) -> tuple[int | None, Lease | None]:
+        """The stream sequence of an earlier query of the session still
+        pending, if any, and the session's lock if it is free right now.
+
+        On a first delivery both are asked together, since each is a round
+        trip and the query is usually next. (No query can join the stream
+        ahead of this one, so the ordering check need not wait for the lock.)
+        A query that comes back was most likely handed back to wait for an
+        earlier one: the order is checked first, and the lock taken only when
+        it is this query's turn, not taken and freed again (two writes) on
+        every hand-back while the earlier one waits for its redelivery."""
+        if msg.metadata.num_delivered > 1:
+            earlier = await self._earlier_query_pending(sid, msg)
+            if earlier is not None:
+                return earlier, None
+            return None, await self._locks.try_acquire(sid, "query")
         # The lock first: a write, usually the later of the two to answer.
         taken, pending = await together(self._locks.try_acquire(sid, "query"),
                                         self._earlier_query_pending(sid, msg))
         if isinstance(taken, Exception):
             raise taken
-        if pending is not False:  # an earlier query waits, or the check failed
+        if pending is not None:  # an earlier query waits, or the check failed
             if taken is not None:
                 await self._locks.release(taken, used=False)  # not ours to use yet
             if isinstance(pending, Exception):
                 raise pending
-            return True, None
-        return False, taken
+            return pending, None
+        return None, taken
 
-    async def _answer(self, msg: Msg, env: Envelope[Query], lease: Lease,
+    async def _answer(self, delivery: Delivery, env: Envelope[Query], lease: Lease,
                       head: HeadStart | None) -> FollowUp | None:
         sid = env.payload.session_id
         await self._states.apply(sid, Action.receive, env.correlation_id)
@@ -327,42 +400,43 @@ class Generator:
             # back; the redelivery sees what was written and never answers twice.
             log.error("stale_history_write_rejected")
             await self._states.recover(sid, env.correlation_id)
-            await msg.nak(delay=0.2)
+            await delivery.nak(0.2)
             return None
         except (SessionNotFound, TurnError) as err:
             await self._states.recover(sid, env.correlation_id)
             reply = self._error_reply(env, err)
         except Exception as err:
-            await self._unexpected(msg, env, err)
+            await self._unexpected(delivery, env, err)
             return None
         else:
             await self._states.apply(sid, Action.reset, env.correlation_id)
-        await self._send_reply(msg, env, reply)
+        await self._send_reply(delivery, env, reply)
         return follow_up
 
-    async def _send_reply(self, msg: Msg, env: Envelope[Query], reply: Reply) -> None:
-        # Acknowledge before replying. The server drops the query a moment
-        # later; until then the ordering check of the session's next query
-        # skips it as answered. (The turn is stored by now; a crash in between
-        # costs the caller this reply, never the turn, and a redelivery finds
-        # the stored answer.)
-        await msg.ack()
-        self._answered.remember(msg.metadata.sequence.stream, reply)
+    async def _send_reply(self, delivery: Delivery, env: Envelope[Query], reply: Reply) -> None:
+        # Acknowledge before replying, without waiting for the server's
+        # confirmation: the caller need not wait for it, only the ordering
+        # check of the session's next query does. (The turn is stored by now;
+        # a crash in between costs the caller this reply, never the turn, and
+        # a redelivery finds the stored answer.)
+        self._answered.remember(delivery.msg.metadata.sequence.stream, reply,
+                                delivery.ack_confirmed(ACK_CONFIRM_S))
         sid = env.payload.session_id
         await self._bus.publish(subjects.reply(sid), reply,
                                 correlation_id=env.correlation_id, session_id=sid)
         self._give_room_back(asyncio.current_task())
 
-    async def _unexpected(self, msg: Msg, env: Envelope[Query], err: Exception) -> None:
+    async def _unexpected(self, delivery: Delivery, env: Envelope[Query],
+                          err: Exception) -> None:
         """A bug or a broken connection: retry a few times, then tell the caller."""
         log.exception("query_crashed", error=str(err))
         sid = env.payload.session_id
         with contextlib.suppress(Exception):
             await self._states.recover(sid, env.correlation_id)
         if self._crashes.add(env.message_id) < MAX_CRASHES:
-            await msg.nak(delay=0.5)
+            await delivery.nak(0.5)
             return
-        await self._send_reply(msg, env, self._error_reply(env, TurnError(
+        await self._send_reply(delivery, env, self._error_reply(env, TurnError(
             "internal_error", f"the generator failed on this query: {type(err).__name__}")))
 
     def _error_reply(self, env: Envelope[Query], err: Exception) -> Reply:
@@ -375,7 +449,9 @@ class Generator:
         log.warning("query_failed", error_code=code, error=text)
         return Reply(session_id=sid, query_id=env.message_id, error=text, error_code=code)
 
-    async def _earlier_query_pending(self, sid: str, msg: Msg) -> bool:
+    async def _earlier_query_pending(self, sid: str, msg: Msg) -> int | None:
+        """The stream sequence of the session's oldest query before this one
+        that is still to be answered, if any."""
         ours, start = msg.metadata.sequence.stream, 1
         while True:
             try:
@@ -384,25 +460,20 @@ class Generator:
                     direct=True,
                 )
             except NotFoundError:
-                return False
+                return None
             seq = int(oldest.seq or 0)
             if seq >= ours:
-                return False
-            if seq not in self._answered:
-                return True
+                return None
+            if not await self._answered.acknowledged(seq):
+                return seq
             start = seq + 1  # acknowledged here, not yet dropped by the server
-
-    async def _keep_in_progress(self, msg: Msg) -> None:
-        while True:
-            await asyncio.sleep(self._settings.query_ack_wait_s / 3)
-            with contextlib.suppress(Exception):
-                await msg.in_progress()
 
 
 async def build(bus: Bus, settings: GeneratorSettings) -> Generator:
     sessions = SessionStore(await sessions_bucket(bus.js))
     locks = SessionLocks(await locks_bucket(bus.js, settings.lock_lease_s),
                          settings.generator_id, settings.lock_lease_s, settings.lock_wait_s)
-    provider = OllamaProvider(settings.ollama_host, settings.ollama_timeout_s,
-                              connections=settings.max_concurrent_sessions)
+    limits = settings.model_time_limits()
+    provider = OllamaProvider(settings.ollama_host, limits.first_token_s,
+                              connections=settings.max_concurrent_sessions, gap_s=limits.gap_s)
     return Generator(bus, settings, provider, sessions, locks)

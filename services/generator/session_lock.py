@@ -32,6 +32,7 @@ import structlog
 from nats.js.errors import APIError, KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
+from services.shared.bus import parse_json
 from services.shared.history_store import WRONG_LAST_SEQUENCE
 from services.shared.recent import Recent
 from services.shared.together import together
@@ -164,7 +165,7 @@ class SessionLocks:
             return None
         if not entry.value or entry.value == FREE:
             return None
-        purpose = json.loads(entry.value).get("purpose")
+        purpose = parse_json(entry.value).get("purpose")
         return str(purpose) if purpose else None
 
     async def release(self, lease: Lease, used: bool = True) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,18 +30,20 @@ from schemas.history import ChatMessage, Conversation
 from schemas.messages import GenerationReport, Query, Reply
 from schemas.session import SessionRecord
 from services.core.boundary import choose_boundary, tail_turns_for
+from services.core.context import next_prompt_size
 from services.core.decision import Level, check_fit
+from services.core.overflow import FitsShare, best_case_prompt, cut_tool_output
 from services.core.prompt import (
     HistoryWeights,
     render_messages,
     reusable_chars,
     sent_chars,
-    tools_chars,
 )
 from services.core.state_machine import Action
 from services.core.tokens import Calibration, calibrate, estimate_prompt, prompt_budget
 from services.generator.compaction import CompactionFailed, CompactionSkipped, Compactor
 from services.generator.head_start import HeadStart, HeadStartCount, still_good
+from services.generator.models import ModelFacts
 from services.generator.provider import ChatProvider, ChatRequest, ChatResult, ProviderError
 from services.generator.session_lock import Lease
 from services.generator.settings import GeneratorSettings
@@ -120,8 +122,34 @@ class TurnRunner:
         # Read on every use: `compaction_threshold` may change while we run.
         return self._live.current
 
-    def budget(self) -> int:
-        return prompt_budget(self._settings.num_ctx, self._settings.output_headroom)
+    def num_ctx(self, record: SessionRecord) -> int:
+        """NUM_CTX, or the window of the session's model if that is smaller."""
+        return record.window(self._settings.num_ctx)
+
+    def budget(self, record: SessionRecord) -> int:
+        return prompt_budget(self.num_ctx(record), self._settings.output_headroom)
+
+    async def _facts(self, record: SessionRecord) -> ModelFacts:
+        try:
+            return await self._provider.facts(record.model_or(self._settings.model))
+        except ProviderError as err:
+            raise TurnError(err.cause, str(err)) from err
+
+    async def _with_window(self, record: SessionRecord) -> SessionRecord:
+        """The record with its model's window as the model describes it now,
+        stored when that changed (the page's gauge reads it)."""
+        window = (await self._facts(record)).context_length
+        if window == record.context_length:
+            return record
+        record = record.model_copy(update={"context_length": window})
+        await self._sessions.put(record)
+        return record
+
+    async def _offered_tools(self, record: SessionRecord) -> Messages:
+        """The tools, for a model that can call them; none for the others."""
+        if not (await self._facts(record)).tools:
+            return []
+        return await self._toolbox.definitions()
 
     async def head_start(self, env: Envelope[Query]) -> HeadStart | None:
         """Send the first model call before the lock is ours, when this process
@@ -130,7 +158,10 @@ class TurnRunner:
         view, record = self._history.cached(sid), self._sessions.cached(sid)
         if view is None or record is None:
             return None
-        tools = await self._toolbox.definitions()
+        try:
+            tools = await self._offered_tools(record)
+        except TurnError:
+            return None  # the turn itself will meet the error and report it
         prompt = render_messages(record.system, view.conversation, [_question(env)])
         if not self._fits(record, prompt, tools):
             return None  # the turn must compact first
@@ -149,6 +180,12 @@ class TurnRunner:
         if done is not None:
             log.info("query_already_answered")
             return Reply(session_id=sid, query_id=query_id, reply=done), None
+        if query_id in view.conversation.compacted_query_ids:
+            log.warning("query_answered_before_compaction")
+            return Reply(session_id=sid, query_id=query_id, error_code="already_answered",
+                         error="this query was answered before, and a compaction has "
+                               "since folded its answer into the summary"), None
+        record = await self._with_window(record)
         turn = Turn(env, record, view, [_question(env)])
         started = time.monotonic()
         await self._states.apply(sid, Action.start_generation, env.correlation_id)
@@ -158,7 +195,8 @@ class TurnRunner:
         turn.view = await self._history.append(sid, turn.view, [*turn.messages, answer])
         reply = Reply(session_id=sid, query_id=query_id, reply=result.content,
                       prompt_tokens=result.prompt_tokens,
-                      completion_tokens=result.completion_tokens)
+                      completion_tokens=result.completion_tokens,
+                      thinking=result.thinking or None)
 
         async def follow_up() -> None:
             sent = sent_chars(prompt, tools)
@@ -179,14 +217,15 @@ class TurnRunner:
 
     async def _tool_loop(self, turn: Turn, head: HeadStart | None
                          ) -> tuple[ChatResult, Messages, Messages]:
-        tools = head.tools if head else await self._toolbox.definitions()
+        tools = head.tools if head else await self._offered_tools(turn.record)
+        stream = self._turn_stream(turn.env, head)
         for _ in range(self._settings.max_tool_iterations + 1):
             prompt = head.prompt if head else await self._fitting_prompt(turn, tools)
             turn.reused_chars = self._reused_chars(turn.sid, prompt, tools)
             if head is not None:
                 result, head = await head.result(), None  # only the first call starts early
             else:
-                result = await self._call_model(turn.env, turn.record, prompt, tools)
+                result = await self._call_model(turn.env, turn.record, prompt, tools, stream)
             if not result.tool_calls:
                 return result, prompt, tools
             call = ChatMessage(role="assistant", content=result.content,
@@ -197,26 +236,79 @@ class TurnRunner:
             f"the model kept calling tools after {self._settings.max_tool_iterations} rounds",
         )
 
+    def _turn_stream(self, env: Envelope[Query], head: HeadStart | None) -> TokenStream | None:
+        """One numbering for all the model calls of a turn: a call after a tool
+        result that began again at 0 would look like a redelivered query, and
+        the caller would wipe the text the first call streamed."""
+        if not env.payload.stream:
+            return None
+        if head is not None and head.stream is not None:
+            return head.stream
+        return TokenStream(self._bus, env)
+
     async def _fitting_prompt(self, turn: Turn, tools: Messages) -> Messages:
-        prompt = render_messages(turn.record.system, turn.view.conversation, turn.messages)
+        prompt = self._render(turn)
         if self._fits(turn.record, prompt, tools):
             return prompt
         if not self._may_compact(turn.record):
-            raise self._overflow(turn.record, prompt, tools,
-                                 "automatic compaction is off for this session: compact it "
-                                 "(POST /api/sessions/{id}/compact) or shorten the message")
+            advice = ("automatic compaction is off for this session: compact it "
+                      "(POST /api/sessions/{id}/compact) or shorten the message")
+        elif await self._compact_if_it_can_help(turn, tools):
+            advice = ("it does not fit even after compaction (a single message larger than "
+                      "the window?)")
+        else:
+            advice = ("no compaction could make room: the system prompt, a minimal summary and "
+                      "this turn alone are too large (a single message larger than the window?); "
+                      "the history was left as it is")
+        prompt = self._render(turn)
+        if self._fits(turn.record, prompt, tools):
+            return prompt
+        # Still over: a tool result too large for the turn is cut, not the turn lost.
+        if self._cut_tool_output(turn, lambda pending, share: self._fits(
+                turn.record, render_messages(turn.record.system, turn.view.conversation, pending),
+                tools, share)):
+            return self._render(turn)
+        raise self._overflow(turn.record, prompt, tools, advice)
+
+    async def _compact_if_it_can_help(self, turn: Turn, tools: Messages) -> bool:
+        """An emergency compaction, only when its best outcome (a minimal summary
+        in place of all but the last turn) would fit: it is irreversible and
+        costs a model call. A tool result that keeps even that from fitting is
+        cut first. False when nothing could help (history untouched)."""
+        tail = tail_turns_for(Level.emergency, self._settings.compaction_tail_turns)
+
+        def best_case_fits(pending: Sequence[ChatMessage], share: float = 1.0) -> bool:
+            best = best_case_prompt(turn.record.system, turn.view.conversation, pending, tail)
+            return self._fits(turn.record, best, tools, share)
+
+        if not self._cut_tool_output(turn, best_case_fits):
+            log.info("emergency_compaction_cannot_help")
+            return False
+        prompt = self._render(turn)
+        if self._fits(turn.record, prompt, tools):
+            return True  # the cut alone made room
         try:
             turn.view = await self._compactor.compact_within_turn(turn.record, turn.view,
                                                                   turn.env.correlation_id)
         except (CompactionSkipped, CompactionFailed) as err:
             raise self._overflow(turn.record, prompt, tools,
                                  f"emergency compaction could not make room: {err}") from err
-        prompt = render_messages(turn.record.system, turn.view.conversation, turn.messages)
-        if not self._fits(turn.record, prompt, tools):
-            raise self._overflow(turn.record, prompt, tools,
-                                 "it does not fit even after compaction (a single message "
-                                 "larger than the window?)")
-        return prompt
+        return True
+
+    def _cut_tool_output(self, turn: Turn, fits: FitsShare) -> bool:
+        """The turn's tool results cut (newest first) if it does not fit; False
+        when even that is not enough."""
+        cut = cut_tool_output(turn.messages, fits)
+        if cut is None:
+            return False
+        if list(cut) != turn.messages:
+            log.warning("tool_output_cut", chars_before=sum(len(m.content) for m in turn.messages),
+                        chars_after=sum(len(m.content) for m in cut))
+        turn.messages = list(cut)
+        return True
+
+    def _render(self, turn: Turn) -> Messages:
+        return render_messages(turn.record.system, turn.view.conversation, turn.messages)
 
     def _reused_chars(self, sid: str, prompt: Messages, tools: Messages) -> int:
         previous, previous_tools = self._last_prompts.pop(sid) or ([], [])
@@ -229,15 +321,18 @@ class TurnRunner:
     def _estimate(self, record: SessionRecord, prompt: Messages, tools: Messages) -> int:
         return estimate_prompt(prompt, Calibration(record.tokens_per_char), tools)
 
-    def _fits(self, record: SessionRecord, prompt: Messages, tools: Messages) -> bool:
-        return check_fit(self._estimate(record, prompt, tools), self.budget()).fits
+    def _fits(self, record: SessionRecord, prompt: Messages, tools: Messages,
+              share: float = 1.0) -> bool:
+        """Does the prompt fit (within `share` of the budget), margin kept?"""
+        return check_fit(self._estimate(record, prompt, tools),
+                         int(share * self.budget(record))).fits
 
     def _overflow(self, record: SessionRecord, prompt: Messages, tools: Messages,
                   advice: str) -> TurnError:
         return TurnError(
             "context_overflow",
             f"the prompt would need about {self._estimate(record, prompt, tools)} tokens but "
-            f"the budget is {self.budget()} (num_ctx {self._settings.num_ctx}); {advice}",
+            f"the budget is {self.budget(record)} (num_ctx {self.num_ctx(record)}); {advice}",
         )
 
     async def _run_tools(self, env: Envelope[Query], result: ChatResult) -> list[ChatMessage]:
@@ -255,7 +350,8 @@ class TurnRunner:
                           tools: Messages, stream: TokenStream | None = None
                           ) -> ChatResult:
         request = ChatRequest(model=record.model_or(self._settings.model), messages=prompt,
-                              num_ctx=self._settings.num_ctx, tools=tools)
+                              num_ctx=self.num_ctx(record), tools=tools,
+                              think=self._settings.think)
         if stream is None and env.payload.stream:
             stream = TokenStream(self._bus, env)
         try:
@@ -271,12 +367,13 @@ class TurnRunner:
                            messages: int) -> None:
         record = turn.record
         previous = Calibration(record.tokens_per_char)
-        updated = calibrate(previous, result.prompt_tokens, sent, self._settings.num_ctx,
+        updated = calibrate(previous, result.prompt_tokens, sent, self.num_ctx(record),
                             reused_chars=turn.reused_chars, messages=messages)
         ratio = updated.tokens_per_char
         if ratio is not None and (previous.tokens_per_char is None
                                   or abs(ratio / previous.tokens_per_char - 1) > 0.005):
-            await self._sessions.put(record.model_copy(update={"tokens_per_char": ratio}))
+            turn.record = record.model_copy(update={"tokens_per_char": ratio})
+            await self._sessions.put(turn.record)
 
     async def _report(self, turn: Turn, result: ChatResult, sent: int, messages: int,
                       tools: Messages, started: float) -> None:
@@ -284,6 +381,7 @@ class TurnRunner:
         weights = HistoryWeights.of(turn.record.system, conversation)
         compactable = {level.value: weights.compactable(self._boundary(conversation, level))
                        for level in Level}
+        upcoming = next_prompt_size(turn.record.system, conversation, tools)
         report = GenerationReport(
             session_id=turn.sid,
             model=turn.record.model_or(self._settings.model),
@@ -291,12 +389,15 @@ class TurnRunner:
             completion_tokens=result.completion_tokens,
             sent_chars=sent,
             sent_messages=messages,
-            num_ctx=self._settings.num_ctx,
+            num_ctx=self.num_ctx(turn.record),
             duration_ms=(time.monotonic() - started) * 1000,
-            next_prompt_chars=weights.next_prompt + tools_chars(tools),
-            next_prompt_messages=weights.next_prompt_messages,
+            next_prompt_chars=upcoming.chars,
+            next_prompt_messages=upcoming.messages,
             compactable_chars=compactable[Level.gentle.value],
             compactable_chars_by_level=compactable,
+            summary_chars=weights.summary,
+            # As stored in the session's record: the ratio the gateway counts with.
+            tokens_per_char=turn.record.tokens_per_char,
             reused_chars=turn.reused_chars,
             auto_compact=turn.record.auto_compact,
         )

@@ -207,3 +207,61 @@ class PullLoop:
             log.info("pull_request_refused", consumer=self._name,
                      status=headers.get(Header.STATUS), reason=headers.get(Header.DESCRIPTION))
         self._wake.set()
+
+
+class Delivery:
+    """A delivered message while its handler works on it, and how it is settled.
+
+    In-progress heartbeats (`+WPI`) keep the server from redelivering it: a
+    long answer must not look like a dead consumer. They stop before any
+    acknowledgement, hand-back or termination, since the server takes a
+    `+WPI` that follows a delayed `-NAK` as a fresh lease: the message then
+    comes back after a whole ack wait instead of the delay."""
+
+    def __init__(self, msg: Msg, heartbeat_s: float) -> None:
+        self.msg = msg
+        self.settled = False
+        self._heartbeat = asyncio.create_task(self._beat(heartbeat_s))
+
+    async def _beat(self, every_s: float) -> None:
+        while True:
+            await asyncio.sleep(every_s)
+            with contextlib.suppress(Exception):
+                await self.msg.in_progress()
+
+    def stop_heartbeat(self) -> None:
+        # A beat being written is already in the connection's buffer, ahead of
+        # what the caller sends next; a cancelled one never gets that far.
+        self._heartbeat.cancel()
+
+    async def ack(self) -> None:
+        self._settling()
+        await self.msg.ack()
+
+    def ack_confirmed(self, timeout_s: float) -> asyncio.Task[bool]:
+        """Acknowledge, asking the server to confirm that it took the
+        acknowledgement (a double ack): the task says whether it did in time.
+        Settled from this call on, though the acknowledgement is sent from
+        the task."""
+        self._settling()
+        return asyncio.create_task(self._ack_sync(timeout_s))
+
+    async def _ack_sync(self, timeout_s: float) -> bool:
+        try:
+            await self.msg.ack_sync(timeout=timeout_s)
+        except Exception as err:  # refused, lost, or NATS away
+            log.warning("acknowledgement_unconfirmed", error=f"{type(err).__name__}: {err}")
+            return False
+        return True
+
+    async def nak(self, delay_s: float | None = None) -> None:
+        self._settling()
+        await self.msg.nak(delay=delay_s)
+
+    async def term(self) -> None:
+        self._settling()
+        await self.msg.term()
+
+    def _settling(self) -> None:
+        self.stop_heartbeat()
+        self.settled = True

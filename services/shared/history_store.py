@@ -51,15 +51,26 @@ class HistoryView:
 EMPTY = HistoryView(Conversation(), 0)
 
 
+@dataclass(frozen=True)
+class Cached:
+    """A view kept in memory, and the last sequence `follow` saw its session
+    reach when that is beyond the view (the view is stale). One entry for
+    both, so a mark lives exactly as long as the view it marks."""
+
+    view: HistoryView
+    seen: int = 0
+
+    @property
+    def current(self) -> bool:
+        return self.seen <= self.view.last_seq
+
+
 class HistoryStore:
     def __init__(self, js: JetStreamContext, cached_sessions: int = 512) -> None:
         self._js = js
         # Bounded, so a long-lived process serving many sessions keeps only
         # the ones used lately in memory.
-        self._cache: Recent[str, HistoryView] = Recent(cached_sessions)
-        # Per cached session, the last sequence `follow` saw it reach, when
-        # that is beyond the cached view: the view is stale.
-        self._seen: Recent[str, int] = Recent(cached_sessions)
+        self._cache: Recent[str, Cached] = Recent(cached_sessions)
         # Per session, the sequence our write in flight expects to follow.
         self._writing: dict[str, str] = {}
 
@@ -81,9 +92,10 @@ class HistoryStore:
 
     async def _on_write(self, msg: Msg) -> None:
         sid = msg.subject.partition(".")[2]
-        view, seq = self._cache.get(sid), msg.metadata.sequence.stream
-        if view is None or seq <= view.last_seq:
+        kept, seq = self._cache.get(sid), msg.metadata.sequence.stream
+        if kept is None or seq <= kept.view.last_seq:
             return  # not kept here, or known already
+        view = kept.view
         expected = (msg.headers or {}).get(EXPECTED_LAST_SUBJECT_SEQ)
         if expected is not None and self._writing.get(sid) == expected:
             return  # our own write: its acknowledgement is on its way
@@ -92,15 +104,16 @@ class HistoryStore:
                 entry = HistoryEntry.model_validate_json(msg.data)
                 self._remember(sid, HistoryView(view.conversation.apply(entry), seq))
                 return
-        self._seen.put(sid, max(seq, self._seen.get(sid) or 0))
+        # Marked, not used: the mark leaves the view's place in the cache as is.
+        self._cache.replace(sid, Cached(view, max(seq, kept.seen)))
 
     def cached(self, sid: str) -> HistoryView | None:
         """The view this process last read, wrote or followed, unless it
         knows of a later write; asks nobody."""
-        view = self._cache.get(sid)
-        if view is None or (self._seen.get(sid) or 0) > view.last_seq:
+        kept = self._cache.get(sid)
+        if kept is None or not kept.current:
             return None
-        return view
+        return kept.view
 
     async def read(self, sid: str, current: bool = False) -> HistoryView:
         """The session's history. `current`: the caller knows nobody else has
@@ -110,10 +123,11 @@ class HistoryStore:
         compare-and-swap would still refuse it."""
         known = self.cached(sid) if current else None
         if known is not None:
-            self._cache.put(sid, known)  # used now
+            self._cache.put(sid, Cached(known))  # used now
             return known
         subject = subjects.history(sid)
-        cached = self._cache.get(sid) or EMPTY
+        kept = self._cache.get(sid)
+        cached = kept.view if kept is not None else EMPTY
         # Asked together: whether anything changed, and the first of what did.
         # Catching up on one turn then takes one round trip, not three; when
         # nothing changed, the second request was not needed.
@@ -124,8 +138,9 @@ class HistoryStore:
         if isinstance(first_new, Exception):
             raise first_new
         if last == cached.last_seq:
-            if sid in self._cache:
-                self._cache.put(sid, cached)  # used now
+            if kept is not None:
+                # Used now. (A mark beyond it stays: that write came after the look-up.)
+                self._cache.put(sid, kept)
             return cached
         if last < cached.last_seq:  # rewritten below what we have: start over
             self.forget(sid)
@@ -158,7 +173,6 @@ class HistoryStore:
 
     def forget(self, sid: str) -> None:
         self._cache.pop(sid)
-        self._seen.pop(sid)
 
     async def _write(
         self, sid: str, entry: HistoryEntry, expected: int, extra: dict[str, str]
@@ -210,10 +224,9 @@ class HistoryStore:
 
     def _remember(self, sid: str, view: HistoryView) -> None:
         known = self._cache.get(sid)
-        if known is not None and known.last_seq > view.last_seq:
+        if known is not None and known.view.last_seq > view.last_seq:
             # A read without the lock (a compaction's) finished after a newer
             # view came in (our append, or following): keep the newer one.
             return
-        self._cache.put(sid, view)
-        if (self._seen.get(sid) or 0) <= view.last_seq:
-            self._seen.pop(sid)
+        seen = known.seen if known is not None and known.seen > view.last_seq else 0
+        self._cache.put(sid, Cached(view, seen))

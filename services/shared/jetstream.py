@@ -81,6 +81,17 @@ STREAMS = (
         discard=DiscardPolicy.OLD,
         allow_direct=True,
     ),
+    # Results travel on core NATS to whoever listens; the decider reads them
+    # from here instead, so one published while it was disconnected still
+    # clears its pending request.
+    StreamConfig(
+        name=s.RESULTS_STREAM,
+        description="Compaction results, read by the compaction decider",
+        subjects=[s.COMPACTION_RESULT],
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.FILE,
+        max_age=24 * 3600.0,
+    ),
 )
 
 

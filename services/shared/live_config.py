@@ -5,8 +5,10 @@ within a moment. Only the settings in `LIVE_KEYS` change this way: the others
 are read once, into parts built at start (a provider's timeout, the state
 machine's compaction mode), and half-changing one would leave those parts
 disagreeing. A value that does not validate, or any other known setting, is
-logged and ignored; the service keeps its previous settings. Keys are setting
-names (lower case).
+logged and ignored; the service keeps its previous settings. Deleting or
+purging a key (`nats kv del config compaction_threshold`) puts that setting
+back to the value the service started with. Keys are setting names (lower
+case).
 """
 
 from __future__ import annotations
@@ -20,12 +22,15 @@ import structlog
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, StorageType
 from nats.js.errors import NotFoundError
+from nats.js.kv import KV_DEL, KV_PURGE
 from pydantic import ValidationError
 
 from schemas import subjects
 from services.shared.settings import ServiceSettings
 
 LIVE_KEYS = frozenset({"compaction_threshold", "compaction_cooldown_s", "compaction_min_relief"})
+# KV operations that remove a key's value.
+DELETIONS = frozenset({KV_DEL, KV_PURGE})
 S = TypeVar("S", bound=ServiceSettings)
 log = structlog.get_logger()
 
@@ -34,6 +39,8 @@ class LiveSettings(Generic[S]):
     def __init__(self, js: JetStreamContext, initial: S,
                  on_change: Callable[[S], None] | None = None) -> None:
         self._js = js
+        # What a deleted key goes back to: the environment's or file's value.
+        self._initial = initial
         self.current = initial
         self._on_change = on_change
         self._task: asyncio.Task[None] | None = None
@@ -55,14 +62,29 @@ class LiveSettings(Generic[S]):
 
     async def _follow(self, watcher: object) -> None:
         async for entry in watcher:  # type: ignore[attr-defined]
-            if entry is None or entry.value is None or not entry.key:
-                continue  # the end-of-initial-values marker, or a deletion
+            if entry is None or not entry.key:
+                continue  # the end-of-initial-values marker
+            if entry.operation in DELETIONS:
+                # nats-py hands a deletion over as an entry with an empty value.
+                self.restore(entry.key.lower())
+                continue
+            if entry.value is None:
+                continue
             try:
                 raw = entry.value.decode().strip()
             except UnicodeDecodeError:
                 log.error("live_setting_rejected", key=entry.key, error="not UTF-8 text")
                 continue
             self.apply(entry.key.lower(), raw)
+
+    def restore(self, key: str) -> None:
+        """The key was deleted: back to the value this service started with
+        (quietly when it has it already, as for a deletion replayed at start)."""
+        if key not in LIVE_KEYS or key not in type(self.current).model_fields:
+            return
+        initial = getattr(self._initial, key)
+        if getattr(self.current, key) != initial:
+            self._change(key, initial)
 
     def apply(self, key: str, raw: str) -> None:
         if key not in type(self.current).model_fields:
@@ -72,11 +94,14 @@ class LiveSettings(Generic[S]):
                         error="not a live setting: set it in the environment or "
                         "the settings file")
             return
+        self._change(key, raw)
+
+    def _change(self, key: str, value: object) -> None:
         try:
             updated = type(self.current).model_validate(
-                {**self.current.model_dump(), key: raw})
+                {**self.current.model_dump(), key: value})
         except ValidationError as err:
-            log.error("live_setting_rejected", key=key, value=raw,
+            log.error("live_setting_rejected", key=key, value=value,
                       error=err.errors(include_url=False)[0]["msg"])
             return
         log.info("live_setting_changed", key=key, value=getattr(updated, key))

@@ -32,6 +32,12 @@ class Recent(Generic[K, V]):
         if len(self._items) > self._size:
             self._items.popitem(last=False)
 
+    def replace(self, key: K, value: V) -> None:
+        """Change the value of a key kept, leaving its place: a change that is
+        not a use. A key not kept stays out."""
+        if key in self._items:
+            self._items[key] = value
+
     def pop(self, key: K) -> V | None:
         """Take the value out, if kept."""
         return self._items.pop(key, None)

@@ -4,7 +4,6 @@ counts them in the page's gauge, as the generator's fit check does."""
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any
 
@@ -13,6 +12,7 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
 from schemas import subjects
+from services.shared.bus import parse_json
 
 DEFINITIONS_TTL_S = 30.0
 
@@ -29,7 +29,7 @@ class ToolCatalogue:
             return self._definitions
         try:
             msg = await self._nc.request(subjects.TOOL_LIST, b"", timeout=0.5)
-            loaded = json.loads(msg.data)
+            loaded = parse_json(msg.data)
             self._definitions = loaded if isinstance(loaded, list) else []
         except (NatsTimeout, NoRespondersError, ValueError):
             self._definitions = []

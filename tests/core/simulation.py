@@ -32,8 +32,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from schemas.history import ChatMessage, Conversation, ToolCall
+from schemas.history import ChatMessage, Conversation, Role, Snapshot, ToolCall
 from services.core.boundary import choose_boundary, tail_turns_for
+from services.core.context import summary_allowance
 from services.core.decision import (
     EMERGENCY_FRACTION,
     Level,
@@ -45,9 +46,11 @@ from services.core.decision import (
     level_for,
     on_result,
 )
+from services.core.overflow import FitsShare, best_case_prompt, cut_tool_output
+from services.core.pieces import NothingFits, SummaryWindow, Zone, next_piece
 from services.core.prompt import (
+    HistoryWeights,
     compact_json,
-    history_chars,
     render_messages,
     reusable_chars,
     sent_chars,
@@ -68,7 +71,7 @@ from services.core.state_machine import (
     SessionState,
     transition,
 )
-from services.core.summary_prompt import SUMMARY_MARKER, summary_messages
+from services.core.summary_prompt import SUMMARY_MARKER
 from services.core.tokens import (
     Calibration,
     budget,
@@ -91,6 +94,10 @@ PREMATURE_SLACK = 0.05
 # The generator's guard acts at the emergency line, on an estimate that errs
 # both ways by up to about 6.5%: it must never compact below 85% of the budget.
 GUARD_SLACK = 0.10
+# A decider's compaction frees at least the minimum relief, less this share of
+# it: the relief is judged on estimates, and the ratio may move a little
+# between the request and the splice.
+RELIEF_SLACK = 0.10
 TOOLS: tuple[dict[str, Any], ...] = (
     {"type": "function", "function": {"name": "read_file", "description": "Read a file",
                                       "parameters": {"path": {"type": "string"}}}},
@@ -124,6 +131,9 @@ class Scenario:
     tail_turns: int
     turns: int
     system: str
+    # The summariser merges the earlier notes and writes up to its output
+    # budget, instead of a few short lines.
+    verbose_notes: bool
 
     @classmethod
     def draw(cls, seed: int, rng: random.Random) -> Scenario:
@@ -131,6 +141,9 @@ class Scenario:
             threshold=rng.choice((0.0, 0.6, 0.7, 0.8, 0.8, 0.9)),
             cooldown_s=rng.choice((0.0, 30.0, 120.0)),
             min_relief=rng.choice((0.05, 0.1, 0.2)),
+            # This world loses no result, and a compaction here may stay in
+            # flight for many simulated minutes: a request never expires.
+            pending_expiry_s=math.inf,
         )
         return cls(
             seed=seed,
@@ -145,6 +158,7 @@ class Scenario:
             tail_turns=rng.choice((1, 2, 4, 8)),
             turns=rng.randint(30, 80),
             system="You are a careful assistant. " * rng.randint(1, 6),
+            verbose_notes=rng.random() < 0.5,
         )
 
     @property
@@ -154,6 +168,14 @@ class Scenario:
     @property
     def budget(self) -> int:
         return budget(self.num_ctx, self.headroom)
+
+    @property
+    def summary_num_ctx(self) -> int:
+        """COMPACTION_NUM_CTX: every fourth seed summarises with half the window
+        (at least 2,048), as another, smaller model would."""
+        if self.seed % 4 == 0 and self.num_ctx >= 4096:
+            return max(2048, self.num_ctx // 2)
+        return self.num_ctx
 
     @property
     def window_chars(self) -> int:
@@ -174,9 +196,10 @@ class Provider:
             text_chars += len(compact_json(message["tool_calls"]))
         return math.ceil(text_chars / self.sc.chars_per_token) + PROVIDER_OVERHEAD_TOKENS
 
-    def true_tokens(self, messages: Sequence[Msg]) -> int:
-        tools = math.ceil(len(compact_json(list(TOOLS))) / self.sc.chars_per_token)
-        return sum(self.message_tokens(m) for m in messages) + tools
+    def true_tokens(self, messages: Sequence[Msg], tools: Sequence[Msg] = TOOLS) -> int:
+        offered = math.ceil(len(compact_json(list(tools))) / self.sc.chars_per_token) if tools \
+            else 0
+        return sum(self.message_tokens(m) for m in messages) + offered
 
     def report(self, messages: list[Msg]) -> int | None:
         """The prompt_eval_count Ollama would return for this call."""
@@ -208,6 +231,12 @@ class Script:
         head = f"#{self.next_id}:"
         return head + "x" * max(0, chars - len(head))
 
+    def message(self, role: Role, chars: int, **fields: Any) -> ChatMessage:
+        """A message whose id is in its content and in `query_id` (which a cut
+        to the marker alone leaves in place)."""
+        content = self.text(chars)
+        return ChatMessage(role=role, content=content, query_id=str(self.next_id), **fields)
+
     def size(self, big_share: float) -> int:
         if self.rng.random() < big_share:
             # Up to 40% of the window, mostly far less.
@@ -215,29 +244,30 @@ class Script:
         return self.rng.randint(10, 400)
 
     def user(self) -> ChatMessage:
-        return ChatMessage(role="user", content=self.text(self.size(0.15)))
+        return self.message("user", self.size(0.15))
 
     def tool_call(self) -> ChatMessage:
         name = self.rng.choice(("read_file", "search"))
         args = {"path": f"src/m{self.rng.randint(1, 99)}.py"}
-        return ChatMessage(role="assistant", content=self.text(self.rng.randint(0, 80)),
-                           tool_calls=(ToolCall(name=name, arguments=args),))
+        return self.message("assistant", self.rng.randint(0, 80),
+                            tool_calls=(ToolCall(name=name, arguments=args),))
 
     def tool_result(self, name: str, timed_out: bool) -> ChatMessage:
         if timed_out:
-            return ChatMessage(role="tool", tool_name=name, content=self.text(40))
+            return self.message("tool", 40, tool_name=name)
         chars = self.size(0.3)
         if self.rng.random() < 0.01:
             chars = int(1.2 * self.sc.window_chars)  # a single result larger than the window
-        return ChatMessage(role="tool", tool_name=name, content=self.text(chars))
+        return self.message("tool", chars, tool_name=name)
 
     def answer(self) -> ChatMessage:
         most = max(20, int(0.5 * self.sc.headroom * self.sc.chars_per_token))
-        return ChatMessage(role="assistant", content=self.text(self.rng.randint(10, most)))
+        return self.message("assistant", self.rng.randint(10, most))
 
 
 def message_id(message: ChatMessage) -> int:
-    return int(message.content[1 : message.content.index(":")])
+    assert message.query_id is not None
+    return int(message.query_id)
 
 
 # --------------------------------------------------------------------------- bookkeeping
@@ -248,6 +278,8 @@ class InFlight:
     plan: CompactionPlan
     level: Level
     splice_before_turn: int
+    # Requested by the decider once calibrated: it must free the minimum relief.
+    worth_checking: bool = False
 
 
 @dataclass
@@ -260,11 +292,20 @@ class Stats:
     conflicts: int = 0
     rejected_queries: int = 0
     max_fill: float = 0.0  # highest true prompt tokens / budget sent
+    summary_calls: int = 0
+    summaries_cut_off: int = 0  # answers at their length limit, written again
+    summaries_in_pieces: int = 0  # zones larger than one summariser call
+    entries_cut: int = 0  # single entries too large for any piece, cut
+    max_summary_fill: float = 0.0  # highest true summary prompt / the summariser's budget
+    hopeless_refusals: int = 0  # refused at once: no compaction could have made room
+    tool_results_cut: int = 0
     max_underestimate: float = 0.0  # highest true/estimate - 1 over calibrated calls
     # Lowest (true fill - the line it acts on) at which a calibrated decider or
     # guard compaction fired; the invariants allow -5% and -10%.
     decider_excess: float = math.inf
     guard_excess: float = math.inf
+    # Least (true tokens freed / minimum relief) of a calibrated decider's compaction.
+    least_relief: float = math.inf
 
 
 @dataclass
@@ -372,17 +413,57 @@ class Simulation:
         messages, chars = self.render(pending)
         estimate = estimate_tokens(chars, self.s.calibration, len(messages))
         if not check_fit(estimate, self.sc.budget).fits:
-            true = self.provider.true_tokens(messages)
-            self.check_not_premature(true, "generator emergency", EMERGENCY_FRACTION, GUARD_SLACK)
-            excess = self.excess(true, EMERGENCY_FRACTION)
-            self.stats.guard_excess = min(self.stats.guard_excess, excess)
-            self.emergency_compaction()
+            if not self.make_room(pending):
+                return False  # not sent, and the turn's messages are never appended
             messages, chars = self.render(pending)
             estimate = estimate_tokens(chars, self.s.calibration, len(messages))
-            if not check_fit(estimate, self.sc.budget).fits:
-                return False  # not sent, and the turn's messages are never appended
         self.send(messages, chars, estimate)
         self.decider_step([*pending, reply])
+        return True
+
+    def fits(self, messages: list[Msg], share: float = 1.0) -> bool:
+        estimate = estimate_tokens(sent_chars(messages, TOOLS), self.s.calibration, len(messages))
+        return check_fit(estimate, int(share * self.sc.budget)).fits
+
+    def make_room(self, pending: list[ChatMessage]) -> bool:
+        """As the generator's turn does: an emergency compaction only when its
+        best outcome fits (a tool result too large for even that is cut first),
+        then the turn's tool results cut if the prompt is still over."""
+        tail = tail_turns_for(Level.emergency, self.sc.tail_turns)
+
+        def best_fits(turn: Sequence[ChatMessage], share: float) -> bool:
+            return self.fits(best_case_prompt(self.sc.system, self.s.history, turn, tail), share)
+
+        if self.cut_results(pending, best_fits):
+            messages, _ = self.render(pending)
+            if not self.fits(messages):
+                true = self.provider.true_tokens(messages)
+                self.check_not_premature(true, "generator emergency", EMERGENCY_FRACTION,
+                                         GUARD_SLACK)
+                self.stats.guard_excess = min(self.stats.guard_excess,
+                                              self.excess(true, EMERGENCY_FRACTION))
+                self.emergency_compaction()
+        else:
+            self.stats.hopeless_refusals += 1  # nothing compacted, no summariser call
+            return False
+        if self.fits(self.render(pending)[0]):
+            return True
+        return self.cut_results(pending, lambda turn, share: self.fits(
+            render_messages(self.sc.system, self.s.history, turn), share))
+
+    def cut_results(self, pending: list[ChatMessage], fits: FitsShare) -> bool:
+        """The turn's tool results cut if it does not fit; their ids stay."""
+        cut = cut_tool_output(pending, fits)
+        if cut is None:
+            return False
+        if [message_id(m) for m in cut] != [message_id(m) for m in pending]:
+            raise self.fail("cutting the turn's tool output lost or reordered a message")
+        if list(cut) != pending:
+            self.stats.tool_results_cut += 1
+            if not all("characters left out here" in m.content
+                       for m, was in zip(cut, pending, strict=True) if m != was):
+                raise self.fail("a tool result was cut without a marker")
+        pending[:] = cut
         return True
 
     def send(self, messages: list[Msg], chars: int, estimate: int) -> None:
@@ -409,27 +490,74 @@ class Simulation:
 
     # ----------------------------------------------------------------- compaction
 
-    def summarise(self, plan: CompactionPlan) -> str:
-        """A deterministic stand-in for the summariser: small, and it records coverage."""
-        request = summary_messages(plan.snapshot.summary, plan.to_compact,
-                                   first_user_request(plan.snapshot))
-        if SUMMARY_MARKER not in request[0]["content"]:
-            raise self.fail("the summarisation request lacks its marker")
-        self.summaries += 1
-        text = f"notes {self.summaries}: " + "n" * self.rng.randint(40, 160)
+    def summarise(self, plan: CompactionPlan) -> str | None:
+        """A deterministic stand-in for the summariser, called piece by piece as
+        the compactor does, every call checked against the summariser's window;
+        it records coverage. None when no summary could be written."""
+        zone = Zone.of(plan.to_compact, first_user_request(plan.snapshot))
+        window = SummaryWindow.for_summaries(self.sc.summary_num_ctx, self.s.calibration)
+        notes, start, pieces = plan.snapshot.summary, 0, 0
+        while start < len(zone.entries):
+            try:
+                piece = next_piece(zone, start, notes, window)
+            except NothingFits:
+                return None
+            self.check_summary_call(piece.messages, window)
+            if self.rng.random() < 0.05:  # cut off at its length limit: never kept
+                self.stats.summaries_cut_off += 1
+                roomier = window.with_more_room()
+                if roomier is None:
+                    return None
+                window = roomier
+                continue
+            self.summaries += 1
+            pieces += 1
+            self.stats.entries_cut += piece.cut_chars > 0
+            head = f"notes {self.summaries}: "
+            notes = head + "n" * max(0, self.notes_length(plan) - len(head))
+            start = piece.end
+        assert notes is not None
+        self.stats.summaries_in_pieces += pieces > 1
         earlier = self.s.covered.get(plan.snapshot.summary or "", frozenset())
-        self.s.covered[text] = earlier | {message_id(m) for m in plan.to_compact}
-        return text
+        self.s.covered[notes] = earlier | {message_id(m) for m in plan.to_compact}
+        return notes
 
-    def apply_splice(self, plan: CompactionPlan) -> bool:
+    def check_summary_call(self, messages: list[dict[str, str]], window: SummaryWindow) -> None:
+        if SUMMARY_MARKER not in messages[0]["content"]:
+            raise self.fail("the summarisation request lacks its marker")
+        true = self.provider.true_tokens(messages, tools=())
+        if true > window.prompt_budget:
+            raise self.fail(
+                f"summary call of {true} true tokens over the summariser's budget "
+                f"{window.prompt_budget} (num_ctx {window.num_ctx}, {window.output_tokens} "
+                "kept for the summary)")
+        self.stats.summary_calls += 1
+        self.stats.max_summary_fill = max(self.stats.max_summary_fill,
+                                          true / window.prompt_budget)
+
+    def notes_length(self, plan: CompactionPlan) -> int:
+        """Short notes, or (verbose) the earlier ones grown by part of the zone, up to
+        the summariser's output budget (the window's reply room), never beyond."""
+        if not self.sc.verbose_notes:
+            return self.rng.randint(40, 160)
+        most = int(0.9 * self.sc.headroom * self.sc.chars_per_token)
+        earlier = len(plan.snapshot.summary or "")
+        zone = sum(len(m.content) for m in plan.to_compact)
+        return min(most, max(earlier, 40) + int(zone * self.rng.uniform(0.1, 0.5)))
+
+    def apply_splice(self, plan: CompactionPlan, worth_checking: bool = False) -> bool:
         """Summarise and splice under the lock; False when the splice conflicts."""
         current = self.s.history
         summary = self.summarise(plan)
+        if summary is None:
+            return False
         try:
             snapshot = splice(current, plan, summary)
         except SpliceConflict:
             self.stats.conflicts += 1
             return False
+        if worth_checking:
+            self.check_relief(current, snapshot)
         since = current.messages[len(plan.snapshot.messages):]
         kept = {message_id(m) for m in snapshot.messages}
         if not {message_id(m) for m in (*plan.live, *since)} <= kept:
@@ -439,6 +567,20 @@ class Simulation:
         self.stats.splices += 1
         self.check_history()
         return True
+
+    def check_relief(self, before: Conversation, after: Snapshot) -> None:
+        """A compaction the decider asked for frees about the minimum relief or more:
+        rewriting the summary alone is not worth a model call."""
+        spliced = Conversation(summary=after.summary, messages=after.messages)
+        freed = (self.provider.true_tokens(render_messages(self.sc.system, before))
+                 - self.provider.true_tokens(render_messages(self.sc.system, spliced)))
+        needed = self.sc.policy.min_relief * self.sc.budget
+        self.stats.least_relief = min(self.stats.least_relief, freed / needed)
+        if freed < (1 - RELIEF_SLACK) * needed:
+            raise self.fail(
+                f"a decider's compaction freed {freed} true tokens, less than the minimum "
+                f"relief of {needed:.0f} ({self.sc.policy.min_relief:.0%} of {self.sc.budget})"
+            )
 
     def emergency_compaction(self) -> None:
         """The generator's last guard: compact now, keeping only the last turn raw."""
@@ -458,7 +600,7 @@ class Simulation:
         """The lock is free: a due background splice or a queued blocking one runs."""
         flight = self.s.in_flight
         if flight is not None and flight.splice_before_turn <= self.turn:
-            ok = self.apply_splice(flight.plan)
+            ok = self.apply_splice(flight.plan, flight.worth_checking)
             self.s.in_flight = None
             self.act(Action.complete_compaction)
             self.result(ok)
@@ -477,7 +619,10 @@ class Simulation:
             else:
                 raise self.fail("blocking mode accepted a query while compacting")
         plan = plan_compaction(self.s.history, tail_turns_for(request.level, self.sc.tail_turns))
-        ok = plan is not None and self.apply_splice(plan)
+        # Planned afresh here: if the turn's own emergency compaction came first,
+        # the decider's judgement was about another history.
+        unchanged = self.s.history.compactions == request.plan.snapshot.compactions
+        ok = plan is not None and self.apply_splice(plan, request.worth_checking and unchanged)
         self.act(Action.complete_compaction)
         self.result(ok)
 
@@ -497,13 +642,17 @@ class Simulation:
         rendered, chars = self.render(next_pending)
         estimate = estimate_tokens(chars, s.calibration, len(rendered))
         level = level_for(estimate, sc.budget, sc.policy)
+        # Sized as the generator's report and the decider size it: what the
+        # compaction replaces, the summary included, and the summary apart.
+        weights = HistoryWeights.of(sc.system, s.history)
         compactable = 0
         if level is not None:
-            tail = tail_turns_for(level, sc.tail_turns)
-            boundary = choose_boundary(s.history.messages, tail)
-            zone = s.history.messages[:boundary]
-            compactable = estimate_tokens(history_chars(zone), s.calibration, len(zone))
-        obs = Observation(estimate, sc.budget, compactable, s.now)
+            boundary = choose_boundary(s.history.messages, tail_turns_for(level, sc.tail_turns))
+            compactable = estimate_tokens(weights.compactable(boundary), s.calibration)
+        obs = Observation(estimate, sc.budget, compactable, s.now,
+                          summary_tokens=estimate_tokens(weights.summary, s.calibration),
+                          summary_allowance=summary_allowance(sc.num_ctx, sc.budget,
+                                                              s.calibration))
         decision, s.memory = decide(obs, s.memory, sc.policy)
         if not decision.fire:
             return
@@ -547,18 +696,17 @@ class Simulation:
     def start_background(self, level: Level) -> None:
         s = self.s
         plan = plan_compaction(s.history, tail_turns_for(level, self.sc.tail_turns))
-        if self.sc.mode is CompactionMode.blocking:
-            if plan is not None:
-                s.queued = InFlight(plan, level, self.turn + 1)
-            else:
-                self.result(False)
-            return
         if plan is None:
-            self.result(False)
+            # Only the summary lies before the live zone: such a request would be
+            # skipped, and made again every cooldown for as long as that lasts.
+            raise self.fail(f"the decider fired ({level.value}) with nothing raw to compact")
+        checked = bool(s.calibration.reports)
+        if self.sc.mode is CompactionMode.blocking:
+            s.queued = InFlight(plan, level, self.turn + 1, checked)
             return
         self.act(Action.start_compaction)
         delay = self.rng.choice((0, 0, 1, 1, 2, 3))
-        s.in_flight = InFlight(plan, level, self.turn + 1 + delay)
+        s.in_flight = InFlight(plan, level, self.turn + 1 + delay, checked)
 
     # ----------------------------------------------------------------- accounting
 

@@ -7,6 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from schemas.history import ChatMessage, Conversation
+from services.core.boundary import choose_boundary, tail_turns_for
+from services.core.context import context_tokens, next_prompt_size, summary_allowance
 from services.core.decision import (
     FIT_MARGIN,
     Decision,
@@ -15,12 +18,22 @@ from services.core.decision import (
     Observation,
     Policy,
     SessionMemory,
+    awaits_result,
     check_fit,
     decide,
     level_for,
     on_result,
 )
-from services.core.tokens import Calibration, budget, calibrate, default_headroom, estimate_tokens
+from services.core.prompt import HistoryWeights
+from services.core.splice import plan_compaction, splice
+from services.core.tokens import (
+    Calibration,
+    budget,
+    calibrate,
+    default_headroom,
+    estimate_tokens,
+    prompt_budget,
+)
 
 BUDGET = 10000
 FRESH = SessionMemory()
@@ -53,37 +66,48 @@ def test_level_for_every_point(tokens: int, threshold: float) -> None:
 MEMORIES = [
     SessionMemory(),
     SessionMemory(pending=True, last_fired_at=90.0),
-    SessionMemory(pending=False, last_fired_at=90.0, tokens_after_last=3000),  # 10 s ago
+    SessionMemory(pending=True, last_fired_at=-200.0),  # unanswered for exactly the expiry
+    SessionMemory(pending=True, last_fired_at=-900.0),  # unanswered for long: taken as lost
+    SessionMemory(pending=False, last_fired_at=90.0),  # 10 s ago
     SessionMemory(pending=False, last_fired_at=70.0),  # exactly the cooldown ago
     SessionMemory(pending=False, last_fired_at=10.0),  # long ago
 ]
 RELIEF = [0, 999, 1000, 5000]
+# (existing summary, bound of the summary a compaction writes), in tokens.
+SUMMARIES = [(0, 0), (0, 300), (800, 300), (300, 800), (4000, 300)]
 
 
 @pytest.mark.parametrize(
-    ("tokens", "threshold", "memory", "compactable"),
-    list(itertools.product(TOKENS, THRESHOLDS, MEMORIES, RELIEF)),
+    ("tokens", "threshold", "memory", "raw", "summaries"),
+    list(itertools.product(TOKENS, THRESHOLDS, MEMORIES, RELIEF, SUMMARIES)),
 )
 def test_decide_every_combination(
-    tokens: int, threshold: float, memory: SessionMemory, compactable: int
+    tokens: int, threshold: float, memory: SessionMemory, raw: int,
+    summaries: tuple[int, int],
 ) -> None:
-    policy = Policy(threshold=threshold, cooldown_s=30.0, min_relief=0.1)
+    summary, allowance = summaries
+    policy = Policy(threshold=threshold, cooldown_s=30.0, min_relief=0.1, pending_expiry_s=300.0)
     now = 100.0
-    obs = Observation(tokens, BUDGET, compactable, now)
+    obs = Observation(tokens, BUDGET, raw + summary, now, summary, allowance)
     decision, after = decide(obs, memory, policy)
 
     level = expected_level(tokens, BUDGET, threshold)
     cooling = memory.last_fired_at is not None and now - memory.last_fired_at < 30.0
+    awaiting = memory.pending and (memory.last_fired_at is None
+                                   or now - memory.last_fired_at < 300.0)
+    # The summary is rewritten, not freed, and the new one may be as large as its bound.
+    freed = raw + summary - max(summary, allowance)
     should_fire = (
         level is not None
-        and not memory.pending
+        and not awaiting
         and (level is Level.emergency or not cooling)
-        and compactable >= 1000
+        and freed >= 1000
     )
+    assert freed > 0 or not decision.fire
     assert decision.fire is should_fire
     if should_fire:
         assert decision.level is level
-        assert after == SessionMemory(True, now, memory.tokens_after_last)
+        assert after == SessionMemory(True, now)
     else:
         assert decision.level is None
         assert after == memory
@@ -106,7 +130,9 @@ def test_reason_names_the_numbers() -> None:
         (Observation(9000, BUDGET, 5000, 0.0), SessionMemory(pending=True), Policy(), ["pending"]),
         (Observation(9000, BUDGET, 5000, 10.0), SessionMemory(last_fired_at=0.0), Policy(),
          ["cooling down", "10.0s", "30s"]),
-        (Observation(9000, BUDGET, 400, 0.0), FRESH, Policy(), ["400", "1000", "too little"]),
+        (Observation(9000, BUDGET, 400, 0.0), FRESH, Policy(), ["400", "1000", "not worth"]),
+        (Observation(9000, BUDGET, 1500, 0.0, 800, 600), FRESH, Policy(),
+         ["about 700", "1500", "800", "1000", "not worth"]),
     ],
 )
 def test_reasons_for_not_firing(
@@ -118,6 +144,15 @@ def test_reasons_for_not_firing(
         assert word in decision.reason
 
 
+def test_a_compaction_that_frees_nothing_is_vetoed_even_without_a_minimum() -> None:
+    policy = Policy(min_relief=0.0)
+    # Only the summary lies before the live zone: it would be rewritten, nothing freed.
+    nothing, _ = decide(Observation(9000, BUDGET, 800, 0.0, 800, 300), FRESH, policy)
+    assert not nothing.fire and "about 0 tokens" in nothing.reason
+    some, _ = decide(Observation(9000, BUDGET, 801, 0.0, 800, 300), FRESH, policy)
+    assert some.fire
+
+
 def test_emergency_ignores_cooldown_but_never_pending() -> None:
     recent = SessionMemory(last_fired_at=99.0)
     fired, _ = decide(Observation(9600, BUDGET, 5000, 100.0), recent, Policy())
@@ -127,11 +162,29 @@ def test_emergency_ignores_cooldown_but_never_pending() -> None:
     assert not blocked.fire
 
 
-def test_on_result_clears_pending_and_records_tokens_after() -> None:
+def test_a_request_unanswered_past_the_expiry_is_asked_again() -> None:
+    """A lost publish or a missed result must not turn automatic compaction off
+    for good: once the expiry has passed, the session is asked for again, and
+    the new request is pending in its turn."""
+    policy = Policy(cooldown_s=0.0, pending_expiry_s=60.0)
+    memory = SessionMemory(pending=True, last_fired_at=100.0)
+    assert awaits_result(memory, 159.9, policy)
+    assert not awaits_result(memory, 160.0, policy)
+    blocked, same = decide(Observation(9000, BUDGET, 5000, 159.9), memory, policy)
+    assert not blocked.fire and same == memory and "pending" in blocked.reason
+    again, after = decide(Observation(9000, BUDGET, 5000, 160.0), memory, policy)
+    assert again.fire and after == SessionMemory(True, 160.0)
+    assert "no result in time" in again.reason
+    assert awaits_result(after, 160.0, policy)
+    assert not awaits_result(SessionMemory(), 0.0, policy)
+    assert awaits_result(SessionMemory(pending=True), 1e9, policy)  # no time known: waits
+
+
+def test_on_result_clears_pending() -> None:
     pending = SessionMemory(pending=True, last_fired_at=5.0)
-    assert on_result(pending, 1234, 40.0) == SessionMemory(False, 5.0, 1234)
+    assert on_result(pending, 1234, 40.0) == SessionMemory(False, 5.0)
     # A failed compaction restarts the cooldown, so a broken summariser is not hammered.
-    assert on_result(pending, None, 40.0) == SessionMemory(False, 40.0, None)
+    assert on_result(pending, None, 40.0) == SessionMemory(False, 40.0)
 
 
 def test_one_crossing_fires_once() -> None:
@@ -145,7 +198,8 @@ def test_one_crossing_fires_once() -> None:
 
 
 @pytest.mark.parametrize(
-    ("kwargs"), [{"threshold": -0.1}, {"threshold": 1.5}, {"cooldown_s": -1}, {"min_relief": 2}]
+    ("kwargs"), [{"threshold": -0.1}, {"threshold": 1.5}, {"cooldown_s": -1}, {"min_relief": 2},
+                 {"pending_expiry_s": 0}]
 )
 def test_policy_validation(kwargs: dict[str, float]) -> None:
     with pytest.raises(ValueError):
@@ -184,7 +238,8 @@ def test_decide_never_fires_below_threshold_or_twice(
     if decision.fire:
         assert threshold > 0 and tokens >= threshold * budget_ and not pending
         assert memory.pending
-        again, _ = decide(Observation(tokens, budget_, compactable, 1000.0), memory, policy)
+        # Past the cooldown, within the pending expiry: still not twice.
+        again, _ = decide(Observation(tokens, budget_, compactable, 100.0), memory, policy)
         assert not again.fire
 
 
@@ -242,3 +297,74 @@ def test_estimate_of_what_is_about_to_be_sent_fires_every_time() -> None:
         calibration = calibrate(calibration, tokens, sent_chars, WINDOW)
     assert all(tokens <= limit for tokens in sent)
     assert calibration.tokens_per_char == pytest.approx(1 / CHARS_PER_TOKEN, rel=1e-3)
+
+
+# --- Relief: the summary is rewritten, not freed ----------------------------------------
+
+RELIEF_NUM_CTX = 8192
+NOTES = "N" * 3200  # about 800 tokens of notes, 11% of the budget
+
+
+def paste_and_chat(first: int, count: int) -> tuple[ChatMessage, ...]:
+    """Turns alternating a 10,400-character paste and a short remark."""
+    out: list[ChatMessage] = []
+    for i in range(first, first + count):
+        out += [ChatMessage(role="user", content=f"#{i} " + "p" * (10400 if i % 2 else 20)),
+                ChatMessage(role="assistant", content="ok")]
+    return tuple(out)
+
+
+def observe(conversation: Conversation, now: float, calibration: Calibration,
+            policy: Policy) -> tuple[Observation, Level | None]:
+    """What the decider sees of this history, as the generator's report sizes it."""
+    limit = prompt_budget(RELIEF_NUM_CTX)
+    weights = HistoryWeights.of("", conversation)
+    estimate = context_tokens(next_prompt_size("", conversation), calibration)
+    level = level_for(estimate, limit, policy)
+    boundary = choose_boundary(conversation.messages, tail_turns_for(level or Level.gentle, 4))
+    return Observation(
+        estimate, limit, estimate_tokens(weights.compactable(boundary), calibration), now,
+        summary_tokens=estimate_tokens(weights.summary, calibration),
+        summary_allowance=summary_allowance(RELIEF_NUM_CTX, limit, calibration),
+    ), level
+
+
+def test_a_compaction_that_only_rewrites_the_summary_is_vetoed() -> None:
+    # 85% of the budget, of which 800 tokens of notes and one short turn before the
+    # gentle live zone: compacting would rewrite the notes and free a dozen tokens.
+    calibration, policy = Calibration(0.25), Policy()
+    conversation = Conversation(summary=NOTES, messages=paste_and_chat(0, 5), compactions=1)
+    obs, level = observe(conversation, 0.0, calibration, policy)
+    assert level is Level.gentle
+    assert obs.compactable_tokens > policy.min_relief * obs.budget  # the old "freeable"
+    decision, _ = decide(obs, SessionMemory(), policy)
+    assert not decision.fire and "not worth it" in decision.reason
+    assert obs.relief_tokens == 0
+
+
+def test_no_refiring_every_cooldown_once_no_raw_turn_is_left() -> None:
+    """Paste, chat, paste...: each paste is compacted at emergency, then the session sits
+    at 85% with nothing raw before its live zone. It fires once per real relief only."""
+    calibration, policy = Calibration(0.25), Policy()
+    conversation = Conversation(summary=NOTES, messages=paste_and_chat(0, 4), compactions=1)
+    memory, now, fired = SessionMemory(), 0.0, []
+    for i in range(4, 16):
+        conversation = conversation.model_copy(
+            update={"messages": (*conversation.messages, *paste_and_chat(i, 1))})
+        obs, level = observe(conversation, now, calibration, policy)
+        decision, memory = decide(obs, memory, policy)
+        if decision.fire:
+            assert level is not None
+            plan = plan_compaction(conversation, tail_turns_for(level, 4))
+            assert plan is not None, f"fired with nothing before the live zone: {decision}"
+            spliced = splice(conversation, plan, NOTES)
+            conversation = Conversation(summary=spliced.summary, messages=spliced.messages,
+                                        compactions=spliced.compactions)
+            after, _ = observe(conversation, now, calibration, policy)
+            freed = obs.next_prompt_tokens - after.next_prompt_tokens
+            assert freed >= policy.min_relief * obs.budget, (freed, decision.reason)
+            fired.append(level)
+            memory = on_result(memory, after.next_prompt_tokens, now + 40)
+        now += 45.0
+    # One emergency compaction per paste that pushes the session over 95%, nothing else.
+    assert fired and set(fired) == {Level.emergency}

@@ -37,25 +37,36 @@ def test_simulation() -> None:
         f"\n{SCENARIOS} scenarios in {time.monotonic() - started:.1f}s: {total.calls} calls, "
         f"{total.decider_firings} decider firings, {total.emergency_compactions} emergency "
         f"compactions, {total.splices} splices, {total.conflicts} splice conflicts, "
-        f"{total.refused_turns} refused turns, {total.rejected_queries} queries rejected "
-        f"while blocking; fullest prompt {total.max_fill:.1%} of budget, worst "
+        f"{total.refused_turns} refused turns ({total.hopeless_refusals} at once: no compaction "
+        f"could help), {total.tool_results_cut} turns with tool output cut, "
+        f"{total.rejected_queries} queries rejected while blocking; {total.summary_calls} "
+        f"summary calls ({total.summaries_in_pieces} summaries in pieces, {total.entries_cut} "
+        f"entries cut, {total.summaries_cut_off} cut off and written again), fullest "
+        f"{total.max_summary_fill:.1%} of the summariser's budget; fullest prompt "
+        f"{total.max_fill:.1%} of budget, worst "
         f"underestimate {total.max_underestimate:.1%}; closest firings: decider "
         f"{total.decider_excess:+.1%} from its threshold, guard {total.guard_excess:+.1%} "
-        "from the emergency line (fractions of the budget)"
+        "from the emergency line (fractions of the budget); least relief of a decider's "
+        f"compaction {total.least_relief:.2f} x the minimum"
     )
     # The world must actually exercise the paths the invariants guard.
     assert total.decider_firings and total.emergency_compactions and total.conflicts
     assert total.splices and total.refused_turns and total.rejected_queries
+    assert total.summaries_in_pieces and total.entries_cut and total.summaries_cut_off
+    assert total.hopeless_refusals and total.tool_results_cut
 
 
 def _accumulate(total: Stats, stats: Stats) -> None:
     for name in ("calls", "refused_turns", "decider_firings", "emergency_compactions",
-                 "splices", "conflicts", "rejected_queries"):
+                 "splices", "conflicts", "rejected_queries", "summary_calls", "summaries_cut_off",
+                 "summaries_in_pieces", "entries_cut", "hopeless_refusals", "tool_results_cut"):
         setattr(total, name, getattr(total, name) + getattr(stats, name))
     total.max_fill = max(total.max_fill, stats.max_fill)
+    total.max_summary_fill = max(total.max_summary_fill, stats.max_summary_fill)
     total.max_underestimate = max(total.max_underestimate, stats.max_underestimate)
     total.decider_excess = min(total.decider_excess, stats.decider_excess)
     total.guard_excess = min(total.guard_excess, stats.guard_excess)
+    total.least_relief = min(total.least_relief, stats.least_relief)
 
 
 @pytest.mark.skipif(REPLAY_SEED is None, reason="set SIM_SEED=<seed> to replay one scenario")

@@ -8,6 +8,7 @@ from schemas.history import ChatMessage, Conversation, HistoryEntry, Role, ToolC
 from services.core.splice import (
     CompactionPlan,
     SpliceConflict,
+    compacted_query_ids,
     first_user_request,
     plan_compaction,
     splice,
@@ -124,3 +125,34 @@ def test_elided_splice_shortens_old_tool_output_and_keeps_every_message() -> Non
     moved = current.model_copy(update={"compactions": 3})
     with pytest.raises(SpliceConflict):
         splice_elided(moved, plan)
+
+
+def tagged(turn: int) -> tuple[ChatMessage, ...]:
+    query = f"q{turn}"
+    return (ChatMessage(role="user", content=f"u{turn}", query_id=query),
+            ChatMessage(role="assistant", content=f"a{turn}", query_id=query))
+
+
+def test_a_splice_keeps_the_ids_of_the_queries_it_folds() -> None:
+    """A query whose acknowledgement was lost may come back after its turn
+    was folded into the summary: the snapshot still says it was answered."""
+    history = Conversation(messages=tagged(0) + tagged(1) + tagged(2))
+    plan = plan_compaction(history, tail_turns=1)
+    assert plan is not None
+    first = splice(history, plan, "notes")
+    assert first.compacted_query_ids == ("q0", "q1")
+    folded = fold([HistoryEntry.of_snapshot(first), HistoryEntry.of_turn(tagged(3))])
+    assert folded.compacted_query_ids == ("q0", "q1")
+    again = plan_compaction(folded, tail_turns=1)
+    assert again is not None
+    second = splice(folded, again, "more notes")
+    assert second.compacted_query_ids == ("q0", "q1", "q2")
+    elided = splice_elided(folded, again)  # every message stays, and so do the ids
+    assert elided.compacted_query_ids == ("q0", "q1")
+
+
+def test_the_folded_query_ids_are_bounded_to_the_latest() -> None:
+    history = Conversation(messages=tuple(m for t in range(5) for m in tagged(t)),
+                           compacted_query_ids=("old1", "old2"))
+    assert compacted_query_ids(history, boundary=6, keep=4) == ("old2", "q0", "q1", "q2")
+    assert compacted_query_ids(history, boundary=6, keep=0) == ()

@@ -3,7 +3,14 @@ from __future__ import annotations
 import pytest
 
 from schemas.history import ChatMessage, ToolCall
-from services.core.summary_prompt import SECTIONS, SUMMARY_MARKER, summary_messages, transcript
+from services.core.summary_prompt import (
+    FIRST_REQUEST_REFERENCE,
+    MINIMAL_SUMMARY,
+    SECTIONS,
+    SUMMARY_MARKER,
+    summary_messages,
+    transcript,
+)
 
 ZONE = (
     ChatMessage(role="user", content="Port parser.c to Rust"),
@@ -54,3 +61,21 @@ def test_empty_zone_is_refused() -> None:
 def test_transcript_labels_roles_in_order() -> None:
     labels = [line for line in transcript(ZONE).splitlines() if line.startswith("[")]
     assert labels == ["[user]", "[assistant]", "[tool result: read_file]", "[assistant]"]
+
+
+def test_the_first_request_is_sent_once() -> None:
+    spec = "Port parser.c to Rust. " * 300  # a pasted spec costs its size in every copy
+    zone = (ChatMessage(role="user", content=spec), *ZONE[1:],
+            ChatMessage(role="user", content=spec))
+    _, user = summary_messages(None, zone, spec)
+    assert user["content"].count(spec) == 2  # quoted, and the later message that repeats it
+    assert user["content"].count(FIRST_REQUEST_REFERENCE) == 1
+    assert user["content"].index("FIRST REQUEST") < user["content"].index(FIRST_REQUEST_REFERENCE)
+    _, carried = summary_messages("## Goal\n- earlier", zone, None)
+    assert carried["content"].count(spec) == 2 and FIRST_REQUEST_REFERENCE not in carried["content"]
+
+
+def test_the_minimal_summary_has_every_section_and_nothing_in_them() -> None:
+    assert [line for line in MINIMAL_SUMMARY.splitlines() if line.startswith("## ")] == [
+        f"## {section}" for section in SECTIONS]
+    assert set(MINIMAL_SUMMARY.splitlines()[1::2]) == {"- none"}

@@ -107,6 +107,16 @@ export function gaugeLevel(tokens, budget) {
   return "ok";
 }
 
+// The session as the gauge shows it once a compaction completed: its result's
+// `tokens_after` is the same count as the session's `token_count` (tools
+// included), so the gauge moves to it at once, even while a turn defers the reload.
+export function sessionAfterCompaction(session, result) {
+  if (!session || result?.status !== "completed" || typeof result.tokens_after !== "number") {
+    return session;
+  }
+  return { ...session, token_count: result.tokens_after };
+}
+
 // The compaction the "compacting" banner stands for (its correlation id), after
 // a live event. Only that compaction's own result ends it: a second request,
 // skipped because one already runs, must not hide the banner. One known only
@@ -543,6 +553,13 @@ function pendingAnswer() {
     },
     done(body) {
       if (typeof body.reply === "string") text.textContent = body.reply;
+      if (typeof body.thinking === "string" && body.thinking) {
+        // Apart from the answer, folded: it is not part of the conversation.
+        text.before(el("details", { className: "msg-thinking" }, [
+          el("summary", { text: "thinking" }),
+          el("div", { className: "msg-text", text: body.thinking }),
+        ]));
+      }
       status.textContent = `prompt ${fmt(body.prompt_tokens)} · completion ${fmt(body.completion_tokens)} tokens`;
       item.classList.remove("msg-pending");
       item.removeAttribute("aria-busy");
@@ -904,6 +921,8 @@ function onLiveEvent(type, raw) {
       ui.compactStatus.dataset.kind = status === "failed" ? "error" : "info";
       ui.compactStatus.textContent = text.charAt(0).toUpperCase() + text.slice(1);
       if (status === "completed") {
+        app.session = sessionAfterCompaction(app.session, p);
+        renderGauge();
         if (app.busy) app.reloadAfterTurn = true; // the turn's end reloads
         else loadSession();
       }

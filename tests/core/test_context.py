@@ -1,0 +1,66 @@
+"""Tokens in the context: one count for the gauge, the session read, compaction
+results and the decider, and the summary's bound in what a compaction frees."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from schemas.history import Conversation
+from schemas.messages import GenerationReport
+from services.core.context import (
+    PromptSize,
+    context_tokens,
+    next_prompt_size,
+    next_prompt_tokens,
+    summary_allowance,
+)
+from services.core.prompt import SUMMARY_PREFIX, HistoryWeights, render_messages
+from services.core.tokens import Calibration, estimate_prompt, prompt_budget
+from tests.core import histories, text
+
+TOOLS: list[dict[str, Any]] = [
+    {"type": "function", "function": {"name": "read_file", "description": "Read a file",
+                                      "parameters": {"path": {"type": "string"}}}},
+]
+RATIOS = st.one_of(st.none(), st.floats(0.05, 1.5))
+
+
+@settings(max_examples=200, deadline=None)
+@given(text, st.one_of(st.none(), text), histories(), st.booleans(), RATIOS)
+def test_every_reader_counts_the_same_prompt_the_same(
+    system: str, summary: str | None, messages: Any, with_tools: bool, ratio: float | None
+) -> None:
+    conversation = Conversation(summary=summary, messages=messages,
+                                compactions=int(summary is not None))
+    tools = TOOLS if with_tools else []
+    calibration = Calibration(ratio)
+    count = next_prompt_tokens(system, conversation, tools, calibration)
+    # The generator's pre-send check of the same prompt, tools included.
+    assert count == estimate_prompt(render_messages(system, conversation), calibration, tools)
+    # The decider's, from the figures the generator's report carries.
+    size = next_prompt_size(system, conversation, tools)
+    report = GenerationReport(session_id="s1", model="m", sent_chars=1, num_ctx=8192,
+                              next_prompt_chars=size.chars,
+                              next_prompt_messages=size.messages, tokens_per_char=ratio)
+    seen = PromptSize(report.next_prompt_chars or 0, report.next_prompt_messages)
+    assert context_tokens(seen, Calibration(report.tokens_per_char)) == count
+
+
+def test_the_offered_tools_count_in_the_context() -> None:
+    conversation = Conversation()
+    bare = next_prompt_tokens("Be brief.", conversation, [], Calibration(0.25))
+    with_tools = next_prompt_tokens("Be brief.", conversation, TOOLS, Calibration(0.25))
+    assert with_tools > bare
+
+
+def test_the_summary_bound_is_the_reply_room_and_the_notes_framing() -> None:
+    calibration = Calibration(0.25)
+    limit = prompt_budget(8192)  # 1,024 tokens of reply room
+    bound = summary_allowance(8192, limit, calibration)
+    framing = HistoryWeights.of("", Conversation(summary="")).summary
+    assert framing >= len(SUMMARY_PREFIX)
+    assert bound == 1024 + round(framing * 0.25)
+    assert summary_allowance(2048, prompt_budget(2048), calibration) < bound
