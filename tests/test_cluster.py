@@ -33,8 +33,9 @@ TURNS = 8  # acknowledged turns each session makes
 ENV = {"NUM_CTX": "2048", "COMPACTION_TAIL_TURNS": "2", "COMPACTION_COOLDOWN_S": "1",
        "JETSTREAM_REPLICAS": "3"}
 LEASE_S = 2.0  # LOCK_LEASE_S of tests.system
-# Most errors a leader election may cost, in seconds during which turns failed.
-MOST_ERROR_SECONDS = 10
+# Seconds during which turns failed: an election takes a few (0 to 8 measured
+# on two loaded cores); far more would mean the services did not fail over.
+MOST_ERROR_SECONDS = 20
 
 
 @dataclass
