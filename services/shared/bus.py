@@ -86,13 +86,7 @@ async def connect(url: str, name: str, timeout_s: float = 2.0,
                   on_reconnect: Callable[[], Awaitable[None]] | None = None) -> NATS:
     """Connect, retrying until NATS answers; afterwards nats-py reconnects
     forever, to any server `url` lists (comma-separated) or the cluster
-    announces, calling `on_reconnect` each time it is back."""
-
-    async def reconnected() -> None:
-        log.info("nats_reconnected")
-        if on_reconnect is not None:
-            await on_reconnect()
-
+    announces, and calls `on_reconnect` each time it has."""
     delay = 0.2
     while True:
         try:
@@ -105,7 +99,7 @@ async def connect(url: str, name: str, timeout_s: float = 2.0,
                 reconnect_time_wait=0.5,
                 error_cb=_on_error,
                 disconnected_cb=_on_disconnect,
-                reconnected_cb=reconnected,
+                reconnected_cb=on_reconnect or _on_reconnect,
             )
         except (OSError, TimeoutError, nats.errors.NoServersError) as err:
             log.warning("nats_connect_failed", url=url, error=str(err), retry_in_s=delay)
@@ -119,6 +113,10 @@ async def _on_error(err: Exception) -> None:
 
 async def _on_disconnect() -> None:
     log.warning("nats_disconnected")
+
+
+async def _on_reconnect() -> None:
+    log.info("nats_reconnected")
 
 
 class Bus:

@@ -1,11 +1,16 @@
 """The JetStream layout: every stream and bucket the services rely on.
 
-Each service calls `ensure_layout` at start; creating what exists already is a
-no-op, so any service can start first. Nothing is ever recreated or purged
-here: an operator's changes to a stream's limits survive restarts. The one
-exception is the number of replicas (`JETSTREAM_REPLICAS`): every stream of
-the layout and every bucket is moved to it, since a cluster grown from one
-node to three should not keep its history on one of them.
+Each service calls `ensure_layout` at start and again each time NATS comes
+back (a memory stream never survives a restart, a lost store keeps nothing);
+creating what exists already is a no-op, so any service can start first.
+Nothing is ever recreated or purged here: an operator's changes to a stream's
+limits survive restarts. The one exception is the number of replicas
+(`JETSTREAM_REPLICAS`): every stream of the layout and every bucket is moved
+to it, since a cluster grown from one node to three should not keep its
+history on one of them.
+
+A stream that is missing holds nothing yet: readers take it so (`missing`)
+rather than fail, until the layout is made again.
 """
 
 from __future__ import annotations
@@ -19,8 +24,8 @@ from nats.js.api import (
     StorageType,
     StreamConfig,
 )
+from nats.js.errors import BadRequestError, NotFoundError
 from nats.js.errors import Error as JetStreamError
-from nats.js.errors import NotFoundError
 from nats.js.kv import KeyValue
 
 from schemas import subjects as s
@@ -31,6 +36,9 @@ DUPLICATE_WINDOW_S = 120.0
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024
 # The default `LOCK_LEASE_S` of the generator, and of a lock bucket another service makes first.
 DEFAULT_LOCK_LEASE_S = 5.0
+# "Stream name already in use with a different configuration": another
+# service made it first (NATS came back, every service makes sure at once).
+NAME_IN_USE = 10058
 
 STREAMS = (
     StreamConfig(
@@ -120,7 +128,9 @@ async def ensure_layout(js: JetStreamContext, lock_lease_s: float | None = None,
 async def _add_stream(js: JetStreamContext, config: StreamConfig, replicas: int) -> None:
     try:
         await js.add_stream(config, num_replicas=replicas)
-    except JetStreamError as err:
+    except BadRequestError as err:
+        if err.err_code == NAME_IN_USE:  # another service made it meanwhile
+            return
         raise ReplicasMismatch(
             f"stream {config.name} with {replicas} replicas cannot be made: {err}"
             " (JETSTREAM_REPLICAS may not exceed the cluster's JetStream servers)") from err
@@ -139,9 +149,9 @@ async def match_replicas(js: JetStreamContext, replicas: int) -> None:
         name = info.config.name or ""
         if not (name in ours or name.startswith("KV_")):
             continue
-        if (info.config.num_replicas or 1) == replicas:
-            continue
         was = info.config.num_replicas or 1
+        if was == replicas:
+            continue
         info.config.num_replicas = replicas
         try:
             await js.update_stream(info.config)
@@ -150,6 +160,26 @@ async def match_replicas(js: JetStreamContext, replicas: int) -> None:
                 f"stream {name} has {was} replicas and JETSTREAM_REPLICAS is {replicas};"
                 f" changing it failed: {err}") from err
         log.warning("stream_replicas_changed", stream=name, was=was, now=replicas)
+
+
+async def missing(js: JetStreamContext, stream: str) -> bool:
+    """Whether the stream does not exist. A direct get from a missing stream
+    is answered by nobody (`NoRespondersError`), like one sent while the
+    stream's servers are away: asking tells the two apart."""
+    try:
+        await js.stream_info(stream)
+    except NotFoundError:
+        return True
+    return False
+
+
+async def bucket_missing(kv: KeyValue) -> bool:
+    """Whether the bucket's stream does not exist (see `missing`)."""
+    try:
+        await kv.status()
+    except NotFoundError:
+        return True
+    return False
 
 
 async def sessions_bucket(js: JetStreamContext) -> KeyValue:
@@ -186,4 +216,10 @@ async def _bucket(js: JetStreamContext, config: KeyValueConfig) -> KeyValue:
     try:
         return await js.key_value(config.bucket)
     except NotFoundError:
+        pass
+    try:
         return await js.create_key_value(config)
+    except BadRequestError as err:
+        if err.err_code != NAME_IN_USE:
+            raise
+        return await js.key_value(config.bucket)  # another service made it meanwhile
