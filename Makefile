@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint schemas bench clean
+.PHONY: run test test-compose lint schemas bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -19,6 +19,11 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# compose.yaml on a real Docker engine (started here if none answers), with
+# images built locally: see tests/test_compose.py.
+test-compose: $(STAMP)
+	scripts/with_docker.sh $(BIN)/python -m pytest -q -m compose tests/test_compose.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

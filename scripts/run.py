@@ -38,6 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 DATA = Path(os.environ.get("DATA_DIR", ROOT / ".data"))
 SERVICES = ("services.generator", "services.compaction_decider", "services.tools",
             "services.gateway")
+NATS_CONFIG = ROOT / "nats.conf"
 STUB_PORT = int(os.environ.get("OLLAMA_STUB_PORT", "11435"))
 STAND_IN = f"http://127.0.0.1:{STUB_PORT}"
 # The generator's own default (services/generator/settings.py).
@@ -181,16 +182,14 @@ def start_services(env: dict[str, str], children: list[subprocess.Popen[bytes]])
 
 
 def start_nats(port: int) -> subprocess.Popen[bytes]:
+    """nats-server on the repository's nats.conf, as compose runs it, but on
+    loopback, on `port`, storing under DATA, without the monitoring port."""
     store = DATA / "nats"
     store.mkdir(parents=True, exist_ok=True)
-    config = DATA / "nats.conf"
-    config.write_text(
-        f"listen: 127.0.0.1:{port}\n"
-        "max_payload: 8MB\n"
-        f'jetstream {{ store_dir: "{store}", sync_interval: always }}\n'
-    )
     server = Path(sys.executable).parent / "nats-server"
-    return subprocess.Popen([str(server), "-c", str(config)], cwd=ROOT,
+    return subprocess.Popen([str(server), "-c", str(NATS_CONFIG), "-a", "127.0.0.1",
+                             "-p", str(port), "-m", "0"], cwd=ROOT,
+                            env={**os.environ, "NATS_STORE_DIR": str(store)},
                             start_new_session=True)
 
 

@@ -1,43 +1,65 @@
-"""compose.yaml's NATS configuration, run by a real nats-server: it must take
-the messages the streams are made for, and keep them on disk."""
+"""compose.yaml: its NATS configuration (the repository's nats.conf) on a
+real nats-server, and, with `make test-compose`, the whole stack on a real
+Docker engine: streaming, compaction, a generator killed mid-answer, NATS
+restarted, down and up again, down -v."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import json
+import os
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import httpx
 import nats
+import pytest
 import yaml
 
 from schemas import subjects
 from services.shared.jetstream import MAX_MESSAGE_BYTES, ensure_layout
+from tests.compose_stack import Stack, prepare_images, why_docker_cannot_run
+from tests.events import server_sent_events
 from tests.nats_server import free_port, nats_server_binary, wait_for_port
+from tests.stub_server import configure_stub
 
-COMPOSE = Path(__file__).resolve().parents[1] / "compose.yaml"
+ROOT = Path(__file__).resolve().parents[1]
+COMPOSE = ROOT / "compose.yaml"
+NATS_CONFIG = ROOT / "nats.conf"
 
 
-def compose() -> dict[str, object]:
+def compose() -> dict[str, Any]:
     return dict(yaml.safe_load(COMPOSE.read_text()))
 
 
-def test_the_nats_service_runs_the_configuration_it_mounts() -> None:
-    nats_service = compose()["services"]["nats"]  # type: ignore[index]
-    mounted = {c["source"]: c["target"] for c in nats_service["configs"]}
-    assert nats_service["command"] == ["-c", mounted["nats-config"]]
+def test_the_nats_service_runs_the_repository_configuration_read_only() -> None:
+    nats_service = compose()["services"]["nats"]
+    assert "./nats.conf:/etc/nats/nats.conf:ro" in nats_service["volumes"]
+    assert nats_service["command"] == ["nats-server", "-c", "/etc/nats/nats.conf"]
+    assert "configs" not in compose()  # docker-compose 1.29 rejects inline configs
+
+
+def test_every_service_waits_for_a_healthy_nats_and_has_a_healthcheck() -> None:
+    services = compose()["services"]
+    for name in ("gateway", "generator", "compaction-decider", "tools"):
+        assert services[name]["depends_on"] == {"nats": {"condition": "service_healthy"}}
+        assert services[name]["healthcheck"]["test"], name
+    for service in services.values():
+        for port in service.get("ports", []):
+            assert port.startswith("127.0.0.1:"), port  # loopback only
 
 
 @contextlib.contextmanager
-def serving(content: str, store: Path) -> Iterator[int]:
-    """nats-server on the compose configuration, moved to a free port and `store`."""
+def serving(store: Path) -> Iterator[int]:
+    """nats-server on nats.conf, moved to a free port, as `make run` starts it."""
     port = free_port()
-    config = store / "nats.conf"
-    config.write_text(content.replace("0.0.0.0:4222", f"127.0.0.1:{port}")
-                      .replace("http_port: 8222", f"http_port: {free_port()}")
-                      .replace('"/data"', f'"{store}"'))
-    server = subprocess.Popen([nats_server_binary(), "-c", str(config)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [nats_server_binary(), "-c", str(NATS_CONFIG), "-a", "127.0.0.1", "-p", str(port),
+         "-m", "0"], env={**os.environ, "NATS_STORE_DIR": str(store)},
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_for_port(port, 10)
         yield port
@@ -46,10 +68,8 @@ def serving(content: str, store: Path) -> Iterator[int]:
         server.wait(10)
 
 
-async def test_the_compose_configuration_takes_the_largest_history_entry(
-        tmp_path: Path) -> None:
-    content = compose()["configs"]["nats-config"]["content"]  # type: ignore[index]
-    with serving(content, tmp_path) as port:
+async def test_the_nats_configuration_takes_the_largest_history_entry(tmp_path: Path) -> None:
+    with serving(tmp_path) as port:
         nc = await nats.connect(f"nats://127.0.0.1:{port}")
         try:
             assert nc.max_payload >= MAX_MESSAGE_BYTES
@@ -61,3 +81,145 @@ async def test_the_compose_configuration_takes_the_largest_history_entry(
         finally:
             await nc.close()
     assert (tmp_path / "jetstream").is_dir()  # on the store the configuration names
+
+
+# ---------------------------------------------------------------- on a Docker engine
+
+# A small window so that a few `!long` answers call for a compaction.
+STACK_ENV = {"NUM_CTX": "2048", "COMPACTION_TAIL_TURNS": "2"}
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[Stack]:
+    reason = why_docker_cannot_run()
+    if reason:
+        pytest.skip(f"Docker cannot run here: {reason}")
+    prepare_images()
+    started = Stack(STACK_ENV)
+    try:
+        started.compose("build", "-q")
+        yield started
+    finally:
+        with contextlib.suppress(Exception):
+            started.compose("down", "-v", "--remove-orphans")
+
+
+async def turn(http: httpx.AsyncClient, sid: str, content: str) -> dict[str, Any]:
+    response = await http.post(f"/api/sessions/{sid}/messages", json={"content": content})
+    assert response.status_code == 200, response.text
+    return dict(response.json())
+
+
+async def session(http: httpx.AsyncClient, sid: str) -> dict[str, Any]:
+    return dict((await http.get(f"/api/sessions/{sid}")).json())
+
+
+async def until(check: Any, timeout_s: float = 60) -> None:
+    """Poll an async condition (the stack is only reachable over its ports)."""
+    async with asyncio.timeout(timeout_s):
+        while not await check():  # noqa: ASYNC110 - a condition over HTTP, no event to wait on
+            await asyncio.sleep(0.25)
+
+
+@pytest.mark.compose
+@pytest.mark.timeout(900)  # a first run builds the Debian base image (~3 min)
+async def test_the_stack_runs_heals_and_keeps_its_history(stack: Stack) -> None:
+    stack.compose("up", "-d", "--scale", "generator=2")
+    stack.wait_healthy()
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as http:
+        sid = await converse_with_streaming(http)
+        await compact_automatically_and_by_hand(http)
+        killed = await kill_a_generator_mid_answer(stack, http, sid)
+        before = await session(http, sid)
+        started = {c: stack.inspect(c)["State"]["StartedAt"]  # type: ignore[index]
+                   for c in stack.containers()
+                   if c not in stack.containers("nats") and c != killed}
+        stack.compose("restart", "nats")
+        await until(lambda: _answers_as_before(http, sid, before))  # history intact
+        stack.wait_healthy()
+        for container, at in started.items():  # healed without a restart of their own
+            assert stack.inspect(container)["State"]["StartedAt"] == at  # type: ignore[index]
+        await turn(http, sid, "after the NATS restart")
+    stack.compose("down")
+    stack.compose("up", "-d")
+    stack.wait_healthy()
+    async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as http:
+        kept = await session(http, sid)
+        assert [m["content"] for m in kept["messages"]][-2:-1] == ["after the NATS restart"]
+    stack.compose("down", "-v")
+    assert stack.containers() == [] and stack.volumes() == []
+
+
+async def converse_with_streaming(http: httpx.AsyncClient) -> str:
+    sid = str((await http.post("/api/sessions", json={})).json()["session_id"])
+    async with http.stream("POST", f"/api/sessions/{sid}/messages",
+                           json={"content": "hello over compose"},
+                           headers={"Accept": "text/event-stream"}) as response:
+        events = [event async for event in server_sent_events(response)]
+    names = [name for name, _ in events]
+    assert names[-1] == "done" and "token" in names, names
+    assert events[-1][1]["reply"] == "Echo: hello over compose (turn 1)"
+    assert (await turn(http, sid, "and again"))["reply"] == "Echo: and again (turn 2)"
+    return sid
+
+
+async def compact_automatically_and_by_hand(http: httpx.AsyncClient) -> None:
+    sid = str((await http.post("/api/sessions", json={})).json()["session_id"])
+    for i in range(12):
+        await turn(http, sid, f"question {i} !long 1200")
+    await until(lambda: _compactions_at_least(http, sid, 1))
+    for i in range(4):  # short: more than the kept tail, far below the threshold
+        await turn(http, sid, f"short {i}")
+    done = (await session(http, sid))["compactions"]
+    accepted = await http.post(f"/api/sessions/{sid}/compact")
+    assert accepted.status_code == 202, accepted.text
+    await until(lambda: _compactions_at_least(http, sid, done + 1))
+
+
+async def _answers_as_before(http: httpx.AsyncClient, sid: str, before: dict[str, Any]
+                             ) -> bool:
+    """False while NATS is still coming back; then the session must be as it was."""
+    response = await http.get(f"/api/sessions/{sid}")
+    if response.status_code != 200:
+        return False
+    assert response.json() == before
+    return True
+
+
+async def _compactions_at_least(http: httpx.AsyncClient, sid: str, count: int) -> bool:
+    return int((await session(http, sid))["compactions"]) >= count
+
+
+async def kill_a_generator_mid_answer(stack: Stack, http: httpx.AsyncClient, sid: str) -> str:
+    """The stand-in holds the model's answer; the generator holding the
+    session's lock is killed; the other one answers, exactly once."""
+    await configure_stub(stack.stand_in_url, held_models=["stub-model"])
+    asking = asyncio.create_task(turn(http, sid, "answered by the survivor"))
+    holder = await lock_holder(stack.nats_url, sid)
+    victim = next(c for c in stack.containers("generator") if holder.startswith(c[:12]))
+    await asyncio.to_thread(subprocess.run, ["docker", "kill", victim], check=True,
+                            capture_output=True)
+    await configure_stub(stack.stand_in_url, held_models=[])
+    reply = await asking
+    assert reply["reply"].startswith("Echo: answered by the survivor")
+    users = [m["content"] for m in (await session(http, sid))["messages"] if m["role"] == "user"]
+    assert users.count("answered by the survivor") == 1
+    return victim
+
+
+async def lock_holder(nats_url: str, sid: str) -> str:
+    """The generator id holding the session's lock, once one does."""
+    nc = await nats.connect(nats_url)
+    try:
+        kv = await nc.jetstream().key_value(subjects.LOCKS_BUCKET)
+        async with asyncio.timeout(30):
+            while True:
+                with contextlib.suppress(Exception):
+                    value = json.loads((await kv.get(sid)).value or b"{}")
+                    if "holder" in value:
+                        return str(value["holder"])
+                await asyncio.sleep(0.1)
+    finally:
+        await nc.close()
+
+

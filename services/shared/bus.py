@@ -26,6 +26,7 @@ from pydantic import ValidationError
 from schemas import subjects
 from schemas.envelope import Envelope, enveloped, new_id
 from schemas.messages import ErrorReport, Payload
+from services.shared.settings import nats_servers
 
 P = TypeVar("P", bound=Payload)
 log = structlog.get_logger()
@@ -84,12 +85,13 @@ def traceparent(correlation_id: str) -> str | None:
 async def connect(url: str, name: str, timeout_s: float = 2.0,
                   on_reconnect: Callable[[], Awaitable[None]] | None = None) -> NATS:
     """Connect, retrying until NATS answers; afterwards nats-py reconnects
-    forever, and calls `on_reconnect` each time it has."""
+    forever, to any server `url` lists (comma-separated) or the cluster
+    announces, and calls `on_reconnect` each time it has."""
     delay = 0.2
     while True:
         try:
             return await nats.connect(
-                url,
+                nats_servers(url),
                 name=name,
                 connect_timeout=timeout_s,
                 allow_reconnect=True,

@@ -4,7 +4,10 @@ Each service calls `ensure_layout` at start and again each time NATS comes
 back (a memory stream never survives a restart, a lost store keeps nothing);
 creating what exists already is a no-op, so any service can start first.
 Nothing is ever recreated or purged here: an operator's changes to a stream's
-limits survive restarts.
+limits survive restarts. The one exception is the number of replicas
+(`JETSTREAM_REPLICAS`): every stream of the layout and every bucket is moved
+to it, since a cluster grown from one node to three should not keep its
+history on one of them.
 
 A stream that is missing holds nothing yet: readers take it so (`missing`)
 rather than fail, until the layout is made again.
@@ -12,6 +15,7 @@ rather than fail, until the layout is made again.
 
 from __future__ import annotations
 
+import structlog
 from nats.js import JetStreamContext
 from nats.js.api import (
     DiscardPolicy,
@@ -21,9 +25,12 @@ from nats.js.api import (
     StreamConfig,
 )
 from nats.js.errors import BadRequestError, NotFoundError
+from nats.js.errors import Error as JetStreamError
 from nats.js.kv import KeyValue
 
 from schemas import subjects as s
+
+log = structlog.get_logger()
 
 DUPLICATE_WINDOW_S = 120.0
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024
@@ -96,21 +103,63 @@ STREAMS = (
 )
 
 
-async def ensure_layout(js: JetStreamContext, lock_lease_s: float | None = None) -> None:
-    """Make what is missing. Only the generator, which holds the locks, passes
-    its lease; the others leave the lock bucket's lease as they find it."""
+class ReplicasMismatch(RuntimeError):
+    """A stream or bucket of the layout cannot be moved to the replicas asked for."""
+
+
+async def ensure_layout(js: JetStreamContext, lock_lease_s: float | None = None,
+                        replicas: int | None = None) -> None:
+    """Make what is missing, then give every stream and bucket `replicas`
+    copies (the services pass `JETSTREAM_REPLICAS`; None leaves them as they
+    are). Only the generator, which holds the locks, passes its lease; the
+    others leave the lock bucket's lease as they find it."""
     for config in STREAMS:
         try:
             await js.stream_info(config.name or "")
         except NotFoundError:
-            try:
-                await js.add_stream(config)
-            except BadRequestError as err:
-                if err.err_code != NAME_IN_USE:
-                    raise
+            await _add_stream(js, config, replicas or 1)
     await sessions_bucket(js)
     await locks_bucket(js, lock_lease_s)
     await compactions_running_bucket(js)
+    if replicas is not None:
+        await match_replicas(js, replicas)
+
+
+async def _add_stream(js: JetStreamContext, config: StreamConfig, replicas: int) -> None:
+    try:
+        await js.add_stream(config, num_replicas=replicas)
+    except BadRequestError as err:
+        if err.err_code == NAME_IN_USE:  # another service made it meanwhile
+            return
+        raise ReplicasMismatch(
+            f"stream {config.name} with {replicas} replicas cannot be made: {err}"
+            " (JETSTREAM_REPLICAS may not exceed the cluster's JetStream servers)") from err
+
+
+def layout_stream_names() -> set[str]:
+    return {config.name or "" for config in STREAMS}
+
+
+async def match_replicas(js: JetStreamContext, replicas: int) -> None:
+    """Move each stream of the layout, and each bucket (a `KV_` stream; every
+    bucket of this account is the services'), to `replicas` copies. Buckets are
+    covered generically, so a bucket added to the layout later is too."""
+    ours = layout_stream_names()
+    for info in await js.streams_info():
+        name = info.config.name or ""
+        if not (name in ours or name.startswith("KV_")):
+            continue
+        was = info.config.num_replicas or 1
+        if was == replicas:
+            continue
+        info.config.num_replicas = replicas
+        try:
+            await js.update_stream(info.config)
+        except JetStreamError as err:
+            raise ReplicasMismatch(
+                f"stream {name} has {was} replicas and JETSTREAM_REPLICAS is {replicas};"
+                f" changing it failed: {err}") from err
+        log.warning("stream_replicas_changed", stream=name, was=was, now=replicas)
 
 
 async def missing(js: JetStreamContext, stream: str) -> bool:

@@ -16,6 +16,7 @@ import contextlib
 import gc
 import json
 import signal
+import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -82,10 +83,10 @@ async def serve(
     stopping.cancel()
     nc = connecting.result()
     bus = Bus(nc, name)
-    await ensure_layout(bus.js, lock_lease_s)
+    await ensure_layout(bus.js, lock_lease_s, settings.jetstream_replicas)
 
     async def layout_again() -> None:
-        await ensure_layout(bus.js, lock_lease_s)
+        await ensure_layout(bus.js, lock_lease_s, settings.jetstream_replicas)
 
     reconnects.add(layout_again)
     component = await build(bus)
@@ -102,7 +103,9 @@ async def serve(
 
 async def _register(nc: NATS, name: str, description: str, component: Component) -> Service:
     """One micro service: the component's endpoints and `<name>.status`."""
-    micro = await add_service(nc, name=name, version=VERSION, description=description)
+    # The host lets `services.shared.healthcheck` find this very instance.
+    micro = await add_service(nc, name=name, version=VERSION, description=description,
+                              metadata={"host": socket.gethostname()})
 
     async def status(request: Request) -> None:
         await request.respond(json.dumps(component.status()).encode())

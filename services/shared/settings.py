@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import (
     BaseSettings,
     InitSettingsSource,
@@ -27,11 +27,20 @@ from services.shared.logging import LogFormat
 class ServiceSettings(BaseSettings):
     model_config = SettingsConfigDict(extra="ignore", case_sensitive=False)
 
+    # One server, or several of a cluster separated by commas.
     nats_url: str = "nats://127.0.0.1:4222"
+    # Copies of every stream and bucket the services create (3 on a cluster of 3).
+    jetstream_replicas: int = Field(default=1, ge=1, le=5)
     log_level: str = "info"
     log_format: LogFormat = "auto"
     # How long a connection attempt may take before we retry (NATS may start later).
     nats_connect_timeout_s: float = Field(default=2.0, gt=0)
+
+    @field_validator("nats_url")
+    @classmethod
+    def _names_a_server(cls, url: str) -> str:
+        nats_servers(url)
+        return url
 
     @classmethod
     def settings_customise_sources(
@@ -55,3 +64,11 @@ def read_yaml_config(path: str | None = None) -> dict[str, Any]:
     if not isinstance(loaded, dict):
         raise ValueError(f"{path}: expected a mapping of setting names to values")
     return {str(k).lower(): v for k, v in loaded.items()}
+
+
+def nats_servers(url: str) -> list[str]:
+    """`NATS_URL` as the list of servers the client tries in turn."""
+    servers = [part.strip() for part in url.split(",") if part.strip()]
+    if not servers:
+        raise ValueError("NATS_URL names no server")
+    return servers

@@ -1,0 +1,72 @@
+"""`python -m services.shared.healthcheck NAME`: exit 0 when the service NAME
+running on this host (a container: its own hostname) is connected to NATS and
+serving, else 1. Compose runs it as each service's healthcheck.
+
+Every service announces its host in its NATS micro-service metadata; the
+check pings all instances of NAME and waits for the one on this host, so a
+healthy twin in another container cannot answer for a broken one here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import sys
+
+import nats
+from nats.aio.msg import Msg
+
+TIMEOUT_S = 3.0
+
+
+async def answers_here(name: str, url: str, host: str) -> bool:
+    servers = [part.strip() for part in url.split(",") if part.strip()]
+    nc = await nats.connect(servers, connect_timeout=TIMEOUT_S,
+                            allow_reconnect=False, max_reconnect_attempts=0,
+                            error_cb=_quiet)
+    try:
+        found = asyncio.get_running_loop().create_future()
+
+        async def on_ping(msg: Msg) -> None:
+            metadata = json.loads(msg.data).get("metadata") or {}
+            if metadata.get("host") == host and not found.done():
+                found.set_result(True)
+
+        inbox = nc.new_inbox()
+        await nc.subscribe(inbox, cb=on_ping)
+        await nc.publish(f"$SRV.PING.{name}", b"", reply=inbox)
+        try:
+            return await asyncio.wait_for(found, TIMEOUT_S)
+        except TimeoutError:
+            return False
+    finally:
+        await nc.close()
+
+
+async def _quiet(err: Exception) -> None:
+    """The client's own traceback would bury the one line said below."""
+
+
+def main() -> int:
+    if len(sys.argv) != 2:
+        print("usage: python -m services.shared.healthcheck SERVICE_NAME", file=sys.stderr)
+        return 2
+    # From the environment alone: the settings' imports would double the
+    # check's start-up time, which a loaded host makes exceed its timeout.
+    url = os.environ.get("NATS_URL", "nats://127.0.0.1:4222")
+    try:
+        # Bounded as a whole: the client's own connect may retry for long.
+        healthy = asyncio.run(asyncio.wait_for(
+            answers_here(sys.argv[1], url, socket.gethostname()), 2 * TIMEOUT_S))
+    except Exception as err:  # NATS unreachable: unhealthy, said why
+        print(f"unhealthy: {type(err).__name__}: {err}", file=sys.stderr)
+        return 1
+    if not healthy:
+        print(f"unhealthy: no {sys.argv[1]} on {socket.gethostname()} answers", file=sys.stderr)
+    return 0 if healthy else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
