@@ -24,6 +24,7 @@ from nats.micro import add_service
 from nats.micro.request import Request
 from nats.micro.service import Service
 
+from services.shared import metrics
 from services.shared.bus import Bus, connect
 from services.shared.jetstream import ensure_layout
 from services.shared.logging import configure_logging
@@ -71,6 +72,7 @@ async def serve(
         return
     stopping.cancel()
     nc = connecting.result()
+    metrics.watch_connection(nc, name)
     bus = Bus(nc, name)
     await ensure_layout(bus.js, lock_lease_s)
     component = await build(bus)
@@ -84,7 +86,8 @@ async def serve(
     for endpoint in component.endpoints():
         await micro.add_endpoint(name=endpoint.name, subject=endpoint.subject,
                                  handler=endpoint.handler)
-    log.info("service_started", nats_url=settings.nats_url)
+    metrics.serve_on(settings.metrics_port, settings.metrics_host)
+    log.info("service_started", nats_url=settings.nats_url, metrics_port=settings.metrics_port)
     await stop.wait()
     log.info("service_stopping")
     try:
