@@ -46,6 +46,8 @@ ERROR_STATUS = {
     "unreachable": 502,
     "provider_error": 502,
     "empty_reply": 502,
+    # Ollama's own status for a model it has not pulled.
+    "model_not_found": 404,
     "timeout": 504,
     "tool_loop_limit": 502,
 }
@@ -175,8 +177,8 @@ class Api:
             "compactions": view.conversation.compactions,
             "messages": [m.model_dump(exclude_defaults=True) for m in view.conversation.messages],
             "token_count": tokens,
-            "num_ctx": self._settings.num_ctx,
-            "budget": self._budget(),
+            "num_ctx": self._num_ctx(record),
+            "budget": self._budget(record),
             **await self._state(sid),
         })
 
@@ -251,9 +253,12 @@ class Api:
         if reply.error:
             return {"error": {"code": reply.error_code, "message": reply.error},
                     "session_id": reply.session_id}
-        return {"session_id": reply.session_id, "reply": reply.reply,
+        body = {"session_id": reply.session_id, "reply": reply.reply,
                 "prompt_tokens": reply.prompt_tokens,
                 "completion_tokens": reply.completion_tokens}
+        if reply.thinking:
+            body["thinking"] = reply.thinking
+        return body
 
     async def _require(self, sid: str) -> None:
         """404 unless the session exists; sessions are never deleted, so once seen
@@ -302,8 +307,11 @@ class Api:
         except ValidationError:
             return False
 
-    def _budget(self) -> int:
-        return prompt_budget(self._settings.num_ctx, self._settings.output_headroom)
+    def _num_ctx(self, record: SessionRecord) -> int:
+        return record.window(self._settings.num_ctx)
+
+    def _budget(self, record: SessionRecord) -> int:
+        return prompt_budget(self._num_ctx(record), self._settings.output_headroom)
 
 
 def sse(event: str, data: dict[str, Any]) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
+from services.generator.models import ModelFacts
 from services.generator.provider import ChatProvider, ChatRequest, ChatResult, OnToken
 from services.shared import metrics
 
@@ -35,6 +36,9 @@ class MeteredProvider:
             raise
         measured.model_time.labels(self._purpose).observe(timer.elapsed())
         return result
+
+    async def facts(self, model: str) -> ModelFacts:
+        return await self._provider.facts(model)
 
     async def close(self) -> None:
         await self._provider.close()
