@@ -4,10 +4,12 @@ the counts match what happened, and no label carries a session id."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Iterator
 
 import httpx
 import pytest
+from nats.aio.client import Client as NATS
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.events import watching
@@ -58,7 +60,7 @@ async def until_counted(system: System, name: str, metric: str, wanted: float,
 
 
 async def test_every_service_counts_a_turn_and_a_compaction(
-        system: System, nats_url: str) -> None:
+        system: System, nats_url: str, nc: NATS) -> None:
     with system.client() as client:
         sid = new_session(client)
         for n in range(2):
@@ -86,6 +88,12 @@ async def test_every_service_counts_a_turn_and_a_compaction(
     assert value(generator, "generator_model_seconds_count", purpose="answer") == 2
     assert value(generator, "generator_model_seconds_count", purpose="summary") == 1
     assert value(generator, "generator_redeliveries_total") == 0
+    # Head starts as the generator's status counts them (the second turn has one).
+    status = json.loads((await nc.request("generator.status", b"", timeout=10)).data)
+    for outcome in ("kept", "abandoned"):
+        assert value(generator, "generator_head_starts_total",
+                     outcome=outcome) == status["head_starts"][outcome]
+    assert sum(status["head_starts"].values()) >= 1
     assert value(generator, "generator_stale_writes_rejected_total") == 0
 
     decider = await until_counted(system, "decider", "decider_generation_reports_total", 2)
