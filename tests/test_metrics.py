@@ -8,21 +8,23 @@ import json
 from collections.abc import Iterator
 
 import httpx
+import nats
 import pytest
-from nats.aio.client import Client as NATS
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.events import watching
-from tests.nats_server import free_port
+from tests.nats_server import NatsServer, free_port
 from tests.system import System, ask, new_session
 
 SERVICES = ("tools", "generator", "decider", "gateway")
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 
-@pytest.fixture(scope="module")
-def system(nats_url: str, stub_url: str) -> Iterator[System]:
-    running = System(nats_url, stub_url, {"COMPACTION_TAIL_TURNS": "1"}, services=SERVICES)
+@pytest.fixture
+def system(private_nats: NatsServer, stub_url: str) -> Iterator[System]:
+    # A NATS of its own: the decider's durable consumer would otherwise
+    # also count the reports other tests left in the shared stream.
+    running = System(private_nats.url, stub_url, {"COMPACTION_TAIL_TURNS": "1"}, services=SERVICES)
     for name in ("tools", "generator", "decider"):
         running[name].env = {**running[name].env, "METRICS_PORT": str(free_port())}
     try:
@@ -60,12 +62,12 @@ async def until_counted(system: System, name: str, metric: str, wanted: float,
 
 
 async def test_every_service_counts_a_turn_and_a_compaction(
-        system: System, nats_url: str, nc: NATS) -> None:
+        system: System, private_nats: NatsServer) -> None:
     with system.client() as client:
         sid = new_session(client)
         for n in range(2):
             assert ask(client, sid, f"question {n} " * 20).status_code == 200
-        async with watching(nats_url, "compaction.result") as results:
+        async with watching(private_nats.url, "compaction.result") as results:
             response = client.post(f"/api/sessions/{sid}/compact")
             assert response.status_code == 202, response.text
             result = await results.wait_for(lambda e: e["session_id"] == sid)
@@ -89,7 +91,11 @@ async def test_every_service_counts_a_turn_and_a_compaction(
     assert value(generator, "generator_model_seconds_count", purpose="summary") == 1
     assert value(generator, "generator_redeliveries_total") == 0
     # Head starts as the generator's status counts them (the second turn has one).
-    status = json.loads((await nc.request("generator.status", b"", timeout=10)).data)
+    nc = await nats.connect(private_nats.url)
+    try:
+        status = json.loads((await nc.request("generator.status", b"", timeout=10)).data)
+    finally:
+        await nc.close()
     for outcome in ("kept", "abandoned"):
         assert value(generator, "generator_head_starts_total",
                      outcome=outcome) == status["head_starts"][outcome]
