@@ -18,7 +18,8 @@ import pytest
 
 from tests.system import System, running_system
 
-CHROMIUM = os.environ.get("CHROMIUM") or shutil.which("chromium") or shutil.which(
+# CHROMIUM names another binary (a path or a command).
+CHROMIUM = shutil.which(os.environ.get("CHROMIUM") or "chromium") or shutil.which(
     "chromium-browser")
 playwright_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
 pytestmark = pytest.mark.skipif(
