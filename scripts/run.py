@@ -40,6 +40,10 @@ SERVICES = ("services.generator", "services.compaction_decider", "services.tools
             "services.gateway")
 NATS_CONFIG = ROOT / "nats.conf"
 STUB_PORT = int(os.environ.get("OLLAMA_STUB_PORT", "11435"))
+# /metrics of the services without an HTTP port of their own, in the order of
+# SERVICES (generator, decider, tools); the gateway serves its own at /metrics.
+METRICS_PORTS = tuple(int(port) for port in
+                      os.environ.get("METRICS_PORTS", "9101,9102,9103").split(","))
 STAND_IN = f"http://127.0.0.1:{STUB_PORT}"
 # The generator's own default (services/generator/settings.py).
 DEFAULT_MODEL = "llama3.2"
@@ -174,11 +178,29 @@ def start_services(env: dict[str, str], children: list[subprocess.Popen[bytes]])
     """Start the four services; returns the page's address once it answers."""
     port = env.get("GATEWAY_PORT", "8080")
     ensure_free(int(port), "the gateway", "set GATEWAY_PORT to another")
-    for module in SERVICES:
-        children.append(subprocess.Popen([sys.executable, "-m", module], cwd=ROOT, env=env))
+    for metrics_port in METRICS_PORTS:
+        ensure_free(metrics_port, "metrics", "set METRICS_PORTS to three others")
+    for module, service_env in zip(SERVICES, metrics_envs(env), strict=True):
+        children.append(subprocess.Popen([sys.executable, "-m", module], cwd=ROOT,
+                                         env=service_env))
     url = page_url(env.get("GATEWAY_HOST", "127.0.0.1"), port)
     wait_for(f"{url}healthz", 30, children[-1])
+    print_metrics_addresses(url)
     return url
+
+
+def metrics_envs(env: dict[str, str]) -> list[dict[str, str]]:
+    """Each service's environment: its own METRICS_PORT, the gateway none."""
+    ports = dict(zip(SERVICES, METRICS_PORTS, strict=False))
+    return [{**env, "METRICS_PORT": str(ports[module])} if module in ports else env
+            for module in SERVICES]
+
+
+def print_metrics_addresses(page: str) -> None:
+    lines = [f"    {module.rsplit('.', 1)[-1]:<20} http://127.0.0.1:{port}/metrics"
+             for module, port in zip(SERVICES, METRICS_PORTS, strict=False)]
+    lines.append(f"    {'gateway':<20} {page}metrics")
+    print("\n  Prometheus metrics:\n" + "\n".join(lines), flush=True)
 
 
 def start_nats(port: int) -> subprocess.Popen[bytes]:

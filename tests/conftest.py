@@ -14,6 +14,14 @@ from tests.nats_server import NatsServer, backend, docker_nats, running_nats
 from tests.stub_server import running_stub
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("contract", "tests/contract against a running system")
+    group.addoption("--nats-url", default=None,
+                    help="the running system's NATS (default: a system the tests start)")
+    group.addoption("--gateway-url", default=None,
+                    help="the running system's gateway, e.g. http://127.0.0.1:8080")
+
+
 @pytest.fixture(scope="session")
 def nats_url() -> Iterator[str]:
     """NATS_URL if given; testcontainers with NATS_TEST_BACKEND=docker; else the

@@ -42,17 +42,31 @@ class Ports:
     gateway: int = field(default_factory=free_port)
     stub: int = field(default_factory=free_port)
     dead_ollama: int = field(default_factory=free_port)
+    metrics: tuple[int, ...] = field(default_factory=lambda: tuple(free_port() for _ in range(3)))
 
 
 def launch(tmp_path: Path, ports: Ports, **extra: str) -> subprocess.Popen[bytes]:
     env = {**os.environ, "DATA_DIR": str(tmp_path), "NATS_PORT": str(ports.nats),
            "GATEWAY_PORT": str(ports.gateway), "OLLAMA_STUB_PORT": str(ports.stub),
            "OLLAMA_HOST": f"http://127.0.0.1:{ports.dead_ollama}", "LOG_FORMAT": "json",
-           **extra}
+           "METRICS_PORTS": ",".join(str(port) for port in ports.metrics), **extra}
     env.pop("NATS_URL", None)
     with (tmp_path / "run.log").open("wb") as log:  # the child keeps its own copy
         return subprocess.Popen([sys.executable, "scripts/run.py"], cwd=REPO_ROOT, env=env,
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def scraped(url: str, timeout_s: float = 30) -> str:
+    """The metrics at `url`, once its service listens (the launcher waits for
+    the gateway only)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return httpx.get(url).text
+        except httpx.TransportError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
 
 
 def listening(port: int) -> bool:
@@ -73,6 +87,8 @@ def test_the_launcher_starts_everything_and_stops_it_all(tmp_path: Path, stop: s
                            timeout=30)
         assert reply.json()["reply"] == "Echo: hi (turn 1)"
         assert "<!doctype html>" in httpx.get(base).text.lower()
+        for url in (f"{base}/metrics", *(f"http://127.0.0.1:{p}/metrics" for p in ports.metrics)):
+            assert "nats_connected" in scraped(url), url
         if stop == "ctrl-c":
             os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does in a terminal
         else:
@@ -84,6 +100,7 @@ def test_the_launcher_starts_everything_and_stops_it_all(tmp_path: Path, stop: s
     output = (tmp_path / "run.log").read_text()
     assert "DETERMINISTIC STAND-IN" in output
     assert f"{READY_LINE}http://127.0.0.1:{ports.gateway}/" in output
+    assert f"http://127.0.0.1:{ports.metrics[0]}/metrics" in output
     assert (tmp_path / "nats" / "jetstream").is_dir()
     with pytest.raises(ProcessLookupError):  # nothing of the launcher's group is left
         os.killpg(proc.pid, 0)

@@ -33,6 +33,7 @@ from services.core.decision import (
 )
 from services.core.text_size import Size
 from services.core.tokens import Calibration, calibrate, estimate_tokens, prompt_budget
+from services.shared import metrics
 from services.shared.bus import Bus
 from services.shared.consumer import PullLoop, ensure_consumer
 from services.shared.live_config import LiveSettings
@@ -156,6 +157,9 @@ class Decider:
     async def _consider(self, env: Envelope[GenerationReport]) -> None:
         report, sid = env.payload, env.payload.session_id
         tracked = self._track(sid)
+        metrics.decider().estimate_checked(
+            estimate_tokens(report.sent_chars, tracked.calibration, report.sent_messages),
+            report.prompt_tokens)
         tracked.calibration = calibrate(
             tracked.calibration, report.prompt_tokens, report.sent_chars, report.num_ctx,
             messages=report.sent_messages, extra_bytes=report.sent_extra_bytes,
@@ -174,6 +178,7 @@ class Decider:
         correlation_id = tracked.awaiting = new_id()
         if await self._request(sid, decision, correlation_id):
             self._fired += 1
+            metrics.decider().requests.labels(decision.level.value).inc()
             # Pending only once the request is stored, and only if its result
             # has not already come meanwhile (it clears `awaiting`).
             if tracked.awaiting == correlation_id:

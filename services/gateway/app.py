@@ -12,19 +12,25 @@ import structlog
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.gateway.api import NATS_AWAY, Api, HttpError, error, nats_away
 from services.gateway.live import LiveFeed
 from services.gateway.replies import ReplyRouter
 from services.gateway.settings import GatewaySettings
+from services.shared import metrics
 from services.shared.bus import Bus
 from services.shared.jetstream import sessions_bucket
 from services.shared.runner import Endpoint
 from services.shared.sessions import SessionStore
 
 log = structlog.get_logger()
+# Any method name reaches us; only these are labels of their own.
+HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 
 
 def build_app(api: Api) -> Starlette:
@@ -48,11 +54,36 @@ def build_app(api: Api) -> Starlette:
         return error(500, "internal_error", f"{type(exc).__name__}: {exc}")
 
     return Starlette(
-        routes=api.routes(),
+        routes=[*api.routes(), Route("/metrics", serve_metrics)],
+        middleware=[Middleware(CountResponses)],
         exception_handlers={HttpError: on_http_error, HTTPException: on_no_route,
                             **dict.fromkeys(NATS_AWAY, on_nats_away),
                             Exception: on_unexpected},
     )
+
+
+async def serve_metrics(request: Request) -> Response:
+    return Response(metrics.exposition(), media_type=metrics.CONTENT_TYPE)
+
+
+class CountResponses:
+    """Counts HTTP responses by method and status (both bounded sets)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self._app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self._app(scope, receive, send)
+            return
+
+        async def counted(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                method = scope["method"] if scope["method"] in HTTP_METHODS else "other"
+                metrics.gateway().http.labels(method, str(message["status"])).inc()
+            await send(message)
+
+        await self._app(scope, receive, counted)
 
 
 class _Server(uvicorn.Server):

@@ -45,6 +45,7 @@ from services.generator.provider import ChatProvider, ChatRequest, ChatResult, P
 from services.generator.session_lock import LockTimeout, SessionLocks
 from services.generator.settings import GeneratorSettings
 from services.generator.states import SessionStates
+from services.shared import metrics
 from services.shared.bus import Bus
 from services.shared.history_store import HistoryConflict, HistoryStore, HistoryView
 from services.shared.live_config import LiveSettings
@@ -233,7 +234,7 @@ class Compactor:
         zone = Zone.of(plan.to_compact, first_request_of(plan.snapshot), job.instructions)
         timeout = self._settings.summary_timeout_s
         try:
-            async with asyncio.timeout(timeout):
+            async with asyncio.timeout(timeout), metrics.timed(metrics.generator().summary_time):
                 return await self._in_pieces(record, zone, plan.snapshot.summary, job)
         except TimeoutError as err:
             raise CompactionFailed(f"summariser failed: no summary within {timeout:g} s") from err
@@ -344,6 +345,8 @@ class Compactor:
         # (unless another compaction runs). A redelivered request ends its
         # predecessor's entry too: they share the correlation id.
         await self._states.compaction_ended(job.session_id, job.correlation_id)
+        metrics.generator().compaction_finished(result.status, job.level, job.auto,
+                                                result.tokens_before, result.tokens_after)
         await self._bus.publish(subjects.COMPACTION_RESULT, result,
                                 correlation_id=job.correlation_id, session_id=job.session_id)
 

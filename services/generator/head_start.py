@@ -28,6 +28,7 @@ import structlog
 from schemas.session import SessionRecord
 from services.generator.provider import ChatResult
 from services.generator.token_stream import TokenStream
+from services.shared import metrics
 from services.shared.history_store import HistoryView
 
 log = structlog.get_logger()
@@ -74,6 +75,7 @@ class HeadStart:
 
     def _settle(self, kept: bool) -> None:
         self.settled = True
+        metrics.generator().head_starts.labels("kept" if kept else "abandoned").inc()
         if kept:
             self.count.kept += 1
         else:

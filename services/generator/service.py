@@ -29,6 +29,7 @@ from services.core.state_machine import Action, CompactionMode
 from services.generator.arrival_order import ArrivalOrder, HandBacks
 from services.generator.compaction import Compactor
 from services.generator.head_start import HeadStart
+from services.generator.metered import MeteredProvider
 from services.generator.provider import ChatProvider, OllamaProvider
 from services.generator.session_lock import Lease, LockTimeout, SessionLocks
 from services.generator.settings import GeneratorSettings
@@ -36,6 +37,7 @@ from services.generator.slots import Slots
 from services.generator.states import SessionStates
 from services.generator.toolbox import Toolbox
 from services.generator.turns import FollowUp, TurnError, TurnRunner
+from services.shared import metrics
 from services.shared.bus import MSG_ID_HEADER, Bus
 from services.shared.consumer import Delivery, PullLoop, ensure_consumer
 from services.shared.history_store import HistoryConflict, HistoryStore
@@ -149,9 +151,10 @@ class Generator:
         self._states = SessionStates(bus, settings.generator_id,
                                      CompactionMode(settings.compaction_mode))
         toolbox = Toolbox(bus, settings.tool_timeout_s)
-        self._compactor = Compactor(bus, self._live, provider, self._history, sessions, locks,
-                                    self._states, toolbox)
-        self._turns = TurnRunner(bus, self._live, provider, self._history, sessions,
+        self._compactor = Compactor(bus, self._live, MeteredProvider(provider, "summary"),
+                                    self._history, sessions, locks, self._states, toolbox)
+        self._turns = TurnRunner(bus, self._live, MeteredProvider(provider, "answer"),
+                                 self._history, sessions,
                                  self._states, toolbox, self._compactor)
         self._arrival = ArrivalOrder()
         self._hand_backs = HandBacks(OUT_OF_ORDER_DELAY_S, OUT_OF_ORDER_MAX_DELAY_S)
@@ -324,6 +327,7 @@ class Generator:
             await msg.term()  # a malformed query would only come back
             return
         sid = env.payload.session_id
+        metrics.generator().query_received(env.timestamp, msg.metadata.num_delivered)
         task = asyncio.current_task()
         if self._slots.holds(task) and self._slots.join(task, sid):
             self._room_freed()  # queued behind the session's own query: no slot of its own
@@ -355,6 +359,7 @@ class Generator:
         # may be stored already) or the session is to wait for a compaction.
         early = not blocked and msg.metadata.num_delivered == 1
         head = await self._turns.head_start(env) if early else None
+        asked = metrics.Timer()
         try:
             earlier, taken = await self._first_try(sid, msg)
             if earlier is not None:
@@ -365,6 +370,7 @@ class Generator:
                 head.abandon()  # someone else holds the session: its history will move
                 head = None
             async with self._locks.hold(sid, "query", wait_s=wait, taken=taken) as lease:
+                metrics.generator().lock_wait.observe(asked.elapsed())
                 return await self._answer(delivery, env, lease, head)
         except LockTimeout:
             if blocked:
@@ -420,6 +426,7 @@ class Generator:
             # Our view is stale (we lost the lease while frozen): let the query come
             # back; the redelivery sees what was written and never answers twice.
             log.error("stale_history_write_rejected")
+            metrics.generator().stale_writes.inc()
             await self._states.recover(sid, env.correlation_id)
             await delivery.nak(0.2)
             return None
@@ -443,6 +450,7 @@ class Generator:
         self._answered.remember(delivery.msg.metadata.sequence.stream, reply,
                                 delivery.ack_confirmed(ACK_CONFIRM_S))
         sid = env.payload.session_id
+        metrics.generator().turn_finished(env.timestamp, reply.error_code)
         await self._bus.publish(subjects.reply(sid), reply,
                                 correlation_id=env.correlation_id, session_id=sid)
         self._give_room_back(asyncio.current_task())

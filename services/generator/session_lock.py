@@ -32,6 +32,7 @@ import structlog
 from nats.js.errors import APIError, KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
+from services.shared import metrics
 from services.shared.bus import parse_json
 from services.shared.history_store import WRONG_LAST_SEQUENCE
 from services.shared.recent import Recent
@@ -154,7 +155,9 @@ class SessionLocks:
         if entry.value != FREE or entry.revision is None:
             return None
         with contextlib.suppress(KeyWrongLastSequenceError):
-            return await self._kv.update(sid, value, last=entry.revision)
+            revision = await self._kv.update(sid, value, last=entry.revision)
+            metrics.generator().lock_takeovers.inc()
+            return revision
         return None
 
     async def purpose_of(self, sid: str) -> str | None:

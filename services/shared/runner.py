@@ -28,6 +28,7 @@ from nats.micro import add_service
 from nats.micro.request import Request
 from nats.micro.service import Service
 
+from services.shared import metrics
 from services.shared.bus import Bus, connect
 from services.shared.jetstream import ensure_layout
 from services.shared.logging import configure_logging
@@ -82,6 +83,7 @@ async def serve(
         return
     stopping.cancel()
     nc = connecting.result()
+    metrics.watch_connection(nc, name)
     bus = Bus(nc, name)
     await ensure_layout(bus.js, lock_lease_s, settings.jetstream_replicas)
 
@@ -93,7 +95,8 @@ async def serve(
     await component.start()
     reconnects.add(component.reconnected)
     micro = await _register(nc, name, description, component)
-    log.info("service_started", nats_url=settings.nats_url)
+    metrics.serve_on(settings.metrics_port, settings.metrics_host)
+    log.info("service_started", nats_url=settings.nats_url, metrics_port=settings.metrics_port)
     await stop.wait()
     log.info("service_stopping")
     await reconnects.stop()

@@ -35,6 +35,10 @@ class ServiceSettings(BaseSettings):
     log_format: LogFormat = "auto"
     # How long a connection attempt may take before we retry (NATS may start later).
     nats_connect_timeout_s: float = Field(default=2.0, gt=0)
+    # Prometheus /metrics of a service other than the gateway (which serves
+    # them on its HTTP port): off when no port is given.
+    metrics_port: int | None = Field(default=None, ge=0, le=65535)
+    metrics_host: str = "127.0.0.1"
 
     @field_validator("nats_url")
     @classmethod

@@ -1,0 +1,230 @@
+"""A terminal chat against the gateway: streamed answers, compaction, state.
+
+    python -m scripts.chat                          # a new session
+    python -m scripts.chat --session 3f2a9c...      # go on with one
+    python -m scripts.chat --url http://host:8080   # another gateway (or GATEWAY_URL)
+
+Type a message and Enter. Commands: `/compact [instructions]`, `/state`,
+`/transcript`, `/help`, `/quit` (or Ctrl-D). After each answer a context line
+shows how full the window is. On a terminal the input line has history and
+editing (prompt_toolkit); from a pipe, lines are read as they come.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+from rich.console import Console
+from rich.text import Text
+
+DEFAULT_URL = "http://127.0.0.1:8080"
+HELP = ("Commands: /compact [instructions] · /state · /transcript · /help · /quit\n"
+        "Anything else is sent as a message.")
+Event = tuple[str, Any]
+
+
+class ChatError(Exception):
+    pass
+
+
+def sse_events(lines: Iterator[str]) -> Iterator[Event]:
+    """(event, data) of a server-sent event stream; comments as ("", text)."""
+    name, data = "message", []
+    for line in lines:
+        if line.startswith(":"):
+            yield "", line[1:].strip()
+        elif line.startswith("event:"):
+            name = line[6:].strip()
+        elif line.startswith("data:"):
+            data.append(line[5:].lstrip())
+        elif not line and data:
+            yield name, json.loads("\n".join(data))
+            name, data = "message", []
+
+
+def failure(response: httpx.Response) -> ChatError:
+    try:
+        err = response.json()["error"]
+        return ChatError(f"{err['code']}: {err['message']}")
+    except (ValueError, KeyError, TypeError):
+        return ChatError(f"HTTP {response.status_code}: {response.text[:200]}")
+
+
+class Chat:
+    def __init__(self, client: httpx.Client, console: Console) -> None:
+        self.client = client
+        self.out = console
+        self.sid = ""
+
+    def open(self, sid: str | None) -> None:
+        if sid:
+            self.session(sid)  # fails clearly on an unknown id
+            self.sid = sid
+        else:
+            response = self.client.post("/api/sessions", json={})
+            if response.status_code != 201:
+                raise failure(response)
+            self.sid = response.json()["session_id"]
+        self.out.print(Text(f"session {self.sid}  (/help for commands)", style="bold"))
+
+    def session(self, sid: str | None = None) -> dict[str, Any]:
+        response = self.client.get(f"/api/sessions/{sid or self.sid}")
+        if response.status_code != 200:
+            raise failure(response)
+        body: dict[str, Any] = response.json()
+        return body
+
+    def handle(self, line: str) -> bool:
+        """Act on one input line; False when the user is done."""
+        command, _, rest = line.strip().partition(" ")
+        actions: dict[str, Callable[[str], None]] = {
+            "/compact": self.compact, "/state": self.state, "/transcript": self.transcript,
+            "/help": lambda _: self.out.print(HELP)}
+        if command in ("/quit", "/exit"):
+            return False
+        if command in actions:
+            actions[command](rest.strip())
+        elif command.startswith("/"):
+            self.out.print(Text(f"unknown command {command}; /help lists them", style="red"))
+        elif line.strip():
+            self.send(line)
+        return True
+
+    def send(self, content: str) -> None:
+        self.out.print(Text("assistant: ", style="bold green"), end="")
+        with self.client.stream("POST", f"/api/sessions/{self.sid}/messages",
+                                json={"content": content},
+                                headers={"Accept": "text/event-stream"}) as response:
+            if response.status_code != 200:
+                response.read()
+                raise failure(response)
+            for name, data in sse_events(response.iter_lines()):
+                if name == "token":
+                    self.out.print(data["text"], end="", markup=False, highlight=False)
+                elif name == "restart":
+                    self.out.print(Text("\n(generating again)\nassistant: ", style="yellow"),
+                                   end="")
+                elif name == "error":
+                    self.out.print()
+                    raise ChatError(f"{data['error']['code']}: {data['error']['message']}")
+                elif name == "done":
+                    break
+        self.out.print()
+        self.context_line()
+
+    def context_line(self) -> None:
+        s = self.session()
+        share = 100 * s["token_count"] / s["budget"] if s["budget"] else 0.0
+        self.out.print(Text(
+            f"context: {s['token_count']} / {s['budget']} tokens ({share:.0f} % of the budget, "
+            f"window {s['num_ctx']}) · {len(s['messages'])} messages · "
+            f"{s['compactions']} compactions", style="dim"))
+
+    def compact(self, instructions: str) -> None:
+        """Ask for a compaction and follow it on the live feed to its result."""
+        body = {"instructions": instructions} if instructions else {}
+        with self.client.stream("GET", "/api/events", params={"session_id": self.sid},
+                                timeout=httpx.Timeout(30, read=None)) as events:
+            for name, data in sse_events(events.iter_lines()):
+                if name == "" and data == "connected":  # subscribed: nothing is missed
+                    response = self.client.post(f"/api/sessions/{self.sid}/compact", json=body)
+                    if response.status_code != 202:
+                        raise failure(response)
+                    self.out.print(Text("compaction requested", style="yellow"))
+                elif name == "compaction.event":
+                    self.out.print(Text("compacting…", style="yellow"))
+                elif name == "compaction.result":
+                    self.out.print(Text(result_text(data["payload"]), style="yellow"))
+                    break
+        self.context_line()
+
+    def state(self, _: str = "") -> None:
+        s = self.session()
+        self.out.print(f"state {s['state']} (phase {s['phase']}) · model {s['model']} · "
+                       f"auto-compact {'on' if s['auto_compact'] else 'off'}")
+        self.context_line()
+
+    def transcript(self, _: str = "") -> None:
+        response = self.client.get(f"/api/sessions/{self.sid}/transcript")
+        if response.status_code == 200:
+            for message in response.json().get("messages", []):
+                self.print_message(message)
+            return
+        # No full transcript from this gateway: what the model sees now.
+        self.out.print(Text("(this gateway has no transcript endpoint: showing the current "
+                            "context, the summary standing for what was compacted)",
+                            style="dim"))
+        s = self.session()
+        if s.get("summary"):
+            self.print_message({"role": "summary", "content": s["summary"]})
+        for message in s["messages"]:
+            self.print_message(message)
+
+    def print_message(self, message: dict[str, Any]) -> None:
+        line = Text(f"{message.get('role', '?')}: ", style="bold")
+        line.append(str(message.get("content") or ""))
+        self.out.print(line)
+
+
+def result_text(p: dict[str, Any]) -> str:
+    status = p.get("status", "completed")
+    if status == "completed":
+        return f"compaction completed: {p.get('tokens_before')} → {p.get('tokens_after')} tokens"
+    return f"compaction {status}: {p.get('error') or ''}".rstrip(": ")
+
+
+def lines_from_terminal() -> Iterator[str]:
+    from prompt_toolkit import PromptSession
+
+    prompt: PromptSession[str] = PromptSession()
+    while True:
+        try:
+            yield prompt.prompt("you: ")
+        except KeyboardInterrupt:
+            continue  # Ctrl-C clears the line, as in a shell
+        except EOFError:
+            return
+
+
+def lines_from_pipe() -> Iterator[str]:
+    for line in sys.stdin:
+        yield line.rstrip("\n")
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m scripts.chat", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--session", help="go on with this session (default: a new one)")
+    parser.add_argument("--url", default=os.environ.get("GATEWAY_URL", DEFAULT_URL),
+                        help=f"the gateway (default: GATEWAY_URL or {DEFAULT_URL})")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    console = Console(highlight=False, soft_wrap=True)
+    with httpx.Client(base_url=args.url.rstrip("/"), timeout=httpx.Timeout(30, read=330)) as c:
+        chat = Chat(c, console)
+        try:
+            chat.open(args.session)
+        except (ChatError, httpx.HTTPError) as err:
+            console.print(Text(f"cannot start: {err}", style="bold red"))
+            return 1
+        lines = lines_from_terminal() if sys.stdin.isatty() else lines_from_pipe()
+        for line in lines:
+            try:
+                if not chat.handle(line):
+                    break
+            except (ChatError, httpx.HTTPError) as err:
+                console.print(Text(f"error: {err}", style="bold red"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,186 @@
+"""The page driven in a real browser: Playwright's Python package with the
+system's Chromium (no browser download), against the whole product.
+
+Skipped, with the reason shown, where no Chromium is installed (`.ci/run`
+installs it). Every test fails on a console error or an uncaught exception
+in the page, and saves a screenshot under its temporary directory.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.system import System, running_system
+
+# CHROMIUM names another binary (a path or a command).
+CHROMIUM = shutil.which(os.environ.get("CHROMIUM") or "chromium") or shutil.which(
+    "chromium-browser")
+playwright_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
+pytestmark = pytest.mark.skipif(
+    CHROMIUM is None, reason="no Chromium on this machine (apt-get install chromium)")
+
+CHROMIUM_FLAGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+    "--disable-component-update", "--disable-sync", "--no-first-run",
+]
+SUMMARY_MODEL = "browser-summariser"
+WAIT_MS = 30_000
+HOSTILE = "<img src=x onerror=alert(1)>"
+
+
+@pytest.fixture(scope="module")
+def system(nats_url: str, stub_url: str) -> Iterator[System]:
+    # A small window so a few turns move the gauge; automatic compaction off
+    # so only the Compact button compacts; the summariser a model of its own
+    # so the test can hold its call and see `compacting` for as long as it looks.
+    env = {"NUM_CTX": "2048", "COMPACTION_THRESHOLD": "0", "COMPACTION_TAIL_TURNS": "1",
+           "COMPACTION_MODEL": SUMMARY_MODEL}
+    with running_system(nats_url, stub_url, env) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[playwright_api.Browser]:
+    with playwright_api.sync_playwright() as p:
+        launched = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
+        yield launched
+        launched.close()
+
+
+class Watched:
+    """A page whose console errors, page errors and dialogs are recorded."""
+
+    def __init__(self, page: playwright_api.Page, shots: Path) -> None:
+        self.page = page
+        self.shots = shots
+        self.problems: list[str] = []
+        self.dialogs: list[str] = []
+        page.on("console", self._on_console)
+        page.on("pageerror", lambda exc: self.problems.append(f"page error: {exc}"))
+        page.on("dialog", self._on_dialog)
+
+    def _on_console(self, message: playwright_api.ConsoleMessage) -> None:
+        if message.type == "error":
+            self.problems.append(f"console error: {message.text}")
+
+    def _on_dialog(self, dialog: playwright_api.Dialog) -> None:
+        self.dialogs.append(dialog.message)
+        dialog.dismiss()
+
+    def shot(self, name: str) -> None:
+        self.page.screenshot(path=str(self.shots / f"{name}.png"), full_page=True)
+
+
+@pytest.fixture
+def watched(browser: playwright_api.Browser, system: System, tmp_path: Path,
+            request: pytest.FixtureRequest) -> Iterator[Watched]:
+    width = getattr(request, "param", 1280)
+    context = browser.new_context(viewport={"width": width, "height": 900},
+                                  base_url=system.base_url)
+    page = context.new_page()
+    page.set_default_timeout(WAIT_MS)
+    watcher = Watched(page, tmp_path)
+    page.goto("/")
+    yield watcher
+    watcher.shot("last")
+    context.close()
+    assert watcher.problems == [], watcher.problems
+
+
+def create_session(page: playwright_api.Page) -> str:
+    page.click("#new-session-button")
+    page.click("#new-session-create")
+    playwright_api.expect(page.locator("#message-input")).to_be_enabled()
+    page.wait_for_function("location.hash.includes('session=')")
+    return str(page.evaluate("decodeURIComponent(location.hash.split('session=')[1])"))
+
+
+def send(page: playwright_api.Page, text: str) -> None:
+    answers = page.locator("#messages .msg-assistant")
+    before = answers.count()
+    page.fill("#message-input", text)
+    page.click("#send-button")
+    playwright_api.expect(answers).to_have_count(before + 1)
+    playwright_api.expect(page.locator("#messages .msg-pending")).to_have_count(0)
+    playwright_api.expect(page.locator("#send-button")).to_be_enabled()
+
+
+def gauge_percent(page: playwright_api.Page) -> int:
+    return int(page.get_attribute("#gauge", "aria-valuenow") or "0")
+
+
+def configure_stub(url: str, **config: object) -> None:
+    httpx.post(f"{url}/_stub/config", json=config, timeout=10).raise_for_status()
+
+
+def test_a_message_streams_and_the_state_badge_moves(
+        watched: Watched, stub_url: str) -> None:
+    page = watched.page
+    create_session(page)
+    configure_stub(stub_url, ms_per_token=40)
+    try:
+        page.fill("#message-input", "tell me a story about the sea and the ships on it")
+        page.click("#send-button")
+        pending = page.locator("#messages .msg-pending .msg-text")
+        # Streaming: part of the answer is on the page while it is still pending.
+        playwright_api.expect(pending).not_to_have_text("")
+        playwright_api.expect(page.locator("#state-badge")).to_have_attribute(
+            "data-state", "generating")
+        watched.shot("streaming")
+        playwright_api.expect(page.locator("#messages .msg-pending")).to_have_count(0)
+    finally:
+        configure_stub(stub_url, ms_per_token=0)
+    playwright_api.expect(page.locator("#state-badge")).to_have_attribute("data-state", "idle")
+    assert page.locator("#messages .msg-assistant .msg-text").last.inner_text().strip()
+
+
+def test_compact_shows_compacting_then_the_result_and_the_gauge_drops(
+        watched: Watched, stub_url: str) -> None:
+    page = watched.page
+    create_session(page)
+    for n in range(3):
+        send(page, f"turn {n}: " + "the quick brown fox jumps over the lazy dog " * 12)
+    before = gauge_percent(page)
+    configure_stub(stub_url, held_models=[SUMMARY_MODEL])
+    try:
+        page.click("#compact-button")
+        playwright_api.expect(page.locator("#state-badge")).to_have_attribute(
+            "data-state", "compacting")
+        playwright_api.expect(page.locator("#compacting-banner")).to_be_visible()
+        watched.shot("compacting")
+    finally:
+        configure_stub(stub_url, held_models=[])
+    playwright_api.expect(page.locator("#compact-status")).to_contain_text(
+        "Compaction completed")
+    playwright_api.expect(page.locator("#compacting-banner")).to_be_hidden()
+    page.wait_for_function(
+        f"Number(document.getElementById('gauge').getAttribute('aria-valuenow')) < {before}")
+    playwright_api.expect(page.locator("#fact-compactions")).to_have_text("1")
+    watched.shot("compacted")
+
+
+def test_markup_in_a_message_is_shown_as_text(watched: Watched) -> None:
+    page = watched.page
+    create_session(page)
+    send(page, HOSTILE)
+    user = page.locator("#messages .msg-user .msg-text").last
+    playwright_api.expect(user).to_have_text(HOSTILE)
+    assert page.locator("#messages img").count() == 0
+    assert watched.dialogs == []
+
+
+@pytest.mark.parametrize("watched", [390], indirect=True)
+def test_a_message_is_sent_on_a_narrow_screen(watched: Watched) -> None:
+    page = watched.page
+    create_session(page)
+    assert page.evaluate("document.documentElement.scrollWidth") <= 390
+    send(page, "hello from a phone")
+    playwright_api.expect(page.locator("#messages .msg-user .msg-text").last).to_have_text(
+        "hello from a phone")
+    watched.shot("narrow")

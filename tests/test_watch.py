@@ -1,0 +1,102 @@
+"""`python -m scripts.watch`: one readable line per message, filtered by
+session and subject, raw with --json; run as a process against real NATS."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import pytest
+from nats.aio.client import Client as NATS
+
+from scripts.watch import describe
+from tests.processes import REPO_ROOT
+
+
+def envelope(subject: str, message_type: str, sid: str, **payload: object) -> bytes:
+    return json.dumps({
+        "message_id": "m1", "message_type": message_type, "subject": subject,
+        "sender_id": "generator", "correlation_id": "c1", "session_id": sid,
+        "timestamp": "2026-01-02T03:04:05.678901+00:00", "schema_version": 1,
+        "payload": {"session_id": sid, **payload},
+    }).encode()
+
+
+STATE = envelope("generator.state.abcdef123456", "generator.state", "abcdef123456",
+                 from_state="idle", to_state="receiving", action="receive", generator_id="g")
+RESULT = envelope("compaction.result", "compaction.result", "abcdef123456",
+                  status="completed", tokens_before=900, tokens_after=300, level="gentle")
+GENERATION = envelope("response.generation", "response.generation", "abcdef123456",
+                      model="m", prompt_tokens=120, completion_tokens=30, sent_chars=480,
+                      num_ctx=2048, duration_ms=12.5)
+
+
+@pytest.mark.parametrize("subject, data, wanted", [
+    ("generator.state.abcdef123456", STATE, "idle → receiving"),
+    ("compaction.result", RESULT, "completed gentle manual, 900 → 300 tokens"),
+    ("response.generation", GENERATION, "prompt 120 · completion 30 tokens · 480 chars"),
+])
+def test_each_kind_of_message_shows_its_key_fields(subject: str, data: bytes,
+                                                   wanted: str) -> None:
+    line = describe(subject, data)
+    assert wanted in line.detail
+    assert (line.time, line.sender, line.session) == ("03:04:05.678", "generator", "abcdef12")
+
+
+def test_what_is_not_an_envelope_is_shown_raw() -> None:
+    assert describe("tool.list", b"[1, 2]").detail == "[1, 2]"
+    assert describe("x", b"\xff{").detail  # never raises
+
+
+@asynccontextmanager
+async def watcher(nats_url: str, *args: str) -> AsyncIterator[asyncio.subprocess.Process]:
+    env = {**os.environ, "NATS_URL": nats_url, "PYTHONUNBUFFERED": "1"}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "scripts.watch", *args, cwd=REPO_ROOT, env=env,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    try:
+        yield proc
+    finally:
+        proc.terminate()
+        await proc.wait()
+
+
+async def line_with(proc: asyncio.subprocess.Process, text: str) -> list[str]:
+    """Lines printed until one containing `text` (that one last)."""
+    assert proc.stdout is not None
+    lines: list[str] = []
+    async with asyncio.timeout(20):
+        while not lines or text not in lines[-1]:
+            lines.append((await proc.stdout.readline()).decode())
+            assert lines[-1], f"the watcher exited: {lines}"
+    return lines
+
+
+async def test_it_prints_one_line_per_message_of_the_session_asked_for(
+        nats_url: str, nc: NATS) -> None:
+    async with watcher(nats_url, "--session", "abcdef") as proc:
+        await line_with(proc, "watching")
+        await nc.publish("generator.state.other", envelope(
+            "generator.state.other", "generator.state", "other", from_state="idle",
+            to_state="receiving", action="receive", generator_id="g"))
+        await nc.publish("generator.state.abcdef123456", STATE)
+        await nc.publish("compaction.result", RESULT)
+        lines = await line_with(proc, "900 → 300")
+    assert "idle → receiving" in lines[0] and "abcdef12" in lines[0]
+    assert not any("other" in line for line in lines)
+    assert len(lines) == 2
+
+
+async def test_json_prints_the_raw_envelope_of_the_subjects_asked_for(
+        nats_url: str, nc: NATS) -> None:
+    async with watcher(nats_url, "--json", "--subject", "compaction.>") as proc:
+        await line_with(proc, "watching")
+        await nc.publish("response.generation", GENERATION)  # not asked for
+        await nc.publish("compaction.result", RESULT)
+        lines = await line_with(proc, "compaction.result")
+    assert len(lines) == 1
+    assert json.loads(lines[0])["payload"]["tokens_after"] == 300
