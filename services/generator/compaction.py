@@ -3,8 +3,9 @@ splice the summary in, without freezing the session.
 
 Background mode (the default): snapshot the history, announce `compacting`,
 write the summary while the session goes on answering, then take the
-session lock only for the splice: one rollup message, compare-and-swap on
-the sequence just read, keeping every message appended since the snapshot.
+session lock only for the splice: one snapshot message (the transcript's
+marker, and where the context starts from then on), compare-and-swap on the
+sequence just read, keeping every message appended since the snapshot.
 Blocking mode holds the lock for the whole compaction, like the first seed.
 
 Every attempt ends with exactly one `compaction.result`: completed, skipped
@@ -18,6 +19,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any, Protocol
 
 import structlog
@@ -179,7 +181,11 @@ class Compactor:
         except SpliceConflict as err:
             # Another compaction (an emergency one inside a turn) got there first.
             return self._skipped(job, f"superseded: {err}")
-        except (CompactionFailed, HistoryConflict) as err:
+        except HistoryConflict as err:
+            if not await self._sessions.exists(sid):
+                return self._skipped(job, "the session was deleted")
+            return self._failed(job, str(err))
+        except CompactionFailed as err:
             return self._failed(job, str(err))
         except IllegalTransition:
             return self._skipped(job, "session is busy (blocking mode compacts only when idle)")
@@ -284,6 +290,8 @@ class Compactor:
         during the summary included, not against the older snapshot. Without
         a summary, the structural fallback (old tool output elided) is spliced
         if it frees anything; otherwise the summariser's failure stands."""
+        if current.last_seq == 0 and not await self._sessions.exists(record.session_id):
+            raise CompactionSkipped("the session was deleted")
         before = self.tokens(record, current.conversation)
         if written.summary is None:
             snapshot = splice_elided(current.conversation, plan)
@@ -296,7 +304,9 @@ class Compactor:
         if after >= before:
             raise CompactionSkipped(
                 f"the summary frees too little ({before} -> {after} tokens); history unchanged")
-        snapshot = snapshot.model_copy(update={"request_id": job.request_id})
+        snapshot = snapshot.model_copy(update={
+            "request_id": job.request_id, "at": datetime.now(UTC), "auto": job.auto,
+            "level": job.level, "tokens_before": before, "tokens_after": after})
         return await self._history.splice(record.session_id, current, snapshot), before
 
     def tokens(self, record: SessionRecord, conversation: Conversation) -> int:

@@ -53,7 +53,7 @@ from services.shared.bus import Bus
 from services.shared.history_store import HistoryStore, HistoryView
 from services.shared.live_config import LiveSettings
 from services.shared.recent import Recent
-from services.shared.sessions import SessionStore
+from services.shared.sessions import SessionNotFound, SessionStore
 
 log = structlog.get_logger()
 Messages = list[dict[str, Any]]
@@ -146,6 +146,10 @@ class TurnRunner:
         nor the session's next query need wait for."""
         sid, query_id = env.payload.session_id, env.message_id
         view = await self._history.read(sid, current=lease.resumed)
+        if view.last_seq == 0 and not await self._sessions.exists(sid):
+            # Asked afresh only for an empty history: a session deleted while
+            # this process kept its record must not be written again.
+            raise SessionNotFound(sid)
         done = previous_answer(view.conversation, query_id)
         if done is not None:
             log.info("query_already_answered")

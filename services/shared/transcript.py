@@ -1,0 +1,73 @@
+"""Reading a session's transcript from its history subject, a page at a time,
+and trimming it to the retention setting without touching the context."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
+
+from nats.js import JetStreamContext
+from nats.js.errors import NotFoundError
+
+from schemas import subjects
+from schemas.history import HistoryEntry
+from services.core.transcript import Item, Position, StoredEntry, items_of
+
+
+async def stored_entries(js: JetStreamContext, sid: str,
+                         from_seq: int = 1) -> AsyncIterator[StoredEntry]:
+    """The session's entries from stream sequence `from_seq` on, in order,
+    up to the last one stored when the walk started."""
+    subject = subjects.history(sid)
+    try:
+        last = int((await js.get_last_msg(subjects.HISTORY_STREAM, subject, direct=True)).seq
+                   or 0)
+    except NotFoundError:
+        return
+    seq = max(from_seq, 1) - 1
+    while seq < last:
+        try:
+            msg = await js.get_msg(subjects.HISTORY_STREAM, seq=seq + 1, subject=subject,
+                                   next=True, direct=True)
+        except NotFoundError:
+            return
+        seq = int(msg.seq or seq + 1)
+        yield StoredEntry(seq, msg.time, HistoryEntry.model_validate_json(msg.data or b""))
+
+
+async def page(js: JetStreamContext, sid: str, after: Position | None,
+               limit: int) -> tuple[list[Item], Position | None]:
+    """Up to `limit` items past `after`, and the cursor of the next page
+    (None when these are the last)."""
+    found: list[Item] = []
+    async for stored in stored_entries(js, sid, after.seq if after is not None else 1):
+        for item in items_of(stored):
+            if after is not None and item.position <= after:
+                continue
+            if len(found) == limit:
+                return found, found[-1].position
+            found.append(item)
+    return found, None
+
+
+async def every_item(js: JetStreamContext, sid: str) -> list[Item]:
+    return [item async for stored in stored_entries(js, sid) for item in items_of(stored)]
+
+
+async def trim(js: JetStreamContext, sid: str, base_seq: int, max_age_s: float,
+               now: datetime | None = None) -> int:
+    """Drop the session's entries older than `max_age_s`, but none from
+    `base_seq` (where its context starts) on. Returns the sequence below which
+    nothing is kept now (0: nothing dropped)."""
+    if base_seq == 0:
+        return 0  # never compacted: the context is the whole transcript
+    cutoff = (now or datetime.now(UTC)) - timedelta(seconds=max_age_s)
+    keep_from = 0
+    async for stored in stored_entries(js, sid):
+        if stored.seq >= base_seq or stored.time is None or stored.time >= cutoff:
+            keep_from = stored.seq
+            break
+    if keep_from <= 1:
+        return 0
+    await js.purge_stream(subjects.HISTORY_STREAM, subject=subjects.history(sid), seq=keep_from)
+    return keep_from
