@@ -11,11 +11,13 @@ from typing import Any
 import httpx
 import nats
 import pytest
+from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.errors import NoKeysError
 
 from schemas import subjects
+from services.tools.recall import run_recall
 from tests.events import watching
 from tests.nats_server import NatsServer
 from tests.system import System
@@ -226,3 +228,36 @@ async def _keys(js: JetStreamContext, bucket: str) -> list[str]:
         return list(await kv.keys())
     except NoKeysError:
         return []
+
+
+async def test_recall_finds_what_only_the_compacted_part_holds_in_its_own_session(
+    private_nats: NatsServer, start: Start
+) -> None:
+    _, http = start("tools", "generator", "gateway")
+    other = await create(http, auto_compact=False)
+    await http.post(f"/api/sessions/{other}/messages", json={"content": "my locker code is 9999"})
+    sid = await create(http, auto_compact=False)
+    await http.post(f"/api/sessions/{sid}/messages", json={"content": "hello there"})
+    await http.post(f"/api/sessions/{sid}/messages", json={"content": "my locker code is 4711"})
+    await turns(http, sid, 3, 6)
+    await compact(private_nats.url, http, sid, False, 1)
+    context = await session(http, sid)
+    assert "4711" not in f"{context['summary']} {context['messages']}"  # compacted away
+
+    reply = await http.post(f"/api/sessions/{sid}/messages", json={
+        "content": '!tool recall {"query": "Locker CODE"}'})
+    assert reply.status_code == 200, reply.text
+    answer = reply.json()["reply"]
+    assert "my locker code is 4711" in answer and "9999" not in answer
+    stored = (await session(http, sid))["messages"]
+    assert [m["role"] for m in stored[-4:]] == ["user", "assistant", "tool", "assistant"]
+    assert stored[-2]["tool_name"] == "recall"
+
+
+async def test_recall_without_a_session_or_with_bad_arguments_says_why(nc: NATS) -> None:
+    js = nc.jetstream()
+    assert (await run_recall(js, None, {"query": "x"})).error == (
+        "recall is only available inside a session")
+    for bad in ({}, {"query": " "}, {"query": "x", "limit": 0}, {"query": "x", "limit": True}):
+        outcome = await run_recall(js, "some-session", bad)
+        assert outcome.error is not None and outcome.error.startswith("bad arguments"), bad

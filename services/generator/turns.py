@@ -310,7 +310,7 @@ class TurnRunner:
         sid = env.payload.session_id
         await self._states.apply(sid, Action.dispatch_tool, env.correlation_id)
         await self._states.apply(sid, Action.await_result, env.correlation_id)
-        runs = [await self._toolbox.run(call, env.message_id, env.correlation_id)
+        runs = [await self._toolbox.run(call, env.message_id, env.correlation_id, sid)
                 for call in result.tool_calls]
         timed_out = any(run.timed_out for run in runs)
         await self._states.apply(sid, Action.tool_timeout if timed_out else Action.tool_result,
