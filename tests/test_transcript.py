@@ -69,6 +69,19 @@ async def transcript(http: httpx.AsyncClient, sid: str, limit: int = 1000) -> li
             return items
 
 
+async def transcript_backwards(http: httpx.AsyncClient, sid: str,
+                               limit: int) -> list[dict[str, Any]]:
+    items: list[dict[str, Any]] = []
+    cursor: str | None = "end"
+    while cursor is not None:
+        response = await http.get(f"/api/sessions/{sid}/transcript",
+                                  params={"before": cursor, "limit": str(limit)})
+        assert response.status_code == 200, response.text
+        items = response.json()["items"] + items
+        cursor = response.json()["previous"]
+    return items
+
+
 async def compact(nats_url: str, http: httpx.AsyncClient, sid: str, auto: bool,
                   count: int) -> dict[str, Any]:
     async with watching(nats_url, *EVENTS) as watcher:
@@ -126,6 +139,11 @@ async def test_paging_returns_every_item_exactly_once(
         paged = await transcript(http, sid, limit=limit)
         assert paged == whole
         assert len({i["position"] for i in paged}) == len(paged)
+    for limit in (1, 3, 17):  # backwards, as the page scrolls up
+        assert await transcript_backwards(http, sid, limit) == whole
+    markers = (await http.get(f"/api/sessions/{sid}/transcript",
+                              params={"kind": "compaction"})).json()["items"]
+    assert markers == [i for i in whole if i["kind"] == "compaction"]
     default = (await http.get(f"/api/sessions/{sid}/transcript")).json()
     assert default["items"] == whole and default["next"] is None
     for bad in ({"limit": "0"}, {"limit": "1001"}, {"after": "x"}):

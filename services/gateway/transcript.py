@@ -24,7 +24,7 @@ from services.core.transcript import InvalidCursor, Position, markdown, page_lim
 from services.shared.bus import Bus, decode
 from services.shared.history_store import HistoryStore
 from services.shared.sessions import SessionStore
-from services.shared.transcript import every_item, page
+from services.shared.transcript import every_item, page, page_before
 
 log = structlog.get_logger()
 Check = Callable[[Request], Awaitable[str]]
@@ -53,14 +53,24 @@ class TranscriptRoutes:
             limit = page_limit(request.query_params.get("limit"))
         except ValueError as err:
             return error(400, "invalid_field", str(err), field="limit")
-        raw = request.query_params.get("after")
+        params = request.query_params
+        kind = params.get("kind")
+        if kind not in (None, "message", "compaction"):
+            return error(400, "invalid_field", "kind: message or compaction", field="kind")
         try:
-            after = Position.parse(raw) if raw else None
+            after = _cursor(params.get("after"), "after")
+            before = _cursor(params.get("before"), "before")
         except InvalidCursor as err:
-            return error(400, "invalid_field", str(err), field="after")
-        items, following = await page(self._bus.js, sid, after, limit)
+            return error(400, "invalid_field", str(err), field=str(err).split(":")[0])
+        if "before" in params and "after" in params:
+            return error(400, "invalid_field", "before: not with after", field="before")
+        if "before" in params:
+            items, earlier = await page_before(self._bus.js, sid, before, limit)
+            return JSONResponse({"session_id": sid, "items": [i.as_json() for i in items],
+                                 "previous": _text(earlier), "next": None})
+        items, following = await page(self._bus.js, sid, after, limit, kind)
         return JSONResponse({"session_id": sid, "items": [i.as_json() for i in items],
-                             "next": str(following) if following is not None else None})
+                             "next": _text(following)})
 
     async def export(self, request: Request) -> Response:
         sid = await self._existing(request)
@@ -117,6 +127,20 @@ def error(status: int, code: str, message: str, field: str) -> JSONResponse:
     # The gateway's error shape (see `api.error`, which imports this module).
     return JSONResponse({"error": {"code": code, "message": message, "field": field}},
                         status_code=status)
+
+
+def _cursor(raw: str | None, name: str) -> Position | None:
+    """A cursor parameter; `before=end` (or empty) is the transcript's end."""
+    if not raw or (name == "before" and raw == "end"):
+        return None
+    try:
+        return Position.parse(raw)
+    except InvalidCursor as err:
+        raise InvalidCursor(f"{name}: use a 'next' or 'previous' of a page") from err
+
+
+def _text(position: Position | None) -> str | None:
+    return str(position) if position is not None else None
 
 
 def _download(name: str) -> dict[str, str]:

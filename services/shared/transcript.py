@@ -3,6 +3,7 @@ and trimming it to the retention setting without touching the context."""
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 
@@ -36,18 +37,36 @@ async def stored_entries(js: JetStreamContext, sid: str,
 
 
 async def page(js: JetStreamContext, sid: str, after: Position | None,
-               limit: int) -> tuple[list[Item], Position | None]:
-    """Up to `limit` items past `after`, and the cursor of the next page
-    (None when these are the last)."""
+               limit: int, kind: str | None = None) -> tuple[list[Item], Position | None]:
+    """Up to `limit` items past `after` (of one `kind`, if given), and the
+    cursor of the next page (None when these are the last)."""
     found: list[Item] = []
     async for stored in stored_entries(js, sid, after.seq if after is not None else 1):
         for item in items_of(stored):
-            if after is not None and item.position <= after:
+            if (after is not None and item.position <= after) or kind not in (None, item.kind):
                 continue
             if len(found) == limit:
                 return found, found[-1].position
             found.append(item)
     return found, None
+
+
+async def page_before(js: JetStreamContext, sid: str, before: Position | None,
+                      limit: int) -> tuple[list[Item], Position | None]:
+    """The `limit` items just before `before` (None: the end), oldest first,
+    and the cursor of the page before them (None at the start). The page
+    scrolls back with it. Entries have no backward link on the stream, so
+    this walks forward from the start: its cost grows with the transcript
+    (the context's never does)."""
+    kept: deque[Item] = deque(maxlen=limit + 1)
+    async for stored in stored_entries(js, sid):
+        if before is not None and stored.seq > before.seq:
+            break
+        kept.extend(i for i in items_of(stored) if before is None or i.position < before)
+    items = list(kept)
+    if len(items) > limit:
+        return items[1:], items[1].position
+    return items, None
 
 
 async def every_item(js: JetStreamContext, sid: str) -> list[Item]:
