@@ -7,6 +7,7 @@ import asyncio
 import signal
 import uuid
 from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
 
 import nats
 import pytest
@@ -16,6 +17,7 @@ from schemas import subjects
 from schemas.history import ChatMessage, HistoryEntry, Snapshot
 from services.shared.history_store import HistoryConflict, HistoryStore, HistoryView
 from services.shared.jetstream import ensure_layout
+from services.shared.transcript import every_item, trim
 from tests.nats_server import NatsServer
 
 
@@ -280,3 +282,27 @@ async def test_a_stale_mark_lasts_as_long_as_the_view_it_marks(nc: NATS) -> None
     assert len((await ours.read(a)).conversation.messages) == 4
     assert ours.cached(a) is not None  # read afresh: current again
     await following.unsubscribe()
+
+
+async def test_retention_drops_old_entries_but_never_what_the_context_needs(
+    store: HistoryStore, nc: NATS,
+) -> None:
+    sid, js = new_sid(), nc.jetstream()
+    view = await store.read(sid)
+    assert await trim(js, sid, 0, 1.0) == 0  # nothing there
+    for i in range(4):
+        view = await store.append(sid, view, turn(i))
+    later = datetime.now(UTC) + timedelta(days=1)
+    assert await trim(js, sid, view.base_seq, 60.0, now=later) == 0  # never compacted
+    view = await store.splice(sid, view, Snapshot(summary="notes", messages=tuple(turn(3)),
+                                                  compactions=1))
+    view = await store.append(sid, view, turn(4))
+    context = view.conversation
+    assert await trim(js, sid, view.base_seq, 3600.0) == 0  # nothing old enough yet
+
+    kept_from = await trim(js, sid, view.base_seq, 60.0, now=later)
+    left = [item.body.get("content") for item in await every_item(js, sid)]
+    # Turns 0-2 went; turn 3 stays: the snapshot kept its messages, and the
+    # transcript shows them before its marker.
+    assert left == ["q3", "a3", None, "q4", "a4"] and kept_from > 0
+    assert (await HistoryStore(js).read(sid)).conversation == context

@@ -34,8 +34,9 @@ async def start(private_nats: NatsServer, stub: str) -> AsyncIterator[Start]:
     systems: list[System] = []
     clients: list[httpx.AsyncClient] = []
 
-    def starter(*services: str) -> tuple[System, httpx.AsyncClient]:
-        systems.append(System(private_nats.url, stub, ROOMY, services=services).start())
+    def starter(*services: str, **env: str) -> tuple[System, httpx.AsyncClient]:
+        systems.append(System(private_nats.url, stub, {**ROOMY, **env},
+                              services=services).start())
         clients.append(httpx.AsyncClient(base_url=systems[-1].base_url, timeout=60))
         return systems[-1], clients[-1]
 
@@ -279,3 +280,19 @@ async def test_recall_without_a_session_or_with_bad_arguments_says_why(nc: NATS)
     for bad in ({}, {"query": " "}, {"query": "x", "limit": 0}, {"query": "x", "limit": True}):
         outcome = await run_recall(js, "some-session", bad)
         assert outcome.error is not None and outcome.error.startswith("bad arguments"), bad
+
+
+async def test_retention_drops_old_turns_at_a_compaction_but_keeps_the_context(
+    private_nats: NatsServer, start: Start
+) -> None:
+    # Every entry is older than a millisecond by the time the compaction ends.
+    _, http = start("generator", "gateway", TRANSCRIPT_MAX_AGE="0.001")
+    sid = await create(http, auto_compact=False)
+    await turns(http, sid, 1, 5)
+    await compact(private_nats.url, http, sid, False, 1)
+    items = await transcript(http, sid)
+    assert [i["kind"] for i in items] == ["message"] * 4 + ["compaction"]
+    assert [i["content"] for i in items[:4:2]] == ["question 4 !long 60", "question 5 !long 60"]
+    context = await session(http, sid)
+    assert context["summary"] == items[-1]["summary"]
+    assert [m["content"] for m in context["messages"]] == [i["content"] for i in items[:4]]

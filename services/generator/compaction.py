@@ -51,6 +51,7 @@ from services.shared.bus import Bus
 from services.shared.history_store import HistoryConflict, HistoryStore, HistoryView
 from services.shared.live_config import LiveSettings
 from services.shared.sessions import SessionNotFound, SessionStore
+from services.shared.transcript import trim
 
 log = structlog.get_logger()
 # Called after each piece of a summary is written (session id, the piece):
@@ -217,7 +218,23 @@ class Compactor:
         finally:
             await self._states.apply(job.session_id, Action.complete_compaction,
                                      job.correlation_id)
+        await self._trim(job.session_id, spliced)
         return self._completed(job, record, before, spliced, written)
+
+    async def _trim(self, sid: str, spliced: HistoryView) -> None:
+        """Retention: a compaction is when the context's start moves, so it
+        is when older transcript entries may go. Best effort: a failure
+        leaves them for the next compaction."""
+        max_age = self._settings.transcript_max_age
+        if max_age is None:
+            return
+        try:
+            kept_from = await trim(self._bus.js, sid, spliced.base_seq, max_age)
+        except Exception as err:  # the compaction itself succeeded
+            log.warning("transcript_trim_failed", error=str(err))
+            return
+        if kept_from:
+            log.info("transcript_trimmed", kept_from=kept_from)
 
     def _plan(self, conversation: Conversation, level: Level) -> CompactionPlan:
         tail = tail_turns_for(CoreLevel(level), self._settings.compaction_tail_turns)

@@ -34,6 +34,9 @@ class GeneratorSettings(ServiceSettings):
     # The summariser's window (COMPACTION_MODEL may be another model); None: num_ctx.
     compaction_num_ctx: int | None = Field(default=None, ge=256)
     summary_timeout_s: float = Field(default=120.0, gt=0)
+    # Seconds a transcript entry is kept; None: for ever. Never drops what
+    # the context still needs (anything from its latest snapshot on).
+    transcript_max_age: float | None = Field(default=None, gt=0)
     # Sessions answered at once by this process.
     max_concurrent_sessions: int = Field(default=64, ge=1)
     lock_lease_s: float = Field(default=DEFAULT_LOCK_LEASE_S, ge=1)

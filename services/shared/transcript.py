@@ -75,18 +75,41 @@ async def every_item(js: JetStreamContext, sid: str) -> list[Item]:
 
 async def trim(js: JetStreamContext, sid: str, base_seq: int, max_age_s: float,
                now: datetime | None = None) -> int:
-    """Drop the session's entries older than `max_age_s`, but none from
-    `base_seq` (where its context starts) on. Returns the sequence below which
-    nothing is kept now (0: nothing dropped)."""
+    """Drop the session's entries older than `max_age_s`, but never one the
+    context needs: its snapshot at `base_seq`, and the turns holding the
+    messages that snapshot kept (shown before its marker). Returns the
+    sequence below which nothing is kept now (0: nothing dropped)."""
     if base_seq == 0:
         return 0  # never compacted: the context is the whole transcript
     cutoff = (now or datetime.now(UTC)) - timedelta(seconds=max_age_s)
-    keep_from = 0
+    before: list[StoredEntry] = []
     async for stored in stored_entries(js, sid):
-        if stored.seq >= base_seq or stored.time is None or stored.time >= cutoff:
-            keep_from = stored.seq
+        if stored.seq >= base_seq:
+            snapshot = stored.entry.snapshot
+            kept = len(snapshot.messages) if snapshot is not None else 0
             break
-    if keep_from <= 1:
+        before.append(stored)
+    else:
+        return 0  # the snapshot is not there: nothing is judged without it
+    keep_from = oldest_needed(before, kept, base_seq)
+    for stored in before:
+        if stored.time is None or stored.time >= cutoff:
+            keep_from = min(keep_from, stored.seq)
+            break
+    if not before or keep_from <= before[0].seq:
         return 0
     await js.purge_stream(subjects.HISTORY_STREAM, subject=subjects.history(sid), seq=keep_from)
     return keep_from
+
+
+def oldest_needed(before: list[StoredEntry], kept: int, base_seq: int) -> int:
+    """The sequence of the oldest entry holding one of the last `kept`
+    messages before the snapshot (`base_seq` when it kept none)."""
+    needed = base_seq
+    for stored in reversed(before):
+        if kept <= 0:
+            break
+        if stored.entry.kind == "turn":
+            kept -= len(stored.entry.messages)
+        needed = stored.seq
+    return needed
