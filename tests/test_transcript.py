@@ -147,7 +147,16 @@ async def test_paging_returns_every_item_exactly_once(
     assert markers == [i for i in whole if i["kind"] == "compaction"]
     default = (await http.get(f"/api/sessions/{sid}/transcript")).json()
     assert default["items"] == whole and default["next"] is None
-    for bad in ({"limit": "0"}, {"limit": "1001"}, {"after": "x"}):
+    exported = await http.get(f"/api/sessions/{sid}/export", params={"format": "json"})
+    assert exported.json()["items"] == whole
+    assert "attachment" in exported.headers["content-disposition"]
+    text = (await http.get(f"/api/sessions/{sid}/export")).text
+    assert text.index("question 5 !long 60") < text.index("compacted · manual") < text.index(
+        "question 6 !long 60")
+    assert (await http.get(f"/api/sessions/{sid}/export",
+                           params={"format": "pdf"})).status_code == 400
+    for bad in ({"limit": "0"}, {"limit": "1001"}, {"after": "x"}, {"kind": "other"},
+                {"before": "end", "after": "1-0"}):
         response = await http.get(f"/api/sessions/{sid}/transcript", params=bad)
         assert response.status_code == 400, bad
         assert response.json()["error"]["code"] == "invalid_field"

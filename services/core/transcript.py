@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from schemas.history import ChatMessage, HistoryEntry, Snapshot
@@ -135,8 +135,17 @@ def divider(body: dict[str, Any]) -> str:
     sizes = ""
     if body.get("tokens_before") is not None and body.get("tokens_after") is not None:
         sizes = f"{body['tokens_before']:,} → {body['tokens_after']:,} tokens"
-    parts = ["compacted", how, str(body.get("level") or ""), sizes, str(body.get("at") or "")]
+    level = "" if body.get("level") in (None, "gentle") else str(body["level"])
+    parts = ["compacted", how, level, sizes, _when(body.get("at"))]
     return " · ".join(p for p in parts if p)
+
+
+def _when(at: object) -> str:
+    try:
+        moment = datetime.fromisoformat(str(at))
+    except ValueError:
+        return ""
+    return moment.astimezone(UTC).strftime("%Y-%m-%d %H:%M UTC")
 
 
 _WORD = re.compile(r"\w+", re.UNICODE)

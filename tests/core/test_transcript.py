@@ -64,8 +64,9 @@ def test_cursors_and_limits_are_checked() -> None:
 def test_markdown_shows_each_compaction_as_a_divider() -> None:
     text = markdown("s1", items_after(entries(), None))
     assert text.index("question 1") < text.index("notes") < text.index("question 3")
-    assert "compacted · automatic · gentle · 1,255 → 1,002 tokens" in text
-    assert divider({"kind": "compaction", "auto": False}) == "compacted · manual"
+    assert "compacted · automatic · 1,255 → 1,002 tokens · 2026-01-02 14:02 UTC" in text
+    assert divider({"kind": "compaction", "auto": False, "level": "emergency",
+                    "at": None}) == "compacted · manual · emergency"
 
 
 def test_recall_matches_every_word_case_insensitively_newest_first() -> None:
