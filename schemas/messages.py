@@ -7,6 +7,7 @@ implementation fails loudly at the boundary instead of being dropped.
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -33,6 +34,23 @@ class Query(Payload):
     stream: bool = False
 
 
+class ErrorCode(StrEnum):
+    """The `error_code` values a reply may carry (the gateway maps each to an
+    HTTP status). Other implementations may send codes of their own."""
+
+    unknown_session = "unknown_session"
+    context_overflow = "context_overflow"
+    compacting = "compacting"
+    unreachable = "unreachable"
+    provider_error = "provider_error"
+    empty_reply = "empty_reply"
+    timeout = "timeout"
+    tool_loop_limit = "tool_loop_limit"
+    internal_error = "internal_error"
+    # The model is not on the model server; the message says how to pull it.
+    model_not_found = "model_not_found"
+
+
 class Reply(Payload):
     """The outcome of one query: the answer, or an error naming its cause."""
 
@@ -44,6 +62,9 @@ class Reply(Payload):
     completion_tokens: int | None = None
     error: str | None = None
     error_code: str | None = None
+    # What a thinking model thought before answering: shown apart, never
+    # stored as context.
+    thinking: str | None = None
 
 
 class Token(Payload):

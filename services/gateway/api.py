@@ -10,7 +10,13 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, TypeVar
 
-from nats.js.errors import NotFoundError
+from nats.errors import (
+    ConnectionClosedError,
+    ConnectionReconnectingError,
+    NoRespondersError,
+)
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js.errors import NoStreamResponseError, NotFoundError, ServiceUnavailableError
 from nats.js.kv import KeyValue
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import Request
@@ -31,12 +37,17 @@ from services.gateway.settings import GatewaySettings
 from services.gateway.transcript import TranscriptRoutes
 from services.shared.bus import Bus, parse_json
 from services.shared.history_store import HistoryStore
+from services.shared.jetstream import missing
 from services.shared.sessions import SessionNotFound, SessionStore
 from services.shared.tool_catalogue import ToolCatalogue
 
 STATIC = Path(__file__).parent / "static"
 DEFAULT_LISTED = 50
 MAX_LISTED = 500
+# What a request meets while NATS is away, or back without the stream it
+# writes to yet: worth trying again in a moment, not a fault of ours.
+NATS_AWAY = (ConnectionReconnectingError, ConnectionClosedError, NoRespondersError,
+             NatsTimeout, NoStreamResponseError, ServiceUnavailableError)
 
 # Generator error codes -> HTTP status.
 ERROR_STATUS = {
@@ -47,6 +58,8 @@ ERROR_STATUS = {
     "unreachable": 502,
     "provider_error": 502,
     "empty_reply": 502,
+    # Ollama's own status for a model it has not pulled.
+    "model_not_found": 404,
     "timeout": 504,
     "tool_loop_limit": 502,
 }
@@ -72,6 +85,11 @@ class CompactBody(BaseModel):
 def error(status: int, code: str, message: str, **extra: Any) -> JSONResponse:
     return JSONResponse({"error": {"code": code, "message": message, **extra}},
                         status_code=status)
+
+
+def nats_away(exc: Exception) -> dict[str, str]:
+    return {"code": "nats_unavailable", "message": "NATS is unreachable or not ready "
+            f"({type(exc).__name__}); try again in a moment"}
 
 
 class HttpError(Exception):
@@ -179,8 +197,8 @@ class Api:
             "compactions": view.conversation.compactions,
             "messages": [m.model_dump(exclude_defaults=True) for m in view.conversation.messages],
             "token_count": tokens,
-            "num_ctx": self._settings.num_ctx,
-            "budget": self._budget(),
+            "num_ctx": self._num_ctx(record),
+            "budget": self._budget(record),
             **await self._state(sid),
         })
 
@@ -204,7 +222,11 @@ class Api:
 
     async def _stream_answer(self, sid: str, content: str) -> AsyncIterator[str]:
         with self._replies.expect(new_id()) as (correlation_id, queue):
-            await self._submit(sid, content, correlation_id, stream=True)
+            try:
+                await self._submit(sid, content, correlation_id, stream=True)
+            except NATS_AWAY as err:  # the stream is under way: say it as its end
+                yield sse("error", {"error": nats_away(err), "session_id": sid})
+                return
             next_index = 0
             try:
                 async for event in events_until_reply(queue, self._settings.reply_timeout_s):
@@ -255,9 +277,12 @@ class Api:
         if reply.error:
             return {"error": {"code": reply.error_code, "message": reply.error},
                     "session_id": reply.session_id}
-        return {"session_id": reply.session_id, "reply": reply.reply,
+        body = {"session_id": reply.session_id, "reply": reply.reply,
                 "prompt_tokens": reply.prompt_tokens,
                 "completion_tokens": reply.completion_tokens}
+        if reply.thinking:
+            body["thinking"] = reply.thinking
+        return body
 
     async def _existing(self, request: Request) -> str:
         sid = session_id_of(request)
@@ -293,6 +318,13 @@ class Api:
                                                   direct=True)
         except NotFoundError:
             return Phase.idle
+        except NoRespondersError:
+            # The stream is in memory: after a NATS restart it is missing
+            # until a service makes it again, and then empty until the
+            # session's next transition. Either way nothing is going on.
+            if not await missing(self._bus.js, subjects.STATE_STREAM):
+                raise
+            return Phase.idle
         try:
             change = StateChange.model_validate(parse_json(msg.data or b"{}")["payload"])
             return Phase(change.to_state)
@@ -305,15 +337,24 @@ class Api:
                 self._compactions = await self._bus.js.key_value(
                     subjects.COMPACTIONS_RUNNING_BUCKET)
             entry = await self._compactions.get(sid)
-        except NotFoundError:
+        except (NotFoundError, NoRespondersError):
             return False  # no record (or no bucket since NATS came back): nothing runs
         try:
             return bool(CompactionsRunning.model_validate_json(entry.value or b"{}").running)
         except ValidationError:
             return False
 
-    def _budget(self) -> int:
-        return prompt_budget(self._settings.num_ctx, self._settings.output_headroom)
+    def _num_ctx(self, record: SessionRecord) -> int:
+        return record.window(self._settings.num_ctx)
+
+    def _budget(self, record: SessionRecord) -> int:
+        return prompt_budget(self._num_ctx(record), self._settings.output_headroom)
+
+    def reconnected(self) -> None:
+        """NATS came back, perhaps without its store: ask it again which
+        sessions exist and what their histories hold."""
+        self._known.clear()
+        self._history.forget_all()
 
 
 def sse(event: str, data: dict[str, Any]) -> str:
