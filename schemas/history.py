@@ -3,9 +3,11 @@
 One JetStream message on `history.<session>` holds one `HistoryEntry`: either
 every message of one turn (the user's message, tool calls and results, the
 answer), written at once when the turn ends so no reader ever sees half a
-turn, or a snapshot written by a compaction splice (a rollup that replaces
-everything before it). Folding the entries in order gives the `Conversation`
-the generator sends to the model.
+turn, or a snapshot written by a compaction splice. Nothing is ever replaced:
+the subject is the session's transcript. Folding the entries from the latest
+snapshot on gives the `Conversation` the generator sends to the model (the
+context); each turn names that snapshot's sequence (`base`), so a reader finds
+it from the subject's last message alone, whatever the transcript's length.
 
 The system prompt is deliberately absent: it is pinned in the session's
 metadata and prepended on every call, so no compaction can drop or alter it.
@@ -13,6 +15,7 @@ metadata and prepended on every call, so no compaction can drop or alter it.
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -57,16 +60,26 @@ class Snapshot(Strict):
     # summary, the latest last (a bounded number of them): a query that comes
     # back (its acknowledgement lost) finds it was answered.
     compacted_query_ids: tuple[str, ...] = ()
+    # What the transcript's marker tells a person; None on snapshots written
+    # before markers carried them.
+    at: datetime | None = None
+    auto: bool | None = None
+    level: str | None = None
+    tokens_before: int | None = None
+    tokens_after: int | None = None
 
 
 class HistoryEntry(Strict):
     kind: Literal["turn", "snapshot"]
     messages: tuple[ChatMessage, ...] = ()
     snapshot: Snapshot | None = None
+    # On a turn: the stream sequence of the snapshot its context starts at
+    # (0: none, the context starts at the subject's first entry).
+    base: int = Field(default=0, ge=0)
 
     @classmethod
-    def of_turn(cls, messages: tuple[ChatMessage, ...]) -> HistoryEntry:
-        return cls(kind="turn", messages=messages)
+    def of_turn(cls, messages: tuple[ChatMessage, ...], base: int = 0) -> HistoryEntry:
+        return cls(kind="turn", messages=messages, base=base)
 
     @classmethod
     def of_message(cls, message: ChatMessage) -> HistoryEntry:

@@ -1,5 +1,5 @@
 """A session's history on a real HISTORY stream: compare-and-swap appends,
-rollup splices, idempotent retries, and a bounded cache."""
+splices that keep the transcript, idempotent retries, and a bounded cache."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import asyncio
 import signal
 import uuid
 from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
 
 import nats
 import pytest
@@ -14,8 +15,9 @@ from nats.aio.client import Client as NATS
 
 from schemas import subjects
 from schemas.history import ChatMessage, HistoryEntry, Snapshot
-from services.shared.history_store import HistoryConflict, HistoryStore
+from services.shared.history_store import HistoryConflict, HistoryStore, HistoryView
 from services.shared.jetstream import ensure_layout
+from services.shared.transcript import every_item, trim
 from tests.nats_server import NatsServer
 
 
@@ -66,7 +68,9 @@ async def test_a_retried_append_is_refused_and_the_turn_stored_once(
     assert len((await HistoryStore(nc.jetstream()).read(sid)).conversation.messages) == 2
 
 
-async def test_a_splice_replaces_everything_before_it(store: HistoryStore, nc: NATS) -> None:
+async def test_a_splice_keeps_the_turns_before_it_and_the_context_starts_at_it(
+    store: HistoryStore, nc: NATS,
+) -> None:
     sid = new_sid()
     view = await store.read(sid)
     for i in range(3):
@@ -75,12 +79,34 @@ async def test_a_splice_replaces_everything_before_it(store: HistoryStore, nc: N
                                                      compactions=1))
     info = await nc.jetstream().stream_info(subjects.HISTORY_STREAM,
                                             subjects_filter=subjects.history(sid))
-    assert info.state.subjects == {subjects.history(sid): 1}
+    assert info.state.subjects == {subjects.history(sid): 4}  # the transcript stays
     reread = await HistoryStore(nc.jetstream()).read(sid)
     assert reread.conversation == spliced.conversation
     assert reread.conversation.summary == "notes" and reread.conversation.compactions == 1
+    assert reread.base_seq == spliced.last_seq
     with pytest.raises(HistoryConflict):  # a splice over an old view is refused too
         await store.splice(sid, view, Snapshot(summary="x", compactions=1))
+    after = await store.append(sid, spliced, turn(3))
+    reread = await HistoryStore(nc.jetstream()).read(sid)
+    assert reread.conversation == after.conversation and reread.base_seq == spliced.last_seq
+
+
+async def test_reading_the_context_never_reads_the_transcript_before_its_snapshot(
+    store: HistoryStore, nc: NATS,
+) -> None:
+    """An entry before the latest snapshot that no reader could parse: a fresh
+    read of the context succeeds, so it never looked at it (the cost of the
+    read does not grow with the transcript)."""
+    sid, js = new_sid(), nc.jetstream()
+    view = await store.read(sid)
+    view = await store.append(sid, view, turn(0))
+    ack = await js.publish(subjects.history(sid), b"not an entry")
+    view = HistoryView(view.conversation, ack.seq)
+    view = await store.splice(sid, view, Snapshot(summary="notes", compactions=1))
+    view = await store.append(sid, view, turn(1))
+    fresh = await HistoryStore(js).read(sid)
+    assert fresh.conversation.summary == "notes"
+    assert fresh.conversation.messages == tuple(turn(1))
 
 
 async def test_the_cache_is_bounded_and_a_miss_reads_the_stream(store: HistoryStore) -> None:
@@ -299,3 +325,27 @@ async def test_a_stale_mark_lasts_as_long_as_the_view_it_marks(nc: NATS) -> None
     assert len((await ours.read(a)).conversation.messages) == 4
     assert ours.cached(a) is not None  # read afresh: current again
     await following.unsubscribe()
+
+
+async def test_retention_drops_old_entries_but_never_what_the_context_needs(
+    store: HistoryStore, nc: NATS,
+) -> None:
+    sid, js = new_sid(), nc.jetstream()
+    view = await store.read(sid)
+    assert await trim(js, sid, 0, 1.0) == 0  # nothing there
+    for i in range(4):
+        view = await store.append(sid, view, turn(i))
+    later = datetime.now(UTC) + timedelta(days=1)
+    assert await trim(js, sid, view.base_seq, 60.0, now=later) == 0  # never compacted
+    view = await store.splice(sid, view, Snapshot(summary="notes", messages=tuple(turn(3)),
+                                                  compactions=1))
+    view = await store.append(sid, view, turn(4))
+    context = view.conversation
+    assert await trim(js, sid, view.base_seq, 3600.0) == 0  # nothing old enough yet
+
+    kept_from = await trim(js, sid, view.base_seq, 60.0, now=later)
+    left = [item.body.get("content") for item in await every_item(js, sid)]
+    # Turns 0-2 went; turn 3 stays: the snapshot kept its messages, and the
+    # transcript shows them before its marker.
+    assert left == ["q3", "a3", None, "q4", "a4"] and kept_from > 0
+    assert (await HistoryStore(js).read(sid)).conversation == context

@@ -4,6 +4,7 @@ other, load nothing from outside, and put data into the page only as text."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -159,7 +160,8 @@ def test_script_loads_nothing_from_outside(js: str) -> None:
 
 
 def test_script_uses_every_endpoint(js: str) -> None:
-    for endpoint in ("/api/sessions", "/messages", "/compact", "/api/events"):
+    for endpoint in ("/api/sessions", "/messages", "/compact", "/api/events", "/transcript",
+                     "/export", '"DELETE"'):
         assert endpoint in js, endpoint
     assert "text/event-stream" in js
     assert "getReader()" in js
@@ -232,6 +234,15 @@ console.log(JSON.stringify({
   shown: [["idle", false], ["generating", true], ["idle", true], ["compacting", false]]
     .map(([phase, compacting]) => mod.sessionState(phase, compacting)),
   noSession: mod.sessionAfterCompaction(null, { status: "completed", tokens_after: 5 }),
+  divider: [mod.dividerText({ kind: "compaction", auto: true, level: "gentle",
+                              tokens_before: 1255, tokens_after: 1002,
+                              at: "2026-01-02T14:02:30Z" }),
+            mod.dividerText({ kind: "compaction", auto: false, level: "emergency" })],
+  // Six messages, a marker keeping the last two before it, one more message, a marker
+  // keeping one, one message.
+  faded: [...mod.fadedIndexes(["m", "m", "m", "m", ["c", 2], "m", ["c", 1], "m"].map(
+    (k) => (k === "m" ? { kind: "message" } : { kind: "compaction", kept_messages: k[1] })))],
+  noMarker: [...mod.fadedIndexes([{ kind: "message" }])],
 }));
 """
 
@@ -245,6 +256,7 @@ def test_sse_parser_and_helpers_under_node(tmp_path: Path) -> None:
     done = subprocess.run(
         [NODE, "--input-type=module", "-e", NODE_CHECK, module.as_uri()],
         capture_output=True,
+        env={**os.environ, "TZ": "UTC"},
         text=True,
         timeout=30,
         check=False,
@@ -267,3 +279,6 @@ def test_sse_parser_and_helpers_under_node(tmp_path: Path) -> None:
     assert result["shown"] == ["idle", "compacting", "compacting", "compacting"]
     assert result["gauge"] == [1002, 1255, 1255]
     assert result["noSession"] is None
+    assert result["divider"] == ["compacted · automatic · 1,255 → 1,002 tokens · 14:02",
+                                 "compacted · manual · emergency"]
+    assert sorted(result["faded"]) == [0, 1, 2, 3] and result["noMarker"] == []

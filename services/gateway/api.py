@@ -34,6 +34,7 @@ from services.core.tokens import Calibration, prompt_budget
 from services.gateway.live import LiveFeed
 from services.gateway.replies import ReplyRouter, events_until_reply
 from services.gateway.settings import GatewaySettings
+from services.gateway.transcript import TranscriptRoutes
 from services.shared.bus import Bus, parse_json
 from services.shared.history_store import HistoryStore
 from services.shared.jetstream import missing
@@ -136,6 +137,8 @@ class Api:
         self._live = live
         self._known: set[str] = set()
         self._compactions: KeyValue | None = None
+        self._transcript = TranscriptRoutes(bus, sessions, self._history, self._existing,
+                                            self._known.discard)
 
     def routes(self) -> list[Route | Mount]:
         return [
@@ -146,6 +149,7 @@ class Api:
             Route("/api/sessions/{session_id}", self.get_session, methods=["GET"]),
             Route("/api/sessions/{session_id}/messages", self.post_message, methods=["POST"]),
             Route("/api/sessions/{session_id}/compact", self.compact, methods=["POST"]),
+            *self._transcript.routes(),
             Route("/api/events", self.events, methods=["GET"]),
             Mount("/static", StaticFiles(directory=STATIC), name="static"),
         ]
@@ -280,9 +284,15 @@ class Api:
             body["thinking"] = reply.thinking
         return body
 
+    async def _existing(self, request: Request) -> str:
+        sid = session_id_of(request)
+        await self._record(sid)
+        return sid
+
     async def _require(self, sid: str) -> None:
-        """404 unless the session exists; sessions are never deleted, so once seen
-        an id needs no further look-up."""
+        """404 unless the session exists; once seen an id needs no further
+        look-up until this gateway deletes it (another gateway's delete is
+        answered `unknown_session` by the generator)."""
         if sid not in self._known:
             await self._record(sid)
             self._known.add(sid)

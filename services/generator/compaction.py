@@ -3,8 +3,9 @@ splice the summary in, without freezing the session.
 
 Background mode (the default): snapshot the history, announce `compacting`,
 write the summary while the session goes on answering, then take the
-session lock only for the splice: one rollup message, compare-and-swap on
-the sequence just read, keeping every message appended since the snapshot.
+session lock only for the splice: one snapshot message (the transcript's
+marker, and where the context starts from then on), compare-and-swap on the
+sequence just read, keeping every message appended since the snapshot.
 Blocking mode holds the lock for the whole compaction, like the first seed.
 
 Every attempt ends with exactly one `compaction.result`: completed, skipped
@@ -18,6 +19,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any, Protocol
 
 import structlog
@@ -50,6 +52,7 @@ from services.shared.bus import Bus
 from services.shared.history_store import HistoryConflict, HistoryStore, HistoryView
 from services.shared.live_config import LiveSettings
 from services.shared.sessions import SessionNotFound, SessionStore
+from services.shared.transcript import trim
 
 log = structlog.get_logger()
 # Called after each piece of a summary is written (session id, the piece):
@@ -180,7 +183,11 @@ class Compactor:
         except SpliceConflict as err:
             # Another compaction (an emergency one inside a turn) got there first.
             return self._skipped(job, f"superseded: {err}")
-        except (CompactionFailed, HistoryConflict) as err:
+        except HistoryConflict as err:
+            if not await self._sessions.exists(sid):
+                return self._skipped(job, "the session was deleted")
+            return self._failed(job, str(err))
+        except CompactionFailed as err:
             return self._failed(job, str(err))
         except IllegalTransition:
             return self._skipped(job, "session is busy (blocking mode compacts only when idle)")
@@ -212,7 +219,23 @@ class Compactor:
         finally:
             await self._states.apply(job.session_id, Action.complete_compaction,
                                      job.correlation_id)
+        await self._trim(job.session_id, spliced)
         return self._completed(job, record, before, spliced, written)
+
+    async def _trim(self, sid: str, spliced: HistoryView) -> None:
+        """Retention: a compaction is when the context's start moves, so it
+        is when older transcript entries may go. Best effort: a failure
+        leaves them for the next compaction."""
+        max_age = self._settings.transcript_max_age
+        if max_age is None:
+            return
+        try:
+            kept_from = await trim(self._bus.js, sid, spliced.base_seq, max_age)
+        except Exception as err:  # the compaction itself succeeded
+            log.warning("transcript_trim_failed", error=str(err))
+            return
+        if kept_from:
+            log.info("transcript_trimmed", kept_from=kept_from)
 
     def _plan(self, conversation: Conversation, level: Level) -> CompactionPlan:
         tail = tail_turns_for(CoreLevel(level), self._settings.compaction_tail_turns)
@@ -292,6 +315,8 @@ class Compactor:
         during the summary included, not against the older snapshot. Without
         a summary, the structural fallback (old tool output elided) is spliced
         if it frees anything; otherwise the summariser's failure stands."""
+        if current.last_seq == 0 and not await self._sessions.exists(record.session_id):
+            raise CompactionSkipped("the session was deleted")
         before = self.tokens(record, current.conversation)
         if written.summary is None:
             snapshot = splice_elided(current.conversation, plan)
@@ -304,7 +329,9 @@ class Compactor:
         if after >= before:
             raise CompactionSkipped(
                 f"the summary frees too little ({before} -> {after} tokens); history unchanged")
-        snapshot = snapshot.model_copy(update={"request_id": job.request_id})
+        snapshot = snapshot.model_copy(update={
+            "request_id": job.request_id, "at": datetime.now(UTC), "auto": job.auto,
+            "level": job.level, "tokens_before": before, "tokens_after": after})
         return await self._history.splice(record.session_id, current, snapshot), before
 
     def tokens(self, record: SessionRecord, conversation: Conversation) -> int:

@@ -42,6 +42,9 @@ class GeneratorSettings(ServiceSettings):
     compaction_num_ctx: int | None = Field(default=None, ge=256)
     # A whole summary call's limit; the two model limits below apply within it.
     summary_timeout_s: float = Field(default=600.0, gt=0)
+    # Seconds a transcript entry is kept; None: for ever. Never drops what
+    # the context still needs (anything from its latest snapshot on).
+    transcript_max_age: float | None = Field(default=None, gt=0)
     # Sessions answered at once by this process.
     max_concurrent_sessions: int = Field(default=64, ge=1)
     lock_lease_s: float = Field(default=DEFAULT_LOCK_LEASE_S, ge=1)

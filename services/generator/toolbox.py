@@ -41,9 +41,10 @@ class Toolbox:
         """Ollama tool definitions offered by whoever answers `tool.list` (cached)."""
         return await self._catalogue.definitions()
 
-    async def run(self, call: ToolCall, query_id: str, correlation_id: str) -> ToolRun:
+    async def run(self, call: ToolCall, query_id: str, correlation_id: str,
+                  session_id: str | None = None) -> ToolRun:
         try:
-            content = await self._call(call, correlation_id)
+            content = await self._call(call, correlation_id, session_id)
             timed_out = False
         except NatsTimeout:
             content = f"error: tool '{call.name}' timed out after {self._timeout_s:g} s"
@@ -52,7 +53,7 @@ class Toolbox:
                               query_id=query_id)
         return ToolRun(message, timed_out)
 
-    async def _call(self, call: ToolCall, correlation_id: str) -> str:
+    async def _call(self, call: ToolCall, correlation_id: str, session_id: str | None) -> str:
         """The tool's output, or the error text the model gets; raises on timeout."""
         known = {d.get("function", {}).get("name") for d in await self.definitions()}
         if call.name not in known:
@@ -61,7 +62,10 @@ class Toolbox:
             subject = subjects.tool(call.name)
             env = self._bus.envelope(subject, ToolInvocation(name=call.name,
                                                              arguments=call.arguments),
-                                     correlation_id=correlation_id)
+                                     correlation_id=correlation_id,
+                                     # Whose call it is: a tool such as recall
+                                     # reads that session only, never another.
+                                     session_id=session_id)
             msg = await self._bus.nc.request(subject, env.model_dump_json().encode(),
                                              timeout=self._timeout_s)
             outcome = decode(msg.data, ToolOutcome, subject).payload

@@ -50,7 +50,8 @@ from services.generator.toolbox import Toolbox
 from services.shared.bus import Bus
 from services.shared.history_store import HistoryStore, HistoryView
 from services.shared.live_config import LiveSettings
-from services.shared.sessions import SessionStore
+from services.shared.recent import Recent
+from services.shared.sessions import SessionNotFound, SessionStore
 
 log = structlog.get_logger()
 Messages = list[dict[str, Any]]
@@ -170,6 +171,10 @@ class TurnRunner:
         nor the session's next query need wait for."""
         sid, query_id = env.payload.session_id, env.message_id
         view = await self._history.read(sid, current=lease.resumed)
+        if view.last_seq == 0 and not await self._sessions.exists(sid):
+            # Asked afresh only for an empty history: a session deleted while
+            # this process kept its record must not be written again.
+            raise SessionNotFound(sid)
         done = previous_answer(view.conversation, query_id)
         if done is not None:
             log.info("query_already_answered")
@@ -331,7 +336,7 @@ class TurnRunner:
         sid = env.payload.session_id
         await self._states.apply(sid, Action.dispatch_tool, env.correlation_id)
         await self._states.apply(sid, Action.await_result, env.correlation_id)
-        runs = [await self._toolbox.run(call, env.message_id, env.correlation_id)
+        runs = [await self._toolbox.run(call, env.message_id, env.correlation_id, sid)
                 for call in result.tool_calls]
         timed_out = any(run.timed_out for run in runs)
         await self._states.apply(sid, Action.tool_timeout if timed_out else Action.tool_result,

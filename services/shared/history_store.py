@@ -5,8 +5,10 @@ Every write names the sequence of the last message it has seen on the
 session's subject (`Nats-Expected-Last-Subject-Sequence`). A writer holding a
 stale view (a frozen lock holder whose lease lapsed, a compaction whose
 snapshot is old) is refused by the server: `HistoryConflict`. A compaction
-splice is one message with `Nats-Rollup: sub`, which atomically replaces the
-subject's earlier messages.
+splice is one snapshot message on the same subject: nothing is deleted (the
+subject is the session's transcript), and the context is read from the latest
+snapshot on, found through the `base` every turn names, so reading it costs
+the same however long the transcript grows.
 
 Reads keep a per-session cache keyed by the last sequence seen, so a turn
 costs one "last message" lookup when nothing changed behind our back, and
@@ -35,7 +37,6 @@ from services.shared.recent import Recent
 from services.shared.together import together
 
 EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
-ROLLUP = "Nats-Rollup"
 WRONG_LAST_SEQUENCE = (10071, 10164)
 
 
@@ -48,6 +49,8 @@ class HistoryView:
     conversation: Conversation
     # Stream sequence of the subject's last message; 0 when it has none.
     last_seq: int
+    # Stream sequence of the snapshot the context starts at; 0 when none.
+    base_seq: int = 0
 
 
 EMPTY = HistoryView(Conversation(), 0)
@@ -117,7 +120,7 @@ class HistoryStore:
         if expected == str(view.last_seq):
             with contextlib.suppress(ValidationError):
                 entry = HistoryEntry.model_validate_json(msg.data)
-                self._remember(sid, HistoryView(view.conversation.apply(entry), seq))
+                self._remember(sid, _applied(view, entry, seq))
                 return
         # Marked, not used: the mark leaves the view's place in the cache as is.
         self._cache.replace(sid, Cached(view, max(seq, kept.seen)))
@@ -146,20 +149,29 @@ class HistoryStore:
         # Asked together: whether anything changed, and the first of what did.
         # Catching up on one turn then takes one round trip, not three; when
         # nothing changed, the second request was not needed.
-        last, first_new = await together(
-            self._last_seq(subject), self._entry_after(subject, cached.last_seq))
-        if isinstance(last, Exception):
-            raise last
+        last_msg, first_new = await together(
+            self._last_msg(subject), self._entry_after(subject, cached.last_seq))
+        if isinstance(last_msg, Exception):
+            raise last_msg
         if isinstance(first_new, Exception):
             raise first_new
+        last = int(last_msg.seq or 0) if last_msg is not None else 0
         if last == cached.last_seq:
             if kept is not None:
                 # Used now. (A mark beyond it stays: that write came after the look-up.)
                 self._cache.put(sid, kept)
             return cached
-        if last < cached.last_seq:  # rewritten below what we have: start over
+        if last < cached.last_seq:  # purged below what we have: start over
             self.forget(sid)
             cached, first_new = EMPTY, None
+        if last_msg is None:  # purged: the session was deleted
+            return EMPTY
+        base = _base_of(last_msg)
+        if base > cached.last_seq:
+            # A snapshot we have not seen: the context starts there, and what
+            # lies before it (the transcript) is never read for it.
+            cached, first_new = EMPTY, None
+            first_new = last_msg if base == last else await self._entry_after(subject, base - 1)
         view = await self._read_up_to(subject, last, cached, first_new)
         self._remember(sid, view)
         return view
@@ -173,16 +185,18 @@ class HistoryStore:
         duplicates, so a retry whose first attempt was stored fails as a
         conflict either way. What makes a retried turn harmless is its query
         id on every message: the redelivered query finds its stored answer."""
-        entry = HistoryEntry.of_turn(tuple(messages))
+        entry = HistoryEntry.of_turn(tuple(messages), view.base_seq)
         seq = await self._write(sid, entry, view.last_seq, {})
-        view = HistoryView(view.conversation.apply(entry), seq)
+        view = _applied(view, entry, seq)
         self._remember(sid, view)
         return view
 
     async def splice(self, sid: str, view: HistoryView, snapshot: Snapshot) -> HistoryView:
+        """Write the snapshot after `view`, in one write: from its sequence on
+        the context is the snapshot's; the turns before it stay, as transcript."""
         entry = HistoryEntry.of_snapshot(snapshot)
-        seq = await self._write(sid, entry, view.last_seq, {ROLLUP: "sub"})
-        spliced = HistoryView(Conversation().apply(entry), seq)
+        seq = await self._write(sid, entry, view.last_seq, {})
+        spliced = _applied(view, entry, seq)
         self._remember(sid, spliced)
         return spliced
 
@@ -215,18 +229,17 @@ class HistoryStore:
             self._writing.pop(sid, None)
         return int(ack.seq)
 
-    async def _last_seq(self, subject: str) -> int:
+    async def _last_msg(self, subject: str) -> RawStreamMsg | None:
         try:
-            msg = await self._js.get_last_msg(subjects.HISTORY_STREAM, subject, direct=True)
+            return await self._js.get_last_msg(subjects.HISTORY_STREAM, subject, direct=True)
         except NotFoundError:
-            return 0
+            return None
         except NoRespondersError:
             # The stream is missing (NATS came back without it, and it is not
             # made again yet): it holds nothing yet. Otherwise an error.
             if not await missing(self._js, subjects.HISTORY_STREAM):
                 raise
-            return 0
-        return int(msg.seq or 0)
+            return None
 
     async def _entry_after(self, subject: str, seq: int) -> RawStreamMsg | None:
         try:
@@ -244,13 +257,13 @@ class HistoryStore:
         """The view at sequence `last`: what `start` lacks, entry by entry. (A
         write after `last` is for the next read, and the compare-and-swap of
         our own next write would refuse a view without it.)"""
-        conversation, seq = start.conversation, start.last_seq
-        msg = first or await self._entry_after(subject, seq)
+        view = start
+        msg = first or await self._entry_after(subject, view.last_seq)
         while msg is not None:
             entry = HistoryEntry.model_validate_json(msg.data or b"")
-            conversation, seq = conversation.apply(entry), int(msg.seq or seq + 1)
-            msg = await self._entry_after(subject, seq) if seq < last else None
-        return HistoryView(conversation, seq)
+            view = _applied(view, entry, int(msg.seq or view.last_seq + 1))
+            msg = await self._entry_after(subject, view.last_seq) if view.last_seq < last else None
+        return view
 
     def _remember(self, sid: str, view: HistoryView) -> None:
         known = self._cache.get(sid)
@@ -260,3 +273,16 @@ class HistoryStore:
             return
         seen = known.seen if known is not None and known.seen > view.last_seq else 0
         self._cache.put(sid, Cached(view, seen))
+
+
+def _applied(view: HistoryView, entry: HistoryEntry, seq: int) -> HistoryView:
+    """`view` with `entry`, stored at `seq`, folded in."""
+    base = seq if entry.kind == "snapshot" else view.base_seq
+    return HistoryView(view.conversation.apply(entry), seq, base)
+
+
+def _base_of(msg: RawStreamMsg) -> int:
+    """Where the context that `msg` ends starts: the snapshot's own sequence,
+    or the one a turn names."""
+    entry = HistoryEntry.model_validate_json(msg.data or b"")
+    return int(msg.seq or 0) if entry.kind == "snapshot" else entry.base

@@ -69,7 +69,7 @@ STREAMS = (
     ),
     StreamConfig(
         name=s.HISTORY_STREAM,
-        description="Chat history: one subject per session, compaction splices are rollups",
+        description="Chat history: one subject per session, its transcript and context",
         subjects=[f"{s.HISTORY_PREFIX}.*"],
         retention=RetentionPolicy.LIMITS,
         storage=StorageType.FILE,

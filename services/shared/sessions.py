@@ -80,6 +80,19 @@ class SessionStore:
         except SessionNotFound:
             return None
 
+    async def delete(self, sid: str) -> None:
+        """Purge the record (no tombstone history kept) and forget it here."""
+        self._cache.pop(sid)
+        await self._kv.purge(sid)
+
+    async def exists(self, sid: str) -> bool:
+        """Asked of the bucket, never the cache: whether the session was deleted."""
+        try:
+            await self._load(sid)
+        except SessionNotFound:
+            return False
+        return True
+
     async def put(self, record: SessionRecord) -> None:
         await self._kv.put(record.session_id, record.model_dump_json().encode())
         self._remember(record)

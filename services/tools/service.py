@@ -15,6 +15,7 @@ from schemas import subjects
 from schemas.messages import ErrorReport, ToolInvocation, ToolOutcome
 from services.shared.bus import BadMessage, Bus, decode
 from services.shared.runner import Endpoint
+from services.tools import recall
 from services.tools.catalogue import TOOLS, Tool, ToolFailure
 
 log = structlog.get_logger()
@@ -35,16 +36,34 @@ class ToolsService:
         return None  # its endpoints are plain subscriptions: nats-py renews them
 
     def status(self) -> dict[str, Any]:
-        return {"tools": sorted(TOOLS), "calls": self._calls}
+        return {"tools": sorted([*TOOLS, recall.NAME]), "calls": self._calls}
 
     def endpoints(self) -> list[Endpoint]:
         listing = Endpoint("list", subjects.TOOL_LIST, self._list)
         calls = [Endpoint(name, subjects.tool(name), self._caller(tool))
                  for name, tool in TOOLS.items()]
-        return [listing, *calls]
+        recalling = Endpoint(recall.NAME, subjects.tool(recall.NAME), self._recall)
+        return [listing, *calls, recalling]
 
     async def _list(self, request: Request) -> None:
-        await request.respond(json.dumps([t.definition() for t in TOOLS.values()]).encode())
+        definitions = [*(t.definition() for t in TOOLS.values()), recall.DEFINITION]
+        await request.respond(json.dumps(definitions).encode())
+
+    async def _recall(self, request: Request) -> None:
+        self._calls += 1
+        try:
+            env = decode(request.data, ToolInvocation, request.subject)
+        except BadMessage as err:
+            await request.respond(self._wrap(request.subject, err.report))
+            return
+        try:
+            outcome = await recall.run_recall(self._bus.js, env.session_id, env.payload.arguments)
+        except Exception as err:  # NATS away, a broken entry: text for the model
+            log.exception("recall_failed")
+            outcome = ToolOutcome(name=recall.NAME, error=f"{type(err).__name__}: {err}")
+        await request.respond(self._bus.envelope(
+            request.subject, outcome, correlation_id=env.correlation_id,
+            session_id=env.session_id).model_dump_json().encode())
 
     def _caller(self, tool: Tool) -> Any:
         async def handle(request: Request) -> None:

@@ -11,6 +11,9 @@ const API = {
   session: (id) => `/api/sessions/${encodeURIComponent(id)}`,
   messages: (id) => `/api/sessions/${encodeURIComponent(id)}/messages`,
   compact: (id) => `/api/sessions/${encodeURIComponent(id)}/compact`,
+  transcript: (id, params) =>
+    `/api/sessions/${encodeURIComponent(id)}/transcript?${new URLSearchParams(params)}`,
+  exportAs: (id, format) => `/api/sessions/${encodeURIComponent(id)}/export?format=${format}`,
   events: (id) => `/api/events?session_id=${encodeURIComponent(id)}`,
 };
 
@@ -33,6 +36,7 @@ const STORE_KNOWN = "chat.sessions";
 const STORE_CURRENT = "chat.currentSession";
 const MAX_KNOWN_SESSIONS = 50;
 const MAX_LOG_LINES = 50;
+const TRANSCRIPT_PAGE = 100;
 const WARN_AT = 0.8;
 const DANGER_AT = 0.95;
 
@@ -144,6 +148,39 @@ export function sessionState(phase, compacting) {
   return compacting ? "compacting" : phase;
 }
 
+// A compaction marker's one line: "compacted · automatic · 1,255 → 1,002 tokens · 14:02".
+export function dividerText(marker) {
+  const parts = ["compacted"];
+  if (marker.auto === true) parts.push("automatic");
+  if (marker.auto === false) parts.push("manual");
+  if (marker.level && marker.level !== "gentle") parts.push(marker.level);
+  if (Number.isFinite(marker.tokens_before) && Number.isFinite(marker.tokens_after)) {
+    parts.push(`${fmt(marker.tokens_before)} → ${fmt(marker.tokens_after)} tokens`);
+  }
+  const at = marker.at ? new Date(marker.at) : null;
+  if (at && !Number.isNaN(at.getTime())) {
+    const two = (n) => String(n).padStart(2, "0");
+    parts.push(`${two(at.getHours())}:${two(at.getMinutes())}`);
+  }
+  return parts.join(" · ");
+}
+
+// Indexes of the transcript items (oldest first) no longer in the model's context:
+// the messages before the latest compaction marker, except the ones it kept.
+export function fadedIndexes(items) {
+  const faded = new Set();
+  let last = -1;
+  items.forEach((item, i) => { if (item.kind === "compaction") last = i; });
+  if (last < 0) return faded;
+  let keep = Number(items[last].kept_messages) || 0;
+  for (let i = last - 1; i >= 0; i -= 1) {
+    if (items[i].kind !== "message") continue;
+    if (keep > 0) keep -= 1;
+    else faded.add(i);
+  }
+  return faded;
+}
+
 function clockTime(timestamp) {
   const date = timestamp ? new Date(timestamp) : new Date();
   const valid = Number.isNaN(date.getTime()) ? new Date() : date;
@@ -241,6 +278,9 @@ const app = {
   compacting: null, // correlation id of the compaction running, if one is
   compactingSeenAt: 0, // loadSeq when that compaction's start arrived
   eventsMissed: false, // live events were down: read the session again
+  items: [], // the transcript items shown, oldest first
+  older: null, // cursor of the page before them; null at the start
+  loadingOlder: false,
 };
 
 const ui = {};
@@ -357,6 +397,8 @@ function selectSession(id, { updateHash = true } = {}) {
   app.lastReply = null;
   app.compacting = null;
   app.phase = "unknown";
+  app.items = [];
+  app.older = null;
   try {
     localStorage.setItem(STORE_CURRENT, id);
   } catch {
@@ -375,6 +417,8 @@ function selectSession(id, { updateHash = true } = {}) {
   renderCompacting();
   ui.compactStatus.textContent = "";
   setComposerEnabled(true);
+  setExportLinks(id);
+  ui.timeline.replaceChildren();
   connectEvents(id);
   loadSession();
 }
@@ -407,7 +451,8 @@ async function loadSession({ messages = true } = {}) {
     renderCompacting();
   }
   showNotice("");
-  if (messages && !app.busy) renderConversation(session);
+  if (messages && !app.busy) await loadNewer(id);
+  loadTimeline(id);
   if (messages && app.busy) app.reloadAfterTurn = true; // the end of the turn reloads them
   renderSessionFacts(session);
   renderGauge();
@@ -504,19 +549,127 @@ function messageItem(message) {
   return item;
 }
 
-function renderConversation(session) {
-  const items = [];
-  if (session.summary) {
-    const n = session.compactions ?? 0;
-    items.push(el("li", { className: "msg msg-marker" }, [
-      `Earlier turns were compacted into a summary (${n} compaction${n === 1 ? "" : "s"}); see the panel.`,
-    ]));
+function dividerItem(marker) {
+  const details = el("details", { className: "divider-details" }, [
+    el("summary", { text: dividerText(marker) }),
+    el("p", { className: "pre-text", text: marker.summary ?? "(no summary: old tool output elided)" }),
+  ]);
+  return el("li", { className: "msg-divider", attrs: { role: "separator" } }, [details]);
+}
+
+// The whole transcript loaded so far; older pages come as the list scrolls up.
+function renderTranscript({ toEnd = false } = {}) {
+  const faded = fadedIndexes(app.items);
+  const nodes = app.items.map((item, i) => {
+    if (item.kind === "compaction") return dividerItem(item);
+    const node = messageItem(item);
+    if (faded.has(i)) {
+      node.classList.add("msg-compacted");
+      node.title = "Compacted: no longer in the model's context";
+    }
+    return node;
+  });
+  if (app.older) nodes.unshift(el("li", { className: "msg-more", text: "Scroll up for earlier messages…" }));
+  ui.messages.replaceChildren(...nodes);
+  show(ui.emptyHint, nodes.length === 0);
+  if (nodes.length === 0) ui.emptyHint.textContent = "No messages yet — say something.";
+  if (toEnd) scrollToEnd(true);
+}
+
+async function loadNewer(id) {
+  const first = app.items.length === 0;
+  try {
+    if (first) {
+      const page = await requestJson(API.transcript(id, { before: "end", limit: TRANSCRIPT_PAGE }));
+      if (id !== app.sessionId) return;
+      app.items = page.items;
+      app.older = page.previous;
+    } else {
+      let after = app.items[app.items.length - 1].position;
+      while (after) {
+        const page = await requestJson(API.transcript(id, { after, limit: 1000 }));
+        if (id !== app.sessionId) return;
+        app.items.push(...page.items);
+        after = page.next;
+      }
+    }
+  } catch (err) {
+    if (id === app.sessionId) showNotice(`Could not load the transcript: ${err.message}`);
+    return;
   }
-  for (const message of session.messages ?? []) items.push(messageItem(message));
-  ui.messages.replaceChildren(...items);
-  show(ui.emptyHint, items.length === 0);
-  if (items.length === 0) ui.emptyHint.textContent = "No messages yet — say something.";
-  scrollToEnd(true);
+  renderTranscript({ toEnd: true });
+}
+
+async function loadOlder() {
+  const id = app.sessionId;
+  if (!id || !app.older || app.loadingOlder || ui.messages.scrollTop > 40) return;
+  app.loadingOlder = true;
+  try {
+    const page = await requestJson(API.transcript(id, { before: app.older, limit: TRANSCRIPT_PAGE }));
+    if (id !== app.sessionId) return;
+    const height = ui.messages.scrollHeight;
+    app.items = [...page.items, ...app.items];
+    app.older = page.previous;
+    renderTranscript();
+    ui.messages.scrollTop += ui.messages.scrollHeight - height; // stay where the reader was
+  } catch (err) {
+    showNotice(`Could not load earlier messages: ${err.message}`);
+  } finally {
+    app.loadingOlder = false;
+  }
+}
+
+async function loadTimeline(id) {
+  let page;
+  try {
+    page = await requestJson(API.transcript(id, { kind: "compaction", limit: 1000 }));
+  } catch {
+    return; // the chat shows the error, if any
+  }
+  if (id !== app.sessionId) return;
+  const rows = page.items.map((m) => el("li", { className: "timeline-row" }, [
+    el("span", { className: "timeline-when", text: m.at ? clockTime(m.at) : "—" }),
+    el("span", { text: m.auto === false ? "manual" : "automatic" }),
+    el("span", { text: m.level ?? "" }),
+    el("span", { text: Number.isFinite(m.tokens_before)
+      ? `${fmt(m.tokens_before)} → ${fmt(m.tokens_after)}` : "" }),
+  ]));
+  ui.timeline.replaceChildren(...rows);
+  show(ui.timelineEmpty, rows.length === 0);
+}
+
+async function deleteSession() {
+  const id = app.sessionId;
+  if (!id) return;
+  const ok = window.confirm("Delete this session for good? Its whole transcript, summary and "
+    + "queued messages are removed; this cannot be undone.");
+  if (!ok) return;
+  try {
+    await requestJson(API.session(id), { method: "DELETE" });
+  } catch (err) {
+    if (err.status !== 404) {
+      showNotice(`Could not delete the session: ${err.message}`);
+      return;
+    }
+  }
+  forgetSession(id);
+  disconnectEvents();
+  app.sessionId = null;
+  app.items = [];
+  app.older = null;
+  ui.messages.replaceChildren();
+  ui.timeline.replaceChildren();
+  renderSessionFacts(null);
+  setComposerEnabled(false);
+  history.replaceState(null, "", "#");
+  showNotice(`Session ${id} was deleted.`);
+}
+
+function setExportLinks(id) {
+  for (const [link, format] of [[ui.exportMarkdown, "markdown"], [ui.exportJson, "json"]]) {
+    if (id) link.setAttribute("href", API.exportAs(id, format));
+    else link.removeAttribute("href");
+  }
 }
 
 function nearBottom() {
@@ -980,6 +1133,11 @@ function bindUi() {
     compactStatus: "compact-status",
     log: "log",
     logClear: "log-clear",
+    timeline: "timeline",
+    timelineEmpty: "timeline-empty",
+    exportMarkdown: "export-markdown",
+    exportJson: "export-json",
+    deleteButton: "delete-button",
   };
   for (const [name, id] of Object.entries(ids)) ui[name] = byId(id);
 }
@@ -1004,6 +1162,8 @@ function start() {
   ui.input.addEventListener("keydown", onComposerKey);
   ui.compactForm.addEventListener("submit", requestCompaction);
   ui.logClear.addEventListener("click", () => ui.log.replaceChildren());
+  ui.messages.addEventListener("scroll", loadOlder);
+  ui.deleteButton.addEventListener("click", deleteSession);
   window.addEventListener("hashchange", () => {
     const id = sessionFromHash();
     if (id && id !== app.sessionId) selectSession(id, { updateHash: false });

@@ -1,0 +1,147 @@
+"""HTTP routes for a session's transcript: paging, export, and delete.
+
+Delete removes the record first, so every endpoint (and any generator that
+looks the session up afresh) answers 404 / `unknown_session` from then on,
+then answers and purges the queued queries, then purges the history subject
+(transcript and context), the state, the lock and the compaction record."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Awaitable, Callable
+
+import structlog
+from nats.js.errors import KeyNotFoundError, NotFoundError
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from schemas import subjects
+from schemas.envelope import Envelope
+from schemas.messages import Query, Reply
+from services.core.transcript import InvalidCursor, Position, markdown, page_limit
+from services.shared.bus import Bus, decode
+from services.shared.history_store import HistoryStore
+from services.shared.sessions import SessionStore
+from services.shared.transcript import every_item, page, page_before
+
+log = structlog.get_logger()
+Check = Callable[[Request], Awaitable[str]]
+
+
+class TranscriptRoutes:
+    def __init__(self, bus: Bus, sessions: SessionStore, history: HistoryStore,
+                 existing: Check, forget: Callable[[str], None]) -> None:
+        self._bus = bus
+        self._sessions = sessions
+        self._history = history
+        # The session id of the request, or a 404 / 400 raised.
+        self._existing = existing
+        self._forget = forget
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/api/sessions/{session_id}/transcript", self.transcript, methods=["GET"]),
+            Route("/api/sessions/{session_id}/export", self.export, methods=["GET"]),
+            Route("/api/sessions/{session_id}", self.delete, methods=["DELETE"]),
+        ]
+
+    async def transcript(self, request: Request) -> Response:
+        sid = await self._existing(request)
+        try:
+            limit = page_limit(request.query_params.get("limit"))
+        except ValueError as err:
+            return error(400, "invalid_field", str(err), field="limit")
+        params = request.query_params
+        kind = params.get("kind")
+        if kind not in (None, "message", "compaction"):
+            return error(400, "invalid_field", "kind: message or compaction", field="kind")
+        try:
+            after = _cursor(params.get("after"), "after")
+            before = _cursor(params.get("before"), "before")
+        except InvalidCursor as err:
+            return error(400, "invalid_field", str(err), field=str(err).split(":")[0])
+        if "before" in params and "after" in params:
+            return error(400, "invalid_field", "before: not with after", field="before")
+        if "before" in params:
+            items, earlier = await page_before(self._bus.js, sid, before, limit)
+            return JSONResponse({"session_id": sid, "items": [i.as_json() for i in items],
+                                 "previous": _text(earlier), "next": None})
+        items, following = await page(self._bus.js, sid, after, limit, kind)
+        return JSONResponse({"session_id": sid, "items": [i.as_json() for i in items],
+                             "next": _text(following)})
+
+    async def export(self, request: Request) -> Response:
+        sid = await self._existing(request)
+        form = request.query_params.get("format", "markdown")
+        if form not in ("markdown", "json"):
+            return error(400, "invalid_field", "format: markdown or json", field="format")
+        items = await every_item(self._bus.js, sid)
+        if form == "json":
+            body = json.dumps({"session_id": sid, "items": [i.as_json() for i in items]})
+            return Response(body, media_type="application/json",
+                            headers=_download(f"session-{sid}.json"))
+        return Response(markdown(sid, items), media_type="text/markdown; charset=utf-8",
+                        headers=_download(f"session-{sid}.md"))
+
+    async def delete(self, request: Request) -> Response:
+        sid = await self._existing(request)
+        await self._sessions.delete(sid)
+        self._forget(sid)
+        await self._answer_queued(sid)
+        js = self._bus.js
+        for stream, subject in ((subjects.QUERIES_STREAM, subjects.query(sid)),
+                                (subjects.HISTORY_STREAM, subjects.history(sid)),
+                                (subjects.STATE_STREAM, subjects.state(sid))):
+            await js.purge_stream(stream, subject=subject)
+        for bucket in (subjects.LOCKS_BUCKET, subjects.COMPACTIONS_RUNNING_BUCKET):
+            kv = await js.key_value(bucket)
+            with contextlib.suppress(KeyNotFoundError, NotFoundError):
+                await kv.purge(sid)
+        self._history.forget(sid)
+        log.info("session_deleted", session_id=sid)
+        return Response(status_code=204)
+
+    async def _answer_queued(self, sid: str) -> None:
+        """Each query still queued gets its answer: the session is gone."""
+        js, seq = self._bus.js, 0
+        while True:
+            try:
+                msg = await js.get_msg(subjects.QUERIES_STREAM, seq=seq + 1,
+                                       subject=subjects.query(sid), next=True, direct=True)
+            except NotFoundError:
+                return
+            seq = int(msg.seq or seq + 1)
+            try:
+                env: Envelope[Query] = decode(msg.data or b"", Query, msg.subject or "")
+            except Exception:  # a malformed query is purged all the same
+                continue
+            await self._bus.publish(subjects.reply(sid), Reply(
+                session_id=sid, query_id=env.message_id, error_code="unknown_session",
+                error=f"session {sid} was deleted"), correlation_id=env.correlation_id,
+                session_id=sid)
+
+
+def error(status: int, code: str, message: str, field: str) -> JSONResponse:
+    # The gateway's error shape (see `api.error`, which imports this module).
+    return JSONResponse({"error": {"code": code, "message": message, "field": field}},
+                        status_code=status)
+
+
+def _cursor(raw: str | None, name: str) -> Position | None:
+    """A cursor parameter; `before=end` (or empty) is the transcript's end."""
+    if not raw or (name == "before" and raw == "end"):
+        return None
+    try:
+        return Position.parse(raw)
+    except InvalidCursor as err:
+        raise InvalidCursor(f"{name}: use a 'next' or 'previous' of a page") from err
+
+
+def _text(position: Position | None) -> str | None:
+    return str(position) if position is not None else None
+
+
+def _download(name: str) -> dict[str, str]:
+    return {"Content-Disposition": f'attachment; filename="{name}"'}

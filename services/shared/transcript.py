@@ -1,0 +1,115 @@
+"""Reading a session's transcript from its history subject, a page at a time,
+and trimming it to the retention setting without touching the context."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
+
+from nats.js import JetStreamContext
+from nats.js.errors import NotFoundError
+
+from schemas import subjects
+from schemas.history import HistoryEntry
+from services.core.transcript import Item, Position, StoredEntry, items_of
+
+
+async def stored_entries(js: JetStreamContext, sid: str,
+                         from_seq: int = 1) -> AsyncIterator[StoredEntry]:
+    """The session's entries from stream sequence `from_seq` on, in order,
+    up to the last one stored when the walk started."""
+    subject = subjects.history(sid)
+    try:
+        last = int((await js.get_last_msg(subjects.HISTORY_STREAM, subject, direct=True)).seq
+                   or 0)
+    except NotFoundError:
+        return
+    seq = max(from_seq, 1) - 1
+    while seq < last:
+        try:
+            msg = await js.get_msg(subjects.HISTORY_STREAM, seq=seq + 1, subject=subject,
+                                   next=True, direct=True)
+        except NotFoundError:
+            return
+        seq = int(msg.seq or seq + 1)
+        yield StoredEntry(seq, msg.time, HistoryEntry.model_validate_json(msg.data or b""))
+
+
+async def page(js: JetStreamContext, sid: str, after: Position | None,
+               limit: int, kind: str | None = None) -> tuple[list[Item], Position | None]:
+    """Up to `limit` items past `after` (of one `kind`, if given), and the
+    cursor of the next page (None when these are the last)."""
+    found: list[Item] = []
+    async for stored in stored_entries(js, sid, after.seq if after is not None else 1):
+        for item in items_of(stored):
+            if (after is not None and item.position <= after) or kind not in (None, item.kind):
+                continue
+            if len(found) == limit:
+                return found, found[-1].position
+            found.append(item)
+    return found, None
+
+
+async def page_before(js: JetStreamContext, sid: str, before: Position | None,
+                      limit: int) -> tuple[list[Item], Position | None]:
+    """The `limit` items just before `before` (None: the end), oldest first,
+    and the cursor of the page before them (None at the start). The page
+    scrolls back with it. Entries have no backward link on the stream, so
+    this walks forward from the start: its cost grows with the transcript
+    (the context's never does)."""
+    kept: deque[Item] = deque(maxlen=limit + 1)
+    async for stored in stored_entries(js, sid):
+        if before is not None and stored.seq > before.seq:
+            break
+        kept.extend(i for i in items_of(stored) if before is None or i.position < before)
+    items = list(kept)
+    if len(items) > limit:
+        return items[1:], items[1].position
+    return items, None
+
+
+async def every_item(js: JetStreamContext, sid: str) -> list[Item]:
+    return [item async for stored in stored_entries(js, sid) for item in items_of(stored)]
+
+
+async def trim(js: JetStreamContext, sid: str, base_seq: int, max_age_s: float,
+               now: datetime | None = None) -> int:
+    """Drop the session's entries older than `max_age_s`, but never one the
+    context needs: its snapshot at `base_seq`, and the turns holding the
+    messages that snapshot kept (shown before its marker). Returns the
+    sequence below which nothing is kept now (0: nothing dropped)."""
+    if base_seq == 0:
+        return 0  # never compacted: the context is the whole transcript
+    cutoff = (now or datetime.now(UTC)) - timedelta(seconds=max_age_s)
+    before: list[StoredEntry] = []
+    async for stored in stored_entries(js, sid):
+        if stored.seq >= base_seq:
+            snapshot = stored.entry.snapshot
+            kept = len(snapshot.messages) if snapshot is not None else 0
+            break
+        before.append(stored)
+    else:
+        return 0  # the snapshot is not there: nothing is judged without it
+    keep_from = oldest_needed(before, kept, base_seq)
+    for stored in before:
+        if stored.time is None or stored.time >= cutoff:
+            keep_from = min(keep_from, stored.seq)
+            break
+    if not before or keep_from <= before[0].seq:
+        return 0
+    await js.purge_stream(subjects.HISTORY_STREAM, subject=subjects.history(sid), seq=keep_from)
+    return keep_from
+
+
+def oldest_needed(before: list[StoredEntry], kept: int, base_seq: int) -> int:
+    """The sequence of the oldest entry holding one of the last `kept`
+    messages before the snapshot (`base_seq` when it kept none)."""
+    needed = base_seq
+    for stored in reversed(before):
+        if kept <= 0:
+            break
+        if stored.entry.kind == "turn":
+            kept -= len(stored.entry.messages)
+        needed = stored.seq
+    return needed

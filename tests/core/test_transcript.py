@@ -1,0 +1,82 @@
+"""The transcript's items, cursors, Markdown and search, as pure functions."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+import pytest
+
+from schemas.history import ChatMessage, HistoryEntry, Snapshot, ToolCall
+from services.core.transcript import (
+    InvalidCursor,
+    Position,
+    StoredEntry,
+    divider,
+    items_after,
+    markdown,
+    page_limit,
+    recall,
+)
+
+AT = datetime(2026, 1, 2, 14, 2, tzinfo=UTC)
+
+
+def turn(i: int) -> HistoryEntry:
+    return HistoryEntry.of_turn((ChatMessage(role="user", content=f"question {i}"),
+                                 ChatMessage(role="assistant", content=f"answer {i}")))
+
+
+def entries() -> list[StoredEntry]:
+    snapshot = Snapshot(summary="notes", messages=turn(2).messages, compactions=1, at=AT,
+                        auto=True, level="gentle", tokens_before=1255, tokens_after=1002)
+    return [StoredEntry(1, AT, turn(1)), StoredEntry(2, AT, turn(2)),
+            StoredEntry(3, AT, HistoryEntry.of_snapshot(snapshot)), StoredEntry(4, AT, turn(3))]
+
+
+def test_a_snapshot_is_one_marker_and_its_kept_copies_are_not_repeated() -> None:
+    items = list(items_after(entries(), None))
+    assert [i.kind for i in items] == ["message"] * 4 + ["compaction"] + ["message"] * 2
+    marker = items[4].as_json()
+    assert marker == {"kind": "compaction", "at": AT.isoformat(), "auto": True,
+                      "level": "gentle", "tokens_before": 1255, "tokens_after": 1002,
+                      "summary": "notes", "compactions": 1, "kept_messages": 2,
+                      "position": "3-0"}
+    assert [str(i.position) for i in items] == ["1-0", "1-1", "2-0", "2-1", "3-0", "4-0", "4-1"]
+
+
+def test_items_after_a_cursor_start_right_after_it() -> None:
+    whole = list(items_after(entries(), None))
+    for n, item in enumerate(whole):
+        assert list(items_after(entries(), item.position)) == whole[n + 1:]
+
+
+def test_cursors_and_limits_are_checked() -> None:
+    assert Position.parse("12-3") == Position(12, 3)
+    for bad in ("", "12", "a-1", "1-", "-1", "1-2-3", "١-٢"):
+        with pytest.raises(InvalidCursor):
+            Position.parse(bad)
+    assert page_limit(None) == 200 and page_limit("1000") == 1000
+    for bad in ("0", "1001", "x", "-5", "2.5"):
+        with pytest.raises(ValueError):
+            page_limit(bad)
+
+
+def test_markdown_shows_each_compaction_as_a_divider() -> None:
+    text = markdown("s1", items_after(entries(), None))
+    assert text.index("question 1") < text.index("notes") < text.index("question 3")
+    assert "compacted · automatic · 1,255 → 1,002 tokens · 2026-01-02 14:02 UTC" in text
+    assert divider({"kind": "compaction", "auto": False, "level": "emergency",
+                    "at": None}) == "compacted · manual · emergency"
+
+
+def test_recall_matches_every_word_case_insensitively_newest_first() -> None:
+    messages = (ChatMessage(role="user", content="The locker code is 4711"),
+                ChatMessage(role="assistant", content="", tool_calls=(
+                    ToolCall(name="note", arguments={"text": "locker CODE"}),)),
+                ChatMessage(role="user", content="locker only"))
+    stored = [StoredEntry(1, AT, HistoryEntry.of_turn(messages)), *entries()]
+    found = recall(items_after(stored, None), "Locker code", 5)
+    assert [str(i.position) for i in found] == ["1-1", "1-0"]
+    assert recall(items_after(stored, None), "locker code", 1)[0].position == Position(1, 1)
+    assert recall(items_after(stored, None), "  ", 5) == []
+    assert recall(items_after(stored, None), "notes", 5) == []  # markers are not messages
