@@ -50,7 +50,6 @@ from services.generator.toolbox import Toolbox
 from services.shared.bus import Bus
 from services.shared.history_store import HistoryStore, HistoryView
 from services.shared.live_config import LiveSettings
-from services.shared.recent import Recent
 from services.shared.sessions import SessionNotFound, SessionStore
 
 log = structlog.get_logger()
