@@ -39,6 +39,9 @@ class ChatMessage(Strict):
     # The query (envelope message id) this message belongs to. A redelivered
     # query finds its own messages by it, so a retried turn is never doubled.
     query_id: str | None = None
+    # An answer stopped on request while it was being written: its text is
+    # the part written until then.
+    stopped: bool = False
 
 
 class Snapshot(Strict):
@@ -63,10 +66,16 @@ class HistoryEntry(Strict):
     kind: Literal["turn", "snapshot"]
     messages: tuple[ChatMessage, ...] = ()
     snapshot: Snapshot | None = None
+    # A retried answer: the query whose answer (the assistant and tool
+    # messages after the last user message) this turn's messages replace in
+    # the context. The earlier entry is kept as it was written, so a
+    # transcript shows both, the older one superseded by this entry.
+    supersedes: str | None = None
 
     @classmethod
-    def of_turn(cls, messages: tuple[ChatMessage, ...]) -> HistoryEntry:
-        return cls(kind="turn", messages=messages)
+    def of_turn(cls, messages: tuple[ChatMessage, ...],
+                supersedes: str | None = None) -> HistoryEntry:
+        return cls(kind="turn", messages=messages, supersedes=supersedes)
 
     @classmethod
     def of_message(cls, message: ChatMessage) -> HistoryEntry:
@@ -95,7 +104,21 @@ class Conversation(Strict):
                 summary=snap.summary, messages=snap.messages, compactions=snap.compactions,
                 compacted_by=snap.request_id, compacted_query_ids=snap.compacted_query_ids,
             )
-        return self.model_copy(update={"messages": (*self.messages, *entry.messages)})
+        kept = self.messages
+        if entry.supersedes is not None:
+            kept = without_answer(kept, entry.supersedes)
+        return self.model_copy(update={"messages": (*kept, *entry.messages)})
+
+
+def without_answer(messages: tuple[ChatMessage, ...], query_id: str
+                   ) -> tuple[ChatMessage, ...]:
+    """The messages with the answer to `query_id` (its assistant and tool
+    messages after the last user message) taken off the end."""
+    end = len(messages)
+    while (end > 0 and messages[end - 1].role != "user"
+           and messages[end - 1].query_id == query_id):
+        end -= 1
+    return messages[:end]
 
 
 def fold(entries: list[HistoryEntry]) -> Conversation:
