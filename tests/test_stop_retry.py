@@ -127,7 +127,7 @@ async def _more_cut(stub: str, before: int) -> bool:
     return await streams_cut(stub) > before
 
 
-async def test_a_stopped_json_caller_gets_the_partial_answer_marked_stopped(
+async def test_a_stopped_json_caller_gets_a_reply_marked_stopped(
     http: httpx.AsyncClient, nats_url: str,
 ) -> None:
     sid = await create(http)
@@ -141,6 +141,9 @@ async def test_a_stopped_json_caller_gets_the_partial_answer_marked_stopped(
     assert stop.status_code == 202, stop.text
     assert reply.status_code == 200 and reply.json()["stopped"] is True
     assert not tokens.payloads(), "tokens were published though the caller did not stream"
+    # The caller was shown nothing of the answer, and nothing of it is kept.
+    answer = (await http.get(f"/api/sessions/{sid}")).json()["messages"][-1]
+    assert answer == {"role": "assistant", "query_id": answer["query_id"], "stopped": True}
 
 
 async def _until_generating(http: httpx.AsyncClient, sid: str) -> None:

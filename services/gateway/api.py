@@ -50,6 +50,7 @@ ERROR_STATUS = {
     "timeout": 504,
     "tool_loop_limit": 502,
     "nothing_to_retry": 409,
+    "retry_outdated": 409,
 }
 
 

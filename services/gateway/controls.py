@@ -18,10 +18,11 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from schemas import subjects
+from schemas.history import Conversation
 from schemas.messages import Query, StopAccepted, StopRequest
 from services.core.retry import retry_point
 from services.core.state_machine import Phase
-from services.shared.bus import Bus, decode
+from services.shared.bus import BadMessage, Bus, decode
 from services.shared.history_store import HistoryStore
 
 # How long the process running the answer has to say it is stopping it. A
@@ -73,10 +74,11 @@ class Controls:
     async def retry(self, request: Request) -> Response:
         sid = self._session_id_of(request)
         await self._answers.require(sid)
-        if await self._busy(sid):
+        conversation = (await self._history.read(sid)).conversation
+        if await self._busy(sid, conversation):
             return conflict("turn_running", "the session is answering a message; stop it or "
                             "wait for its answer, then retry")
-        point = retry_point((await self._history.read(sid)).conversation)
+        point = retry_point(conversation)
         if point is None:
             return conflict("nothing_to_retry", "the session has no user message left to "
                             "answer again (none yet, or folded into the summary)")
@@ -84,14 +86,19 @@ class Controls:
         return await self._answers.answer(request, Query(session_id=sid, content=question,
                                                          retry=True))
 
-    async def _busy(self, sid: str) -> bool:
-        """A turn under way, or a query waiting for its turn in the queue (the
-        work queue drops a query once it is answered)."""
+    async def _busy(self, sid: str, conversation: Conversation) -> bool:
+        """A turn under way, or a query waiting for its turn in the queue. The
+        work queue drops a query a moment after its acknowledgement: one
+        whose answer is stored already is done."""
         if (await self._answers.state(sid))["phase"] not in QUIET_PHASES:
             return True
         try:
-            await self._bus.js.get_last_msg(subjects.QUERIES_STREAM, subjects.query(sid),
-                                            direct=True)
+            msg = await self._bus.js.get_last_msg(subjects.QUERIES_STREAM, subjects.query(sid),
+                                                  direct=True)
         except NotFoundError:
             return False
-        return True
+        try:
+            query_id = decode(msg.data or b"", Query, subjects.query(sid)).message_id
+        except BadMessage:
+            return False  # not a query any generator will answer
+        return all(message.query_id != query_id for message in conversation.messages)

@@ -209,6 +209,10 @@ class TurnRunner:
         if point is None:
             raise TurnError("nothing_to_retry", "the session has no user message left to "
                             "answer again (none yet, or folded into the summary)")
+        if point.context.messages[-1].content != env.payload.content:
+            # Another message was answered since the retry was asked for.
+            raise TurnError("retry_outdated", "the session's last message changed since the "
+                            "retry was asked for; retry again")
         return Turn(env, record, view, [], retry_context=point.context), point.supersedes
 
     def _kept(self, head: HeadStart | None, turn: Turn) -> HeadStart | None:
@@ -364,11 +368,12 @@ class TurnRunner:
             stream = TokenStream(self._bus, env)
         switch = switch or StopSwitch(env.message_id)
         switch.written = []
+        # A stopped answer keeps what its caller was shown: the streamed text.
+        # Unstreamed, the answer comes whole (far cheaper than a chunk per
+        # word), so one stopped before its end keeps nothing.
+        on_token = _heard_by(switch, stream) if stream is not None else None
         try:
-            # Streamed from the model even when the caller does not watch the
-            # tokens: a stopped answer keeps what was written until then.
-            result = await switch.unless_thrown(
-                self._provider.chat(request, _heard_by(switch, stream)))
+            result = await switch.unless_thrown(self._provider.chat(request, on_token))
         except ProviderError as err:
             raise TurnError(err.cause, str(err)) from err
         if result is None:
@@ -425,11 +430,10 @@ class TurnRunner:
         return choose_boundary(conversation.messages, tail)
 
 
-def _heard_by(switch: StopSwitch, stream: TokenStream | None) -> OnToken:
+def _heard_by(switch: StopSwitch, stream: TokenStream) -> OnToken:
     async def on_token(text: str) -> None:
         await switch.heard(text)
-        if stream is not None:
-            await stream.send(text)
+        await stream.send(text)
     return on_token
 
 
