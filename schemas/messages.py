@@ -7,6 +7,7 @@ implementation fails loudly at the boundary instead of being dropped.
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -36,6 +37,27 @@ class Query(Payload):
     retry: bool = False
 
 
+class ErrorCode(StrEnum):
+    """The `error_code` values a reply may carry (the gateway maps each to an
+    HTTP status). Other implementations may send codes of their own."""
+
+    unknown_session = "unknown_session"
+    context_overflow = "context_overflow"
+    compacting = "compacting"
+    unreachable = "unreachable"
+    provider_error = "provider_error"
+    empty_reply = "empty_reply"
+    timeout = "timeout"
+    tool_loop_limit = "tool_loop_limit"
+    internal_error = "internal_error"
+    # The model is not on the model server; the message says how to pull it.
+    model_not_found = "model_not_found"
+    # A retry with no user message to answer again, or one that another
+    # message overtook.
+    nothing_to_retry = "nothing_to_retry"
+    retry_outdated = "retry_outdated"
+
+
 class Reply(Payload):
     """The outcome of one query: the answer, or an error naming its cause."""
 
@@ -47,6 +69,9 @@ class Reply(Payload):
     completion_tokens: int | None = None
     error: str | None = None
     error_code: str | None = None
+    # What a thinking model thought before answering: shown apart, never
+    # stored as context.
+    thinking: str | None = None
     # The answer was stopped on request: `reply` is the part written until then.
     stopped: bool = False
 

@@ -24,6 +24,14 @@ class SessionRecord(BaseModel):
     # The provider's own tokens-per-character from its last usable report.
     tokens_per_char: float | None = Field(default=None, gt=0)
     compactions: int = Field(default=0, ge=0)
+    # The window the session's model was trained for, as the generator last
+    # read it from the model server; a smaller NUM_CTX wins. None: not known.
+    context_length: int | None = Field(default=None, gt=0)
+
+    def window(self, num_ctx: int) -> int:
+        """The window to use with this session's model: `num_ctx`, or the
+        model's own if it is smaller."""
+        return num_ctx if self.context_length is None else min(num_ctx, self.context_length)
 
     def model_or(self, default: str) -> str:
         """The session's model, or the service's configured one when it named none."""

@@ -74,6 +74,7 @@ ROWS = (
     "throughput_2_generators",
     "throughput_floor",
     "compaction_latency",
+    "compaction_one_slot",
     "splice_128k",
     "estimate_error",
 )
@@ -89,6 +90,7 @@ RUN_ORDER = (
     "throughput_2_generators",
     "estimate_error",
     "compaction_latency",
+    "compaction_one_slot",
 )
 # Rows that cannot run without starting processes (see --in-process).
 NEEDS_PROCESSES = frozenset(ROWS) - {"splice_128k", "estimate_error"}
@@ -101,6 +103,10 @@ ESTIMATE_MAX_ERROR_PCT = 5.0
 
 ANSWER_LATENCY_S = 0.2
 SUMMARY_LATENCY_S = 5.0
+# compaction_one_slot: answers and summaries from one model, whose time is
+# per generated token, so a summary takes seconds and an answer a tenth of one.
+SHARED_MS_PER_TOKEN = 10.0
+SLOTS_COMPARED = (1, 4)
 # A query during a blocking compaction slower than this counts as delayed.
 DELAYED_S = 1.0
 CHARS_PER_TOKEN = (2.5, 3.0, 4.0, 5.0, 6.0, 8.0)
@@ -1218,6 +1224,39 @@ def row_compaction(bench: Bench) -> Row:
     )
 
 
+def measure_shared_slots(params: Params, parallel: int) -> list[CompactionRun]:
+    """Background compactions written by the model that answers, on a server
+    serving `parallel` requests of it at once (OLLAMA_NUM_PARALLEL)."""
+    flags = ("--parallel", str(parallel), "--ms-per-token", f"{SHARED_MS_PER_TOKEN:g}")
+    env = {k: v for k, v in compaction_env(params, "background").items()
+           if k != "COMPACTION_MODEL"}
+    with running_env(flags, env) as running:
+        return asyncio.run(compaction_rounds(running, params, 1))
+
+
+def row_compaction_one_slot(bench: Bench) -> Row:
+    figures = {parallel: background_figures(measure_shared_slots(bench.params, parallel))
+               for parallel in SLOTS_COMPARED}
+    one = figures[1]
+
+    def text(parallel: int) -> str:
+        f = figures[parallel]
+        return (f"--parallel {parallel}: p50 {f['during_compaction']['p50_ms']:.0f} vs "
+                f"{f['baseline']['p50_ms']:.0f} ms (×{f['p50_ratio']:.2f}), p99 "
+                f"{f['during_compaction']['p99_ms']:.0f} vs {f['baseline']['p99_ms']:.0f} ms "
+                f"(×{f['p99_ratio']:.2f}), longest {f['during_compaction']['max_ms']:.0f} ms")
+
+    return Row(
+        name="compaction_one_slot",
+        value=one["p50_ratio"],
+        unit="× no compaction (p50, --parallel 1)", target=Target("<=", COMPACTION_MAX_RATIO),
+        detail="; ".join(text(parallel) for parallel in SLOTS_COMPARED)
+               + "; summaries by the answering model, in one piece",
+        raw={"ms_per_token": SHARED_MS_PER_TOKEN,
+             **{f"parallel_{parallel}": f for parallel, f in figures.items()}},
+    )
+
+
 # --------------------------------------------------------------------------- 6. splice_128k
 
 
@@ -1512,6 +1551,7 @@ ROW_FUNCTIONS: dict[str, RowFunction] = {
     "throughput_1_generator": row_throughput_1,
     "throughput_2_generators": row_throughput_2,
     "compaction_latency": row_compaction,
+    "compaction_one_slot": row_compaction_one_slot,
     "splice_128k": row_splice,
     "estimate_error": row_estimate,
 }
@@ -1539,7 +1579,7 @@ class Bench:
         if self.in_process and name in NEEDS_PROCESSES:
             return Row(name=name, value=None, unit="", target=None, detail="skipped",
                        skipped="needs processes (--in-process)")
-        if name == "compaction_latency":
+        if name in ("compaction_latency", "compaction_one_slot"):
             self.close_plain()  # it starts systems of its own
         started = time.perf_counter()
         load = os.getloadavg()[0]

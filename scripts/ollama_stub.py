@@ -1,10 +1,14 @@
 """Ollama-compatible stand-in HTTP server for tests and benchmarks.
 
 It speaks enough of the Ollama REST API (``/api/chat``, ``/api/tags``, ``/api/show``,
-``/api/version``) for the real ``ollama.AsyncClient`` to talk to it, and answers
+``/api/version``, ``/api/pull``) for the real ``ollama.AsyncClient`` to talk to it, and answers
 deterministically from the input so tests can assert on exact replies and token counts.
 It also reproduces the Ollama behaviours the chat backend has to survive: silent
-context truncation, prompt-cache token counts, thinking-only replies, 500s and hangs.
+context truncation, prompt-cache token counts, thinking-only replies, 500s and hangs,
+and the way models differ: some are not pulled (404), some lack tools (400), thinking
+models think unless told not to, each has its own window, a first call loads the model,
+and a model serves only so many requests at once (``--models``, ``--capabilities``,
+``--context-length``, ``--load-ms``, ``--parallel``).
 
 Run it with ``python -m scripts.ollama_stub --port 11435`` (see ``--help``).
 Control endpoints under ``/_stub/`` expose statistics and change behaviour live.
@@ -30,6 +34,7 @@ from typing import Any
 
 import uvicorn
 from starlette.applications import Starlette
+from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -100,6 +105,9 @@ class StubConfig:
 
     def holds(self, model: str) -> bool:
         return normalize_model(model) in {normalize_model(name) for name in self.held_models}
+
+    # Set at start-up only (command-line flags), so not part of ``as_json``.
+    models: ModelCatalogue = field(default_factory=lambda: ModelCatalogue())
 
     def latency_ms(self, model: str) -> float:
         """Fixed per-request latency; ``name`` and ``name:latest`` are the same model."""
@@ -589,6 +597,12 @@ class StubState:
     def announce_config_change(self) -> None:
         changed, self.config_changed = self.config_changed, asyncio.Event()
         changed.set()
+    slots: ModelSlots = field(init=False)
+    loads: ModelLoads = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.slots = ModelSlots(self.config.models.parallel)
+        self.loads = ModelLoads(self.config.models.load_ms)
 
     def stats_json(self) -> JSONObject:
         stats = self.totals.as_json()
@@ -698,12 +712,14 @@ class Generation:
     per_token_s: float
     started_ns: int
     done_reason: str = "stop"
+    # Time this request waited for its model to load (``--load-ms``).
+    loading_ns: int = 0
 
     def final_fields(self, load_ns: int, eval_ns: int) -> JSONObject:
         fields: JSONObject = {
             "done_reason": self.done_reason,
             "total_duration": time.perf_counter_ns() - self.started_ns,
-            "load_duration": load_ns,
+            "load_duration": load_ns + self.loading_ns,
         }
         # Omitted, not zero, on a full prompt-cache hit: that is what Ollama does.
         if self.prompt_eval_count is not None:
@@ -843,6 +859,7 @@ def prepare_generation(
 ) -> Generation:
     config = state.config
     reply = build_reply(request, kept)
+    apply_thinking(config.models, request, reply, kept)
     if "empty-content" in config.quirks:
         apply_empty_content_quirk(reply)
     cpt = config.chars_per_token
@@ -868,7 +885,11 @@ async def chat_endpoint(request: Request) -> Response:
         chat = parse_chat_request(await _read_json(request))
     except BadRequest as exc:
         return error_response(400, str(exc))
+    refusal = model_refusal(state.config.models, chat)
+    if refusal is not None:
+        return refusal
     kept, prompt_tokens = receive_prompt(state, chat)
+    loading_ns = await state.loads.ensure_loaded(chat.model)
     if not chat.messages:
         return load_response(chat.model)
     if "error" in state.config.quirks:
@@ -878,9 +899,22 @@ async def chat_endpoint(request: Request) -> Response:
         return error_response(503, "stub: hang ended")
     await wait_while_held(state, chat.model)
     generation = prepare_generation(state, chat, kept, prompt_tokens, started_ns)
+    generation.loading_ns = loading_ns
+    return await answer_in_slot(state, chat, generation)
+
+
+async def answer_in_slot(state: StubState, chat: ChatRequest, generation: Generation) -> Response:
+    """The answer, produced while holding one of the model's parallel slots."""
+    slot = await state.slots.take(chat.model)
     if chat.stream:
-        return StreamingResponse(stream_chat(generation, state), media_type="application/x-ndjson")
-    return JSONResponse(await complete_chat(generation))
+        # The background task frees the slot even if the client left before the stream began.
+        return StreamingResponse(held_stream(stream_chat(generation, state), slot),
+                                 media_type="application/x-ndjson",
+                                 background=BackgroundTask(slot.release))
+    try:
+        return JSONResponse(await complete_chat(generation))
+    finally:
+        slot.release()
 
 
 def model_details() -> JSONObject:
@@ -907,7 +941,7 @@ def model_entry(name: str) -> JSONObject:
 
 
 async def tags_endpoint(request: Request) -> Response:
-    names = dict.fromkeys([STUB_MODEL, *_state(request).seen_models])
+    names = listed_models(_state(request))
     return JSONResponse({"models": [model_entry(name) for name in names]})
 
 
@@ -928,18 +962,10 @@ async def show_endpoint(request: Request) -> Response:
     model = (body.get("model") or body.get("name")) if isinstance(body, dict) else None
     if not isinstance(model, str) or not model:
         return error_response(400, "model is required")
-    num_ctx = _state(request).config.default_num_ctx
-    return JSONResponse(
-        {
-            "modelfile": f"# Modelfile generated by the ollama stand-in\nFROM {model}\n",
-            "parameters": f"num_ctx                        {num_ctx}",
-            "template": "{{ .System }}\n{{ .Prompt }}",
-            "details": model_details(),
-            "model_info": {"general.architecture": "stub", "stub.context_length": 131072},
-            "capabilities": ["completion", "tools"],
-            "modified_at": FIXED_TIMESTAMP,
-        }
-    )
+    config = _state(request).config
+    if not config.models.has(model):
+        return error_response(404, f"model '{model}' not found")
+    return JSONResponse(show_answer(config.models, model, config.default_num_ctx))
 
 
 async def stats_endpoint(request: Request) -> Response:
@@ -1032,13 +1058,282 @@ def build_app(config: StubConfig) -> Starlette:
             Route("/api/tags", tags_endpoint, methods=["GET"]),
             Route("/api/version", version_endpoint, methods=["GET"]),
             Route("/api/show", show_endpoint, methods=["POST"]),
+            Route("/api/pull", pull_endpoint, methods=["POST"]),
             Route("/_stub/stats", stats_endpoint, methods=["GET"]),
+            Route("/_stub/slots", slots_endpoint, methods=["GET"]),
             Route("/_stub/reset", reset_endpoint, methods=["POST"]),
             Route("/_stub/config", config_endpoint, methods=["GET", "POST"]),
         ]
     )
     app.state.stub = StubState(config=config)
     return app
+
+
+# --------------------------------------------------------------------------- models
+
+DEFAULT_CAPABILITIES = ("completion", "tools")
+KNOWN_CAPABILITIES = ("completion", "tools", "thinking", "vision", "insert", "embedding")
+DEFAULT_CONTEXT_LENGTH = 131072
+# A pull streams this many progress lines per layer, as Ollama reports a download.
+PULL_STEPS = 4
+PULL_LAYER_BYTES = 4_000_000
+
+
+@dataclass
+class ModelCatalogue:
+    """Which models the stand-in has and what each can do (``--models``,
+    ``--capabilities``, ``--context-length``, ``--parallel``, ``--load-ms``).
+
+    Names are normalised (``name`` is ``name:latest``). ``served`` None means any
+    name is there, as before these flags existed.
+    """
+
+    served: set[str] | None = None
+    capabilities: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    context_length: dict[str, int] = field(default_factory=dict)
+    parallel: int | None = None
+    load_ms: float = 0.0
+    # Older Ollama releases describe no capabilities in /api/show.
+    show_capabilities: bool = True
+
+    def has(self, model: str) -> bool:
+        return self.served is None or normalize_model(model) in self.served
+
+    def capabilities_of(self, model: str) -> tuple[str, ...]:
+        return self.capabilities.get(normalize_model(model), DEFAULT_CAPABILITIES)
+
+    def context_length_of(self, model: str) -> int:
+        return self.context_length.get(normalize_model(model), DEFAULT_CONTEXT_LENGTH)
+
+    def pulled(self, model: str) -> None:
+        if self.served is not None:
+            self.served.add(normalize_model(model))
+
+
+def not_found_text(model: str) -> str:
+    return f'model "{model}" not found, try pulling it first'
+
+
+def model_refusal(catalogue: ModelCatalogue, request: ChatRequest) -> JSONResponse | None:
+    """Ollama's answer to a chat request the model cannot take, if any: 404 for a
+    model that is not there, 400 for tools offered to a model without them."""
+    if not catalogue.has(request.model):
+        return error_response(404, not_found_text(request.model))
+    if request.tools and "tools" not in catalogue.capabilities_of(request.model):
+        return error_response(400, f"{request.model} does not support tools")
+    # Only for a model described by --capabilities: without the flag, any model
+    # thinks when asked, as this stand-in always let it.
+    described = normalize_model(request.model) in catalogue.capabilities
+    lacks = "thinking" not in catalogue.capabilities_of(request.model)
+    if described and lacks and wants_thinking(request.think):
+        return error_response(400, f'"{request.model}" does not support thinking')
+    return None
+
+
+def thinks(catalogue: ModelCatalogue, request: ChatRequest) -> bool:
+    """A thinking model thinks unless told ``think: false``; other models only when asked."""
+    if "thinking" in catalogue.capabilities_of(request.model):
+        return request.think is not False and request.think != "false"
+    return wants_thinking(request.think)
+
+
+def apply_thinking(catalogue: ModelCatalogue, request: ChatRequest, reply: Reply,
+                   messages: Sequence[ChatMessage]) -> None:
+    """What a thinking model does with its output budget. Asked for a summary
+    while thinking, it spends the whole output on thinking and the content
+    stays empty, as qwen3 and its kind do on long inputs."""
+    if not thinks(catalogue, request):
+        reply.thinking = ""
+        return
+    if not reply.thinking:
+        reply.thinking = f"Considering {len(messages)} message(s) before answering."
+    if "thinking" in catalogue.capabilities_of(request.model) and is_summary_request(messages):
+        reply.thinking = f"{reply.thinking}\nDrafting: {reply.content}"
+        reply.content = ""
+
+
+class ModelSlots:
+    """At most ``parallel`` requests in progress per model; the rest wait in
+    arrival order (asyncio's semaphore is fair), as OLLAMA_NUM_PARALLEL does."""
+
+    def __init__(self, parallel: int | None) -> None:
+        self._parallel = parallel
+        self._slots: dict[str, asyncio.Semaphore] = {}
+        self.waiting: dict[str, int] = {}
+        self.busy: dict[str, int] = {}
+
+    async def take(self, model: str) -> Slot:
+        key = normalize_model(model)
+        if self._parallel is not None:
+            semaphore = self._slots.setdefault(key, asyncio.Semaphore(self._parallel))
+            self.waiting[key] = self.waiting.get(key, 0) + 1
+            try:
+                await semaphore.acquire()
+            finally:
+                self.waiting[key] -= 1
+        self.busy[key] = self.busy.get(key, 0) + 1
+        return Slot(self, key)
+
+    def give_back(self, key: str) -> None:
+        self.busy[key] -= 1
+        if self._parallel is not None:
+            self._slots[key].release()
+
+    def as_json(self) -> JSONObject:
+        return {"parallel": self._parallel, "waiting": dict(self.waiting),
+                "in_progress": dict(self.busy)}
+
+
+class Slot:
+    """One request's place; given back once, however its response ends."""
+
+    def __init__(self, slots: ModelSlots, key: str) -> None:
+        self._slots: ModelSlots | None = slots
+        self._key = key
+
+    def release(self) -> None:
+        if self._slots is not None:
+            self._slots.give_back(self._key)
+            self._slots = None
+
+
+async def slots_endpoint(request: Request) -> Response:
+    return JSONResponse(_state(request).slots.as_json())
+
+
+class ModelLoads:
+    """The first call to a model loads it (``--load-ms``); calls arriving while it
+    loads wait for the same load, as they do in Ollama."""
+
+    def __init__(self, load_ms: float) -> None:
+        self._load_s = load_ms / 1000
+        self._loads: dict[str, asyncio.Future[int]] = {}
+
+    async def ensure_loaded(self, model: str) -> int:
+        """Nanoseconds this request waited for the model to load (0 once loaded)."""
+        if self._load_s <= 0:
+            return 0
+        key = normalize_model(model)
+        load = self._loads.get(key)
+        if load is None:
+            load = self._loads[key] = asyncio.ensure_future(_sleep_ns(self._load_s))
+        if load.done():
+            return 0
+        started = time.perf_counter_ns()
+        await asyncio.shield(load)
+        return time.perf_counter_ns() - started
+
+
+async def held_stream(chunks: AsyncIterator[bytes], slot: Slot) -> AsyncIterator[bytes]:
+    try:
+        async for chunk in chunks:
+            yield chunk
+    finally:
+        slot.release()
+
+
+def show_answer(catalogue: ModelCatalogue, model: str, default_num_ctx: int) -> JSONObject:
+    answer: JSONObject = {
+        "modelfile": f"# Modelfile generated by the ollama stand-in\nFROM {model}\n",
+        "parameters": f"num_ctx                        {default_num_ctx}",
+        "template": "{{ .System }}\n{{ .Prompt }}",
+        "details": model_details(),
+        "model_info": {"general.architecture": "stub",
+                       "stub.context_length": catalogue.context_length_of(model)},
+        "capabilities": list(catalogue.capabilities_of(model)),
+        "modified_at": FIXED_TIMESTAMP,
+    }
+    if not catalogue.show_capabilities:
+        del answer["capabilities"]
+    return answer
+
+
+def pull_progress(model: str) -> list[JSONObject]:
+    """The status lines of ``ollama pull``: manifest, one layer's download, checks, success."""
+    digest = "sha256:" + hashlib.sha256(model.encode()).hexdigest()
+    lines: list[JSONObject] = [{"status": "pulling manifest"}]
+    for step in range(PULL_STEPS + 1):
+        lines.append({"status": f"pulling {digest[7:19]}", "digest": digest,
+                      "total": PULL_LAYER_BYTES,
+                      "completed": PULL_LAYER_BYTES * step // PULL_STEPS})
+    lines += [{"status": "verifying sha256 digest"}, {"status": "writing manifest"},
+              {"status": "success"}]
+    return lines
+
+
+async def pull_endpoint(request: Request) -> Response:
+    try:
+        body = await _read_json(request)
+    except BadRequest as exc:
+        return error_response(400, str(exc))
+    model = (body.get("model") or body.get("name")) if isinstance(body, dict) else None
+    if not isinstance(model, str) or not model:
+        return error_response(400, "model is required")
+    state = _state(request)
+    lines = pull_progress(model)
+    state.config.models.pulled(model)
+    state.seen_models.setdefault(normalize_model(model), None)
+    if body.get("stream") is False:
+        return JSONResponse(lines[-1])
+    return StreamingResponse(_ndjson_lines(lines), media_type="application/x-ndjson")
+
+
+async def _ndjson_lines(lines: Sequence[JSONObject]) -> AsyncIterator[bytes]:
+    for line in lines:
+        await asyncio.sleep(0)
+        yield _ndjson(line)
+
+
+def listed_models(state: StubState) -> list[str]:
+    served = state.config.models.served
+    if served is None:
+        return list(dict.fromkeys([STUB_MODEL, *state.seen_models]))
+    return sorted(served)
+
+
+def _named_list_arg(text: str) -> tuple[str, tuple[str, ...]]:
+    name, sep, values = text.partition("=")
+    capabilities = tuple(v.strip() for v in values.split(",") if v.strip())
+    unknown = sorted(set(capabilities) - set(KNOWN_CAPABILITIES))
+    if not sep or not name or unknown:
+        raise argparse.ArgumentTypeError(
+            f"expected NAME=CAP[,CAP...] of {', '.join(KNOWN_CAPABILITIES)}, got {text!r}")
+    return normalize_model(name), capabilities
+
+
+def _named_int_arg(text: str) -> tuple[str, int]:
+    name, sep, number = text.partition("=")
+    if not sep or not name or not number.isdigit() or int(number) < 1:
+        raise argparse.ArgumentTypeError(f"expected NAME=N with N >= 1, got {text!r}")
+    return normalize_model(name), int(number)
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--models", default=None, metavar="NAME[,NAME...]",
+        help="the models that are there; others answer 404 (default: any name)")
+    parser.add_argument(
+        "--capabilities", type=_named_list_arg, action="append", default=[],
+        metavar="NAME=CAP,...", help="a model's capabilities (default: completion,tools)")
+    parser.add_argument(
+        "--context-length", type=_named_int_arg, action="append", default=[],
+        metavar="NAME=N", help=f"a model's trained window (default: {DEFAULT_CONTEXT_LENGTH})")
+    parser.add_argument("--parallel", type=_positive_int_arg, default=None,
+                        help="requests in progress at once per model; the rest queue")
+    parser.add_argument("--load-ms", type=_non_negative_float_arg, default=0.0,
+                        help="extra time of the first call to each model (loading it)")
+    parser.add_argument("--show-without-capabilities", action="store_true",
+                        help="leave capabilities out of /api/show, as older Ollama releases do")
+
+
+def catalogue_from_args(args: argparse.Namespace) -> ModelCatalogue:
+    served = None
+    if args.models is not None:
+        served = {normalize_model(n.strip()) for n in args.models.split(",") if n.strip()}
+    return ModelCatalogue(served=served, capabilities=dict(args.capabilities),
+                          context_length=dict(args.context_length),
+                          parallel=args.parallel, load_ms=args.load_ms,
+                          show_capabilities=not args.show_without_capabilities)
 
 
 # --------------------------------------------------------------------------- command line
@@ -1109,6 +1404,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--quirk", choices=QUIRKS, action="append", default=[])
     parser.add_argument("--default-num-ctx", type=_positive_int_arg, default=2048)
     parser.add_argument("--log-level", default="warning", help="uvicorn log level")
+    add_model_arguments(parser)
     return parser
 
 
@@ -1121,6 +1417,7 @@ def config_from_args(args: argparse.Namespace) -> StubConfig:
         model_latency=dict(args.model_latency),
         quirks=set(args.quirk),
         default_num_ctx=args.default_num_ctx,
+        models=catalogue_from_args(args),
     )
 
 

@@ -6,7 +6,9 @@ SIGTERM, or the terminal closing).
   product's memory; see ARCHITECTURE.md).
 - Ollama: the one at OLLAMA_HOST (default http://127.0.0.1:11434; the short
   forms Ollama accepts, such as `127.0.0.1:11434`, too) if it answers, else
-  the deterministic stand-in, announced loudly.
+  the deterministic stand-in, announced loudly. A real one is asked whether
+  it has MODEL (and COMPACTION_MODEL): if not, the launcher says how to pull
+  it, and with PULL=1 (`make run PULL=1`) pulls it, showing its progress.
 - The gateway, generator, compaction-decider and tools services.
 
 NATS and the stand-in run in sessions of their own, so a Ctrl-C reaches only
@@ -16,22 +18,32 @@ the launcher stops NATS last.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from ollama._client import _parse_host as ollama_url  # the client's own reading
+from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = Path(os.environ.get("DATA_DIR", ROOT / ".data"))
 SERVICES = ("services.generator", "services.compaction_decider", "services.tools",
             "services.gateway")
 STUB_PORT = int(os.environ.get("OLLAMA_STUB_PORT", "11435"))
+STAND_IN = f"http://127.0.0.1:{STUB_PORT}"
+# The generator's own default (services/generator/settings.py).
+DEFAULT_MODEL = "llama3.2"
+# A pull may stall for a while between two progress lines (verifying a large layer).
+PULL_READ_TIMEOUT_S = 600
 
 
 def main() -> int:
@@ -43,6 +55,8 @@ def main() -> int:
         if not env.get("NATS_URL"):
             env["NATS_URL"] = embedded_nats(children)
         env["OLLAMA_HOST"] = ollama_or_stand_in(env.get("OLLAMA_HOST"), children)
+        if env["OLLAMA_HOST"] != STAND_IN:  # the stand-in serves any name
+            check_models(env["OLLAMA_HOST"], env)
         url = start_services(env, children)
         print(f"\n  Chat is ready: {url}   (Ctrl-C stops everything)\n", flush=True)
         while all(child.poll() is None for child in children):
@@ -72,8 +86,87 @@ def ollama_or_stand_in(wanted: str | None, children: list[subprocess.Popen[bytes
     if answers(ollama):
         return ollama
     children.append(start_stub(ollama))
-    wait_for(f"http://127.0.0.1:{STUB_PORT}/api/version", 10, children[-1])
-    return f"http://127.0.0.1:{STUB_PORT}"
+    wait_for(f"{STAND_IN}/api/version", 10, children[-1])
+    return STAND_IN
+
+
+def wanted_models(env: dict[str, str]) -> list[str]:
+    names = [env.get("MODEL") or env.get("model") or DEFAULT_MODEL]
+    summariser = env.get("COMPACTION_MODEL") or env.get("compaction_model")
+    return list(dict.fromkeys([*names, summariser] if summariser else names))
+
+
+def check_models(ollama: str, env: dict[str, str]) -> None:
+    """Say how to get each wanted model Ollama lacks; pull it when PULL=1."""
+    pulling = env.get("PULL", "").lower() in ("1", "true", "yes")
+    try:
+        have = pulled_models(ollama)
+    except (OSError, ValueError) as err:
+        print(f"could not list Ollama's models ({err}); not checking MODEL", file=sys.stderr)
+        return
+    for model in wanted_models(env):
+        if normalized(model) in have:
+            continue
+        if pulling:
+            pull(ollama, model)
+            continue
+        print(f"\n  Ollama at {ollama} has no model {model!r}: every answer will fail "
+              f"with model_not_found.\n  Pull it with `ollama pull {model}` (or "
+              f"`make run PULL=1`), or pick another with MODEL=<name>.\n",
+              file=sys.stderr, flush=True)
+
+
+def normalized(model: str) -> str:
+    """Ollama takes an untagged name for `:latest`."""
+    return model if ":" in model.rsplit("/", 1)[-1] else f"{model}:latest"
+
+
+def pulled_models(ollama: str) -> set[str]:
+    with _DIRECT.open(f"{ollama.rstrip('/')}/api/tags", timeout=10) as response:
+        listed = json.load(response).get("models") or []
+    return {normalized(str(m.get("model") or m.get("name"))) for m in listed}
+
+
+def pull(ollama: str, model: str) -> None:
+    """`ollama pull` through the API, one progress bar per layer."""
+    print(f"pulling {model} from {ollama}", file=sys.stderr, flush=True)
+    bars: dict[str, tqdm[Any]] = {}
+    try:
+        for line in pull_progress(ollama, model):
+            if "error" in line:
+                raise SystemExit(f"pulling {model} failed: {line['error']}")
+            show_progress(line, bars)
+    finally:
+        for bar in bars.values():
+            bar.close()
+
+
+def show_progress(line: dict[str, Any], bars: dict[str, tqdm[Any]]) -> None:
+    digest, total = line.get("digest"), line.get("total")
+    if not digest or not total:
+        tqdm.write(str(line.get("status", "")), file=sys.stderr)
+        return
+    bar = bars.get(digest)
+    if bar is None:
+        bar = bars[digest] = tqdm(total=total, desc=str(line.get("status")), unit="B",
+                                  unit_scale=True, file=sys.stderr)
+    bar.update(max(0, int(line.get("completed") or 0) - bar.n))
+    if bar.n >= total:
+        bar.close()  # done: the status lines that follow print below it
+
+
+def pull_progress(ollama: str, model: str) -> Iterator[dict[str, Any]]:
+    request = urllib.request.Request(
+        f"{ollama.rstrip('/')}/api/pull", method="POST",
+        data=json.dumps({"model": model, "stream": True}).encode(),
+        headers={"Content-Type": "application/json"})
+    try:
+        with _DIRECT.open(request, timeout=PULL_READ_TIMEOUT_S) as response:
+            for raw in response:
+                if raw.strip():
+                    yield json.loads(raw)
+    except urllib.error.HTTPError as err:
+        yield json.loads(err.read() or b"{}") or {"error": f"HTTP {err.code}"}
 
 
 def start_services(env: dict[str, str], children: list[subprocess.Popen[bytes]]) -> str:

@@ -20,6 +20,7 @@ from schemas import subjects
 from schemas.history import ChatMessage, Snapshot
 from schemas.messages import Query, Reply
 from schemas.session import SessionRecord
+from services.generator.models import ModelFacts
 from services.generator.provider import ChatRequest, ChatResult, OnToken, ProviderError
 from services.generator.service import MAX_CRASHES, Generator
 from services.generator.session_lock import SessionLocks
@@ -43,6 +44,9 @@ class BrokenModel:
     async def chat(self, request: ChatRequest, on_token: OnToken | None = None) -> ChatResult:
         self.calls += 1
         raise RuntimeError("a bug in the model client")
+
+    async def facts(self, model: str) -> ModelFacts:
+        return ModelFacts()
 
     async def close(self) -> None:
         pass

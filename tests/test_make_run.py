@@ -15,9 +15,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from scripts.run import answers, ollama_url, page_url
+from scripts.run import answers, check_models, ollama_url, page_url, pulled_models
 from tests.nats_server import free_port
 from tests.processes import REPO_ROOT
+from tests.stub_server import running_stub
 
 READY_LINE = "Chat is ready: "
 
@@ -43,10 +44,11 @@ class Ports:
     dead_ollama: int = field(default_factory=free_port)
 
 
-def launch(tmp_path: Path, ports: Ports) -> subprocess.Popen[bytes]:
+def launch(tmp_path: Path, ports: Ports, **extra: str) -> subprocess.Popen[bytes]:
     env = {**os.environ, "DATA_DIR": str(tmp_path), "NATS_PORT": str(ports.nats),
            "GATEWAY_PORT": str(ports.gateway), "OLLAMA_STUB_PORT": str(ports.stub),
-           "OLLAMA_HOST": f"http://127.0.0.1:{ports.dead_ollama}", "LOG_FORMAT": "json"}
+           "OLLAMA_HOST": f"http://127.0.0.1:{ports.dead_ollama}", "LOG_FORMAT": "json",
+           **extra}
     env.pop("NATS_URL", None)
     with (tmp_path / "run.log").open("wb") as log:  # the child keeps its own copy
         return subprocess.Popen([sys.executable, "scripts/run.py"], cwd=REPO_ROOT, env=env,
@@ -108,3 +110,43 @@ def test_the_page_address_is_one_a_browser_here_can_open() -> None:
     assert page_url("127.0.0.1", "8080") == "http://127.0.0.1:8080/"
     assert page_url("0.0.0.0", "8080") == "http://127.0.0.1:8080/"
     assert page_url("::1", "8080") == "http://[::1]:8080/"
+
+
+def test_a_model_ollama_lacks_is_named_with_the_pull_command(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    with running_stub("--models", "other") as url:
+        check_models(url, {"MODEL": "wanted:8b", "COMPACTION_MODEL": "other"})
+        assert "wanted:8b:latest" not in pulled_models(url)
+    told = capsys.readouterr().err
+    assert "has no model 'wanted:8b'" in told and "`ollama pull wanted:8b`" in told
+    assert "PULL=1" in told and "'other'" not in told
+
+
+def test_pull_1_pulls_the_missing_model_with_its_progress(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    with running_stub("--models", "other") as url:
+        check_models(url, {"MODEL": "wanted", "PULL": "1"})
+        assert "wanted:latest" in pulled_models(url)
+    shown = capsys.readouterr().err
+    assert "pulling wanted" in shown and "pulling manifest" in shown and "success" in shown
+    assert "100%" in shown  # the layer's bar ran to its end
+
+
+def test_the_launcher_pulls_model_at_start_when_asked(tmp_path: Path) -> None:
+    ports = Ports()
+    with running_stub("--models", "other") as ollama:
+        proc = launch(tmp_path, ports, OLLAMA_HOST=ollama, MODEL="wanted", PULL="1")
+        try:
+            base = f"http://127.0.0.1:{ports.gateway}"
+            wait_until_announced(tmp_path / "run.log", proc, 60)
+            sid = httpx.post(f"{base}/api/sessions", json={}).json()["session_id"]
+            reply = httpx.post(f"{base}/api/sessions/{sid}/messages", json={"content": "hi"},
+                               timeout=30)
+            assert reply.json()["reply"] == "Echo: hi (turn 1)"
+            proc.terminate()
+            assert proc.wait(30) == 0
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    output = (tmp_path / "run.log").read_text()
+    assert "pulling wanted" in output and "DETERMINISTIC STAND-IN" not in output

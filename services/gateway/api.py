@@ -47,6 +47,8 @@ ERROR_STATUS = {
     "unreachable": 502,
     "provider_error": 502,
     "empty_reply": 502,
+    # Ollama's own status for a model it has not pulled.
+    "model_not_found": 404,
     "timeout": 504,
     "tool_loop_limit": 502,
     "nothing_to_retry": 409,
@@ -179,8 +181,8 @@ class Api:
             "compactions": view.conversation.compactions,
             "messages": [m.model_dump(exclude_defaults=True) for m in view.conversation.messages],
             "token_count": tokens,
-            "num_ctx": self._settings.num_ctx,
-            "budget": self._budget(),
+            "num_ctx": self._num_ctx(record),
+            "budget": self._budget(record),
             **await self._state(sid),
         })
 
@@ -263,6 +265,8 @@ class Api:
         body: dict[str, Any] = {"session_id": reply.session_id, "reply": reply.reply,
                                 "prompt_tokens": reply.prompt_tokens,
                                 "completion_tokens": reply.completion_tokens}
+        if reply.thinking:
+            body["thinking"] = reply.thinking
         if reply.stopped:
             body["stopped"] = True
         return body
@@ -320,8 +324,11 @@ class Api:
         except ValidationError:
             return False
 
-    def _budget(self) -> int:
-        return prompt_budget(self._settings.num_ctx, self._settings.output_headroom)
+    def _num_ctx(self, record: SessionRecord) -> int:
+        return record.window(self._settings.num_ctx)
+
+    def _budget(self, record: SessionRecord) -> int:
+        return prompt_budget(self._num_ctx(record), self._settings.output_headroom)
 
 
 def sse(event: str, data: dict[str, Any]) -> str:

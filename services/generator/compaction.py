@@ -257,7 +257,12 @@ class Compactor:
             piece = next_piece(zone, start, notes, window)
             result = await self._provider.chat(ChatRequest(
                 model=self._summary_model(record), messages=piece.messages,
-                num_ctx=window.num_ctx, num_predict=window.output_tokens))
+                num_ctx=window.num_ctx, num_predict=window.output_tokens,
+                # A thinking model could spend the whole output on thinking and
+                # leave the summary empty; streamed so a stall is caught midway.
+                # The model's answers go first, unless this is an emergency
+                # compaction, itself part of an answer (it has no request).
+                think="off", watch_gaps=True, background=job.request_id is not None))
             if result.done_reason == "length":
                 window = _more_room(window)  # the same entries again, with more room
                 continue
@@ -296,8 +301,10 @@ class Compactor:
         settings = self._settings
         own = self._summary_model(record) == record.model_or(settings.model)
         calibration = Calibration(record.tokens_per_char) if own else Calibration()
-        return SummaryWindow.for_summaries(settings.compaction_num_ctx or settings.num_ctx,
-                                           calibration)
+        # The session's model may have a smaller window than NUM_CTX (its record knows).
+        num_ctx = settings.compaction_num_ctx or (
+            record.window(settings.num_ctx) if own else settings.num_ctx)
+        return SummaryWindow.for_summaries(num_ctx, calibration)
 
     async def _splice(self, record: SessionRecord, current: HistoryView, plan: CompactionPlan,
                       written: Written, job: Job) -> tuple[HistoryView, int]:

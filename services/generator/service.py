@@ -496,6 +496,7 @@ async def build(bus: Bus, settings: GeneratorSettings) -> Generator:
     sessions = SessionStore(await sessions_bucket(bus.js))
     locks = SessionLocks(await locks_bucket(bus.js, settings.lock_lease_s),
                          settings.generator_id, settings.lock_lease_s, settings.lock_wait_s)
-    provider = OllamaProvider(settings.ollama_host, settings.ollama_timeout_s,
-                              connections=settings.max_concurrent_sessions)
+    limits = settings.model_time_limits()
+    provider = OllamaProvider(settings.ollama_host, limits.first_token_s,
+                              connections=settings.max_concurrent_sessions, gap_s=limits.gap_s)
     return Generator(bus, settings, provider, sessions, locks)

@@ -8,8 +8,15 @@ from typing import Literal
 
 from pydantic import Field
 
+from services.generator.models import TimeLimits
 from services.shared.jetstream import DEFAULT_LOCK_LEASE_S
 from services.shared.settings import ServiceSettings
+
+# Loading a model from disk, waiting for Ollama's one free slot and reading an
+# 8k-token prompt on a CPU can each take a minute or more.
+DEFAULT_FIRST_TOKEN_TIMEOUT_S = 300.0
+# Once it streams, even a slow CPU gives a token every second or two.
+DEFAULT_TOKEN_GAP_TIMEOUT_S = 60.0
 
 
 def _instance_id() -> str:
@@ -33,14 +40,29 @@ class GeneratorSettings(ServiceSettings):
     compaction_model: str | None = None
     # The summariser's window (COMPACTION_MODEL may be another model); None: num_ctx.
     compaction_num_ctx: int | None = Field(default=None, ge=256)
-    summary_timeout_s: float = Field(default=120.0, gt=0)
+    # A whole summary call's limit; the two model limits below apply within it.
+    summary_timeout_s: float = Field(default=600.0, gt=0)
     # Sessions answered at once by this process.
     max_concurrent_sessions: int = Field(default=64, ge=1)
     lock_lease_s: float = Field(default=DEFAULT_LOCK_LEASE_S, ge=1)
     lock_wait_s: float = Field(default=30.0, gt=0)
     # A query unacknowledged this long is redelivered (the process died).
     query_ack_wait_s: float = Field(default=30.0, ge=1)
-    ollama_timeout_s: float = Field(default=120.0, gt=0)
+    # Until the first token: the model may have to load, wait for a free slot
+    # and read a long prompt first. Then the longest pause between two tokens.
+    ollama_first_token_timeout_s: float | None = Field(default=None, gt=0)
+    ollama_token_gap_timeout_s: float | None = Field(default=None, gt=0)
+    # The former single limit: when set, both of the above unless they are set.
+    ollama_timeout_s: float | None = Field(default=None, gt=0)
+    # Thinking models: "auto" leaves them their default (they think), "on" or
+    # "off" says so on every answer. Summaries are always asked without it.
+    think: Literal["auto", "on", "off"] = "auto"
     tool_timeout_s: float = Field(default=10.0, gt=0)
     max_tool_iterations: int = Field(default=5, ge=1)
     generator_id: str = Field(default_factory=_instance_id)
+
+    def model_time_limits(self) -> TimeLimits:
+        fallback = self.ollama_timeout_s
+        return TimeLimits(
+            self.ollama_first_token_timeout_s or fallback or DEFAULT_FIRST_TOKEN_TIMEOUT_S,
+            self.ollama_token_gap_timeout_s or fallback or DEFAULT_TOKEN_GAP_TIMEOUT_S)

@@ -44,6 +44,7 @@ from services.core.state_machine import Action
 from services.core.tokens import Calibration, calibrate, estimate_prompt, prompt_budget
 from services.generator.compaction import CompactionFailed, CompactionSkipped, Compactor
 from services.generator.head_start import HeadStart, HeadStartCount, still_good
+from services.generator.models import ModelFacts
 from services.generator.provider import (
     ChatProvider,
     ChatRequest,
@@ -139,8 +140,34 @@ class TurnRunner:
         # Read on every use: `compaction_threshold` may change while we run.
         return self._live.current
 
-    def budget(self) -> int:
-        return prompt_budget(self._settings.num_ctx, self._settings.output_headroom)
+    def num_ctx(self, record: SessionRecord) -> int:
+        """NUM_CTX, or the window of the session's model if that is smaller."""
+        return record.window(self._settings.num_ctx)
+
+    def budget(self, record: SessionRecord) -> int:
+        return prompt_budget(self.num_ctx(record), self._settings.output_headroom)
+
+    async def _facts(self, record: SessionRecord) -> ModelFacts:
+        try:
+            return await self._provider.facts(record.model_or(self._settings.model))
+        except ProviderError as err:
+            raise TurnError(err.cause, str(err)) from err
+
+    async def _with_window(self, record: SessionRecord) -> SessionRecord:
+        """The record with its model's window as the model describes it now,
+        stored when that changed (the page's gauge reads it)."""
+        window = (await self._facts(record)).context_length
+        if window == record.context_length:
+            return record
+        record = record.model_copy(update={"context_length": window})
+        await self._sessions.put(record)
+        return record
+
+    async def _offered_tools(self, record: SessionRecord) -> Messages:
+        """The tools, for a model that can call them; none for the others."""
+        if not (await self._facts(record)).tools:
+            return []
+        return await self._toolbox.definitions()
 
     async def head_start(self, env: Envelope[Query]) -> HeadStart | None:
         """Send the first model call before the lock is ours, when this process
@@ -149,7 +176,10 @@ class TurnRunner:
         view, record = self._history.cached(sid), self._sessions.cached(sid)
         if view is None or record is None or env.payload.retry:
             return None
-        tools = await self._toolbox.definitions()
+        try:
+            tools = await self._offered_tools(record)
+        except TurnError:
+            return None  # the turn itself will meet the error and report it
         prompt = render_messages(record.system, view.conversation, [_question(env)])
         if not self._fits(record, prompt, tools):
             return None  # the turn must compact first
@@ -174,6 +204,7 @@ class TurnRunner:
             return Reply(session_id=sid, query_id=query_id, error_code="already_answered",
                          error="this query was answered before, and a compaction has "
                                "since folded its answer into the summary"), None
+        record = await self._with_window(record)
         turn, supersedes = self._new_turn(env, record, view)
         started = time.monotonic()
         await self._states.apply(sid, Action.start_generation, env.correlation_id)
@@ -190,7 +221,8 @@ class TurnRunner:
             log.info("answer_stopped", chars=len(result.content))
         reply = Reply(session_id=sid, query_id=query_id, reply=result.content,
                       prompt_tokens=result.prompt_tokens,
-                      completion_tokens=result.completion_tokens, stopped=result.stopped)
+                      completion_tokens=result.completion_tokens,
+                      thinking=result.thinking or None, stopped=result.stopped)
 
         async def follow_up() -> None:
             sent = sent_chars(prompt, tools)
@@ -227,7 +259,7 @@ class TurnRunner:
 
     async def _tool_loop(self, turn: Turn, head: HeadStart | None
                          ) -> tuple[ChatResult, Messages, Messages]:
-        tools = head.tools if head else await self._toolbox.definitions()
+        tools = head.tools if head else await self._offered_tools(turn.record)
         stream = self._turn_stream(turn.env, head)
         for _ in range(self._settings.max_tool_iterations + 1):
             prompt = head.prompt if head else await self._fitting_prompt(turn, tools)
@@ -338,14 +370,15 @@ class TurnRunner:
     def _fits(self, record: SessionRecord, prompt: Messages, tools: Messages,
               share: float = 1.0) -> bool:
         """Does the prompt fit (within `share` of the budget), margin kept?"""
-        return check_fit(self._estimate(record, prompt, tools), int(share * self.budget())).fits
+        return check_fit(self._estimate(record, prompt, tools),
+                         int(share * self.budget(record))).fits
 
     def _overflow(self, record: SessionRecord, prompt: Messages, tools: Messages,
                   advice: str) -> TurnError:
         return TurnError(
             "context_overflow",
             f"the prompt would need about {self._estimate(record, prompt, tools)} tokens but "
-            f"the budget is {self.budget()} (num_ctx {self._settings.num_ctx}); {advice}",
+            f"the budget is {self.budget(record)} (num_ctx {self.num_ctx(record)}); {advice}",
         )
 
     async def _run_tools(self, env: Envelope[Query], result: ChatResult) -> list[ChatMessage]:
@@ -363,7 +396,8 @@ class TurnRunner:
                           tools: Messages, stream: TokenStream | None = None,
                           switch: StopSwitch | None = None) -> ChatResult:
         request = ChatRequest(model=record.model_or(self._settings.model), messages=prompt,
-                              num_ctx=self._settings.num_ctx, tools=tools)
+                              num_ctx=self.num_ctx(record), tools=tools,
+                              think=self._settings.think)
         if stream is None and env.payload.stream:
             stream = TokenStream(self._bus, env)
         switch = switch or StopSwitch(env.message_id)
@@ -387,7 +421,7 @@ class TurnRunner:
                            messages: int) -> None:
         record = turn.record
         previous = Calibration(record.tokens_per_char)
-        updated = calibrate(previous, result.prompt_tokens, sent, self._settings.num_ctx,
+        updated = calibrate(previous, result.prompt_tokens, sent, self.num_ctx(record),
                             reused_chars=turn.reused_chars, messages=messages)
         ratio = updated.tokens_per_char
         if ratio is not None and (previous.tokens_per_char is None
@@ -409,7 +443,7 @@ class TurnRunner:
             completion_tokens=result.completion_tokens,
             sent_chars=sent,
             sent_messages=messages,
-            num_ctx=self._settings.num_ctx,
+            num_ctx=self.num_ctx(turn.record),
             duration_ms=(time.monotonic() - started) * 1000,
             next_prompt_chars=upcoming.chars,
             next_prompt_messages=upcoming.messages,

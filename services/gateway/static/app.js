@@ -606,6 +606,13 @@ function pendingAnswer() {
     },
     done(body) {
       if (typeof body.reply === "string") text.textContent = body.reply;
+      if (typeof body.thinking === "string" && body.thinking) {
+        // Apart from the answer, folded: it is not part of the conversation.
+        text.before(el("details", { className: "msg-thinking" }, [
+          el("summary", { text: "thinking" }),
+          el("div", { className: "msg-text", text: body.thinking }),
+        ]));
+      }
       const counts = `prompt ${fmt(body.prompt_tokens)} · completion ${fmt(body.completion_tokens)} tokens`;
       status.textContent = body.stopped ? `stopped · ${counts}` : counts;
       item.classList.remove("msg-pending");
