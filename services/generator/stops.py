@@ -38,6 +38,8 @@ class StopSwitch:
         """The call's result, or None once the switch is thrown (the call then
         cancelled, and waited for, so its connection is closed)."""
         if self.thrown:
+            if asyncio.iscoroutine(call):
+                call.close()  # never started: nothing to cancel
             return None
         task = asyncio.ensure_future(call)
         thrown = asyncio.ensure_future(self._thrown.wait())
