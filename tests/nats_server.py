@@ -80,10 +80,18 @@ class NatsServer:
         """SIGSTOP / SIGCONT: a server that stops answering for a while."""
         assert self._proc is not None
         self._proc.send_signal(sig)
+        if sig == signal.SIGSTOP:
+            wait_until_stopped(self._proc.pid)
 
     def restart(self) -> None:
         self.stop()
         self.start()
+
+    def lose_store(self) -> None:
+        """What `docker compose down -v` or a new server does: the next start
+        finds no stream, consumer or bucket."""
+        assert self._proc is None, "stop the server first"
+        shutil.rmtree(Path(self.store_dir) / "jetstream", ignore_errors=True)
 
 
 def wait_for_port(port: int, timeout_s: float) -> None:
@@ -134,3 +142,18 @@ def backend() -> str:
               file=sys.stderr)
         return "binary"
     return wanted
+
+
+def wait_until_stopped(pid: int, timeout_s: float = 5.0) -> None:
+    """kill() returns before every thread of the process has stopped: a thread
+    busy on the other core may still answer a request. Wait until the kernel
+    shows each one stopped."""
+    deadline = time.monotonic() + timeout_s
+    tasks = Path(f"/proc/{pid}/task")
+    while time.monotonic() < deadline:
+        states = [(task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                  for task in tasks.iterdir()]
+        if all(state in ("T", "t") for state in states):
+            return
+        time.sleep(0.001)
+    raise TimeoutError(f"process {pid} did not stop within {timeout_s} s")

@@ -204,6 +204,24 @@ async def test_the_loop_pulls_again_after_the_server_restarts(
         await nc.close()
 
 
+async def test_a_loop_renewed_on_its_consumer_made_anew_pulls_at_once(nc: NATS) -> None:
+    """What a service does once NATS is back without its store: the consumer
+    is made again and the loop asks afresh, not once its requests expire."""
+    holder = Holder(room=2)
+    async with pulling(nc, "renew", holder, expires_s=30.0) as (subject, loop):
+        js, stream = nc.jetstream(), stream_of("renew")
+        config = (await js.consumer_info(stream, "worker")).config
+        await js.delete_consumer(stream, "worker")
+        assert await ensure_consumer(nc, stream, config)  # made anew
+        assert not await ensure_consumer(nc, stream, config)  # there already
+        loop.renew()
+        await js.publish(subject, b"after")
+        # Well inside the 30 s the requests standing on the old consumer
+        # would take to expire.
+        await holder.wait_for(1, timeout_s=5.0)
+        assert holder.seen == [b"after"]
+
+
 async def test_stopping_hands_over_what_has_already_arrived(nc: NATS) -> None:
     subject = await fresh_stream(nc, "stop")
     gate, seen = asyncio.Event(), list[bytes]()

@@ -266,6 +266,14 @@ async def test_only_an_acknowledgement_the_server_confirmed_counts_as_done() -> 
 async def test_only_error_replies_are_kept_to_be_sent_again() -> None:
     """An answer is in the history; an error reply is nowhere else, and is
     kept even when its acknowledgement was never confirmed."""
+
+
+async def test_an_answered_sequence_of_a_stream_made_anew_is_another_query() -> None:
+    """NATS came back without its store: sequences start from 1 again."""
+    answered = AnsweredQueries()
+    answered.remember(1, Reply(session_id="s", query_id="old", reply="fine"), confirmation(True))
+    assert await answered.acknowledged(1, "old") and await answered.acknowledged(1, None)
+    assert not await answered.acknowledged(1, "new")
     answered = AnsweredQueries()
     failed = Reply(session_id="s", query_id="q1", error="no model", error_code="ollama_error")
     answered.remember(1, failed, confirmation(False))

@@ -187,6 +187,49 @@ async def test_following_picks_up_again_after_the_server_restarts(
         await nc.close()
 
 
+async def test_following_anew_after_the_store_is_lost_takes_in_new_writes(
+    private_nats: NatsServer,
+) -> None:
+    nc = await nats.connect(private_nats.url, reconnect_time_wait=0.2,
+                            max_reconnect_attempts=-1)
+    other = None
+    try:
+        await ensure_layout(nc.jetstream())
+        ours = HistoryStore(nc.jetstream())
+        following = await ours.follow()
+        sid = new_sid()
+        for i in range(1, 4):
+            await ours.append(sid, await ours.read(sid), turn(i))
+        private_nats.stop()
+        private_nats.lose_store()
+        private_nats.start()
+        await eventually(lambda: nc.stats["reconnects"] == 1 and nc.is_connected,
+                         timeout_s=10)
+        await ensure_layout(nc.jetstream())
+        following = await ours.follow_again(following)
+        # Sequences of the lost stream mean nothing in the new one.
+        assert ours.cached(sid) is None
+        fresh = await ours.read(sid)
+        assert fresh.conversation.messages == ()
+        await ours.append(sid, fresh, turn(8))
+        other = await nats.connect(private_nats.url)
+        theirs = HistoryStore(other.jetstream())
+        await theirs.append(sid, await theirs.read(sid), turn(9))
+
+        def contents() -> list[str]:
+            known = ours.cached(sid)
+            return [m.content for m in known.conversation.messages] if known else []
+
+        # The new stream numbers from 1: a follower resuming past the old
+        # stream's last write would never see this one.
+        await eventually(lambda: contents() == ["q8", "a8", "q9", "a9"])
+        await following.unsubscribe()
+    finally:
+        if other is not None:
+            await other.close()
+        await nc.close()
+
+
 async def test_a_write_left_unanswered_leaves_no_view_to_trust(
         private_nats: NatsServer) -> None:
     """The server does not answer the append in time (here: frozen), but stores it

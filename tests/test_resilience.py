@@ -2,11 +2,23 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import json
+import signal
 import time
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import httpx
+import nats
+from nats.js.errors import NotFoundError
 
+from schemas import subjects
+from services.shared.runner import SHUTDOWN_TIMEOUT_S
+from tests.events import server_sent_events, watching
 from tests.nats_server import NatsServer
+from tests.stub_server import running_stub
 from tests.system import ask, new_session, running_system
 
 
@@ -35,3 +47,323 @@ def test_services_reconnect_after_nats_restarts(private_nats: NatsServer, stub_u
         assert answer.json()["reply"] == "Echo: after (turn 2)"
         for name in ("generator", "decider", "gateway"):
             assert system[name].proc is not None and system[name].proc.poll() is None
+
+
+def test_sigterm_while_nats_is_away_exits_cleanly(private_nats: NatsServer,
+                                                  stub_url: str) -> None:
+    every_service = ("generator", "decider", "gateway", "tools")
+    with running_system(private_nats.url, stub_url, services=every_service) as system:
+        private_nats.stop()
+        for name in every_service:
+            system[name].wait_for("nats_disconnected", 10)
+        for name in every_service:
+            # Bounded: the runner gives up on NATS after SHUTDOWN_TIMEOUT_S.
+            code = system[name].stop(timeout_s=SHUTDOWN_TIMEOUT_S + 5)
+            log = system[name].log()
+            assert code == 0, f"{name} exited with {code}:\n{log[-3000:]}"
+            assert "Traceback" not in log, log[-3000:]
+            assert log.count("nats_unreachable_at_shutdown") == 1, log[-3000:]
+            assert "service_stopped" in log
+
+
+def no_uncaught_traceback(log: str) -> bool:
+    """A traceback printed by a dying process starts a line; one inside a
+    JSON log record (an error logged with its exception) does not."""
+    return not any(line.startswith("Traceback") for line in log.splitlines())
+
+
+async def test_sigterm_while_nats_is_away_mid_turn_exits_within_the_bound(
+        private_nats: NatsServer) -> None:
+    with running_stub("--model-latency", "slow=1500") as stub, running_system(
+            private_nats.url, stub, services=("generator", "gateway")) as system:
+        async with httpx.AsyncClient(base_url=system.base_url, timeout=30) as http:
+            sid = (await http.post("/api/sessions", json={"model": "slow"})).json()["session_id"]
+            asking = asyncio.create_task(
+                http.post(f"/api/sessions/{sid}/messages", json={"content": "hello"}))
+            deadline = time.monotonic() + 10
+            while (await http.get(f"{stub}/_stub/stats")).json()["requests"] < 1:
+                assert time.monotonic() < deadline, "the model was never called"
+                await asyncio.sleep(0.05)
+            private_nats.stop()  # while the model answers
+            generator = system["generator"]
+            generator.wait_for("nats_disconnected", 10)
+            code = generator.stop(timeout_s=SHUTDOWN_TIMEOUT_S + 5)
+            asking.cancel()
+            log = generator.log()
+            assert code == 0, log[-3000:]
+            assert no_uncaught_traceback(log), log[-3000:]
+            assert log.count("nats_unreachable_at_shutdown") == 1, log[-3000:]
+
+
+# NATS back, with its store or without it: everything answers again within
+# this long of the server being up, with no service restarted.
+RECOVERY_S = 5.0
+Send = Callable[[float], Awaitable[httpx.Response]]
+
+
+async def answered_within(deadline: float, send: Send, status: int,
+                          retry_on: Callable[[httpx.Response], bool] = lambda r: True
+                          ) -> httpx.Response:
+    """`send` (given the time left) until it answers `status`, while the
+    answer is one worth trying again after; fails at the deadline."""
+    last = "nothing"
+    while True:
+        left = deadline - time.monotonic()
+        assert left > 0, f"not answered {status} within {RECOVERY_S} s; last: {last}"
+        try:
+            response = await send(left)
+        except httpx.TransportError as err:
+            last = repr(err)
+        else:
+            if response.status_code == status:
+                return response
+            last = f"{response.status_code} {response.text[:300]}"
+            assert retry_on(response), last
+        await asyncio.sleep(0.05)
+
+
+def get(http: httpx.AsyncClient, path: str) -> Send:
+    return lambda left: http.get(path, timeout=left)
+
+
+def post(http: httpx.AsyncClient, path: str, body: dict[str, Any]) -> Send:
+    return lambda left: http.post(path, json=body, timeout=left)
+
+
+def nothing_done(response: httpx.Response) -> bool:
+    """A write the gateway refused because NATS is not ready: safe to send again."""
+    return response.status_code == 503
+
+
+class LiveFeed:
+    """The page's live feed (`/api/events`), read in the background."""
+
+    def __init__(self, http: httpx.AsyncClient) -> None:
+        self._http = http
+        self.events: list[tuple[str, dict[str, Any]]] = []
+        self._changed = asyncio.Event()
+        self._connected = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> LiveFeed:
+        self._task = asyncio.create_task(self._read())
+        async with asyncio.timeout(10):
+            await self._connected.wait()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._task is not None
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+
+    async def _read(self) -> None:
+        async with self._http.stream("GET", "/api/events", timeout=None) as response:
+            name = ""
+            async for line in response.aiter_lines():
+                if line == ": connected":
+                    self._connected.set()
+                elif line.startswith("event: "):
+                    name = line[7:]
+                elif line.startswith("data: "):
+                    self.events.append((name, json.loads(line[6:])))
+                    self._changed.set()
+
+    async def wait_for(self, predicate: Callable[[str, dict[str, Any]], bool],
+                       timeout_s: float = 20.0) -> dict[str, Any]:
+        async with asyncio.timeout(timeout_s):
+            while True:
+                for name, data in self.events:
+                    if predicate(name, data):
+                        return data
+                self._changed.clear()
+                await self._changed.wait()
+
+
+def of_session(sid: str, message_type: str) -> Callable[[str, dict[str, Any]], bool]:
+    return lambda name, data: name == message_type and data.get("session_id") == sid
+
+
+async def a_fresh_feed_connects(http: httpx.AsyncClient, deadline: float) -> None:
+    async with asyncio.timeout(deadline - time.monotonic()), http.stream(
+            "GET", "/api/events", timeout=None) as response:
+        assert response.status_code == 200
+        assert await anext(response.aiter_lines()) == ": connected"
+
+
+async def test_nats_restarted_on_its_store_leaves_every_endpoint_answering(
+        private_nats: NatsServer, stub_url: str) -> None:
+    env = {"COMPACTION_TAIL_TURNS": "1", "COMPACTION_THRESHOLD": "0"}
+    with running_system(private_nats.url, stub_url, env) as system:
+        async with httpx.AsyncClient(base_url=system.base_url, timeout=30) as http:
+            sid = (await http.post("/api/sessions", json={})).json()["session_id"]
+            for content in ("one !long 100", "two !long 100"):
+                answer = await http.post(f"/api/sessions/{sid}/messages",
+                                         json={"content": content})
+                assert answer.status_code == 200, answer.text
+            before = (await http.get(f"/api/sessions/{sid}")).json()
+            async with LiveFeed(http) as feed:
+                private_nats.stop()
+                system["gateway"].wait_for("nats_disconnected", 10)
+                private_nats.start()
+                deadline = time.monotonic() + RECOVERY_S
+
+                await answered_within(deadline, get(http, "/healthz"), 200)
+                session = (await answered_within(
+                    deadline, get(http, f"/api/sessions/{sid}"), 200)).json()
+                assert session["messages"] == before["messages"]  # history intact
+                assert session["state"] == "idle"
+                listed = (await answered_within(deadline, get(http, "/api/sessions"), 200))
+                assert [s["session_id"] for s in listed.json()["sessions"]] == [sid]
+                await answered_within(deadline, get(http, "/"), 200)
+                await a_fresh_feed_connects(http, deadline)
+                answer = await answered_within(deadline, post(
+                    http, f"/api/sessions/{sid}/messages", {"content": "three"}), 200,
+                    nothing_done)
+                assert answer.json()["reply"] == "Echo: three (turn 3)"
+                await answered_within(
+                    deadline, post(http, f"/api/sessions/{sid}/compact", {}), 202, nothing_done)
+
+                # The feed the page held open all along sees the turn and the compaction.
+                await feed.wait_for(of_session(sid, "generator.state"))
+                result = await feed.wait_for(of_session(sid, "compaction.result"))
+            assert result["payload"]["status"] == "completed", result["payload"]
+            assert (await http.get(f"/api/sessions/{sid}")).json()["compactions"] == 1
+
+
+async def test_nats_restarted_without_its_store_works_again(
+        private_nats: NatsServer, stub_url: str) -> None:
+    # Automatic compaction off until a live setting turns it on, after the
+    # restart: that reaches the decider only through a watch made anew.
+    env = {"NUM_CTX": "2048", "COMPACTION_TAIL_TURNS": "1", "COMPACTION_COOLDOWN_S": "1",
+           "COMPACTION_THRESHOLD": "0"}
+    with running_system(private_nats.url, stub_url, env) as system:
+        async with httpx.AsyncClient(base_url=system.base_url, timeout=30) as http:
+            lost = (await http.post("/api/sessions", json={})).json()["session_id"]
+            assert (await http.post(f"/api/sessions/{lost}/messages",
+                                    json={"content": "before"})).status_code == 200
+            async with LiveFeed(http) as feed:
+                private_nats.stop()
+                system["gateway"].wait_for("nats_disconnected", 10)
+                private_nats.lose_store()
+                private_nats.start()
+                deadline = time.monotonic() + RECOVERY_S
+
+                created = await answered_within(
+                    deadline, post(http, "/api/sessions", {}), 201, nothing_done)
+                sid = created.json()["session_id"]
+                session = (await answered_within(
+                    deadline, get(http, f"/api/sessions/{sid}"), 200)).json()
+                assert session["messages"] == [] and session["state"] == "idle"
+                await answered_within(deadline, get(http, f"/api/sessions/{lost}"), 404)
+                await answered_within(deadline, post(
+                    http, f"/api/sessions/{lost}/messages", {"content": "again"}), 404,
+                    nothing_done)
+                answer = await answered_within(deadline, post(
+                    http, f"/api/sessions/{sid}/messages", {"content": "first"}), 200,
+                    nothing_done)
+                assert answer.json()["reply"] == "Echo: first (turn 1)"
+                await a_fresh_feed_connects(http, deadline)
+                await turn_compaction_on(private_nats.url, deadline)
+
+                # Turns until the decider asks for a compaction, and it is done.
+                for turn in range(2, 12):
+                    answer = await http.post(f"/api/sessions/{sid}/messages",
+                                             json={"content": f"question {turn} !long 400"})
+                    assert answer.status_code == 200, answer.text
+                    if any(of_session(sid, "compaction.request")(*e) for e in feed.events):
+                        break
+                result = await feed.wait_for(of_session(sid, "compaction.result"))
+            request = next(data for name, data in feed.events
+                           if of_session(sid, "compaction.request")(name, data))
+            assert request["payload"]["auto"] is True
+            assert result["payload"]["status"] == "completed", result["payload"]
+            assert (await http.get(f"/api/sessions/{sid}")).json()["compactions"] == 1
+
+
+async def turn_compaction_on(nats_url: str, deadline: float) -> None:
+    """Put the threshold in the live settings, once a service has made the
+    bucket again."""
+    nc = await nats.connect(nats_url)
+    try:
+        while True:
+            try:
+                kv = await nc.jetstream().key_value(subjects.CONFIG_BUCKET)
+                break
+            except NotFoundError:
+                assert time.monotonic() < deadline, "no service made the config bucket again"
+                await asyncio.sleep(0.05)
+        await kv.put("compaction_threshold", b"0.2")
+    finally:
+        await nc.close()
+
+
+async def test_a_missing_stream_reads_as_nothing_yet(private_nats: NatsServer,
+                                                    stub_url: str) -> None:
+    """What NATS coming back leaves until a service makes the layout again
+    (the state stream, in memory, is always gone): reads find nothing yet, a
+    write is refused as worth trying again, and nothing answers 500."""
+    with running_system(private_nats.url, stub_url, services=("gateway",)) as system:
+        async with httpx.AsyncClient(base_url=system.base_url, timeout=30) as http:
+            sid = (await http.post("/api/sessions", json={})).json()["session_id"]
+            nc = await nats.connect(private_nats.url)
+            js = nc.jetstream()
+            try:
+                for stream in (subjects.STATE_STREAM, subjects.HISTORY_STREAM):
+                    await js.delete_stream(stream)
+                session = await http.get(f"/api/sessions/{sid}")
+                assert session.status_code == 200, session.text
+                assert session.json()["messages"] == [] and session.json()["state"] == "idle"
+                await js.delete_stream(subjects.QUERIES_STREAM)
+                await the_query_is_refused_as_worth_retrying(http, sid)
+                await js.delete_key_value(subjects.SESSIONS_BUCKET)
+            finally:
+                await nc.close()
+            assert (await http.get(f"/api/sessions/{sid}")).status_code == 404
+            listed = await http.get("/api/sessions")
+            assert listed.status_code == 200 and listed.json() == {"sessions": []}
+            created = await http.post("/api/sessions", json={})
+            assert created.status_code == 503, created.text
+            assert created.json()["error"]["code"] == "nats_unavailable"
+
+
+async def the_query_is_refused_as_worth_retrying(http: httpx.AsyncClient, sid: str) -> None:
+    path, body = f"/api/sessions/{sid}/messages", {"content": "hello"}
+    plain = await http.post(path, json=body)
+    assert plain.status_code == 503, plain.text
+    assert plain.json()["error"]["code"] == "nats_unavailable"
+    async with http.stream("POST", path, json=body,
+                           headers={"Accept": "text/event-stream"}) as response:
+        events = [event async for event in server_sent_events(response)]
+    assert [(name, data["error"]["code"]) for name, data in events] == [
+        ("error", "nats_unavailable")]
+
+
+async def test_a_decider_back_after_the_store_was_lost_reads_the_reports_sent_meanwhile(
+        private_nats: NatsServer, stub_url: str) -> None:
+    env = {"NUM_CTX": "2048", "COMPACTION_TAIL_TURNS": "1", "COMPACTION_COOLDOWN_S": "1",
+           "COMPACTION_THRESHOLD": "0.1"}
+    with running_system(private_nats.url, stub_url, env) as system:
+        async with httpx.AsyncClient(base_url=system.base_url, timeout=30) as http:
+            system["decider"].signal(signal.SIGSTOP)  # back only once the turns are over
+            private_nats.stop()
+            private_nats.lose_store()
+            private_nats.start()
+            deadline = time.monotonic() + RECOVERY_S
+            created = await answered_within(
+                deadline, post(http, "/api/sessions", {}), 201, nothing_done)
+            sid = created.json()["session_id"]
+            async with watching(private_nats.url, subjects.COMPACTION_REQUEST,
+                                subjects.COMPACTION_RESULT) as watcher:
+                for turn in range(1, 7):
+                    answer = await http.post(f"/api/sessions/{sid}/messages",
+                                             json={"content": f"question {turn} !long 400"})
+                    assert answer.status_code == 200, answer.text
+                assert watcher.payloads("compaction.request") == []
+                system["decider"].signal(signal.SIGCONT)
+                request = await watcher.wait_for(
+                    lambda e: e["message_type"] == "compaction.request")
+                result = await watcher.wait_for(
+                    lambda e: e["message_type"] == "compaction.result")
+    assert request["payload"]["session_id"] == sid and request["payload"]["auto"] is True
+    assert result["payload"]["status"] == "completed", result["payload"]

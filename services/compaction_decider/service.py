@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import nats.errors
@@ -64,6 +65,15 @@ class Decider:
         self._tracked: Recent[str, Tracked] = Recent(max_tracked)
         self._loop: PullLoop | None = None
         self._results: PullLoop | None = None
+        self._consumer = ConsumerConfig(
+            durable_name=CONSUMER, filter_subject=subjects.RESPONSE_GENERATION,
+            ack_policy=AckPolicy.EXPLICIT, deliver_policy=DeliverPolicy.NEW, ack_wait=30)
+        # Where a consumer made again starts: just after the last report
+        # handled (the server's own time of it), else this process's start.
+        self._resume_at = datetime.now(UTC)
+        self._results_consumer = ConsumerConfig(
+            durable_name=RESULTS_CONSUMER, filter_subject=subjects.COMPACTION_RESULT,
+            ack_policy=AckPolicy.EXPLICIT, deliver_policy=DeliverPolicy.NEW, ack_wait=30)
         self._fired = 0
 
     @property
@@ -80,18 +90,32 @@ class Decider:
         await self._live.start()
         # Durable, so a result published while this process was disconnected
         # (a NATS restart, a network cut) is still read when it is back.
-        await ensure_consumer(self._bus.nc, subjects.RESULTS_STREAM, ConsumerConfig(
-            durable_name=RESULTS_CONSUMER, filter_subject=subjects.COMPACTION_RESULT,
-            ack_policy=AckPolicy.EXPLICIT, deliver_policy=DeliverPolicy.NEW, ack_wait=30))
+        await ensure_consumer(self._bus.nc, subjects.RESULTS_STREAM, self._results_consumer)
         self._results = PullLoop(self._bus.nc, subjects.RESULTS_STREAM, RESULTS_CONSUMER,
                                  self._on_result_message)
         await self._results.start()
-        await ensure_consumer(self._bus.nc, subjects.GENERATIONS_STREAM, ConsumerConfig(
-            durable_name=CONSUMER, filter_subject=subjects.RESPONSE_GENERATION,
-            ack_policy=AckPolicy.EXPLICIT, deliver_policy=DeliverPolicy.NEW, ack_wait=30))
+        await ensure_consumer(self._bus.nc, subjects.GENERATIONS_STREAM, self._consumer)
         self._loop = PullLoop(self._bus.nc, subjects.GENERATIONS_STREAM, CONSUMER,
                               self._on_message)
         await self._loop.start()
+
+    async def reconnected(self) -> None:
+        """NATS came back, perhaps without its store: the settings watch and
+        the consumers are made again. Results lost with the store are covered
+        by the pending request's expiry."""
+        await self._live.watch_again()
+        if await ensure_consumer(self._bus.nc, subjects.RESULTS_STREAM, self._results_consumer) \
+                and self._results:
+            self._results.renew()
+        # Made again, it must not start at the newest report as a first start
+        # does: the reports of a stream made anew, sent before this process
+        # got back, would be skipped.
+        resumed = self._consumer.evolve(deliver_policy=DeliverPolicy.BY_START_TIME,
+                                        opt_start_time=self._resume_at)
+        created = await ensure_consumer(self._bus.nc, subjects.GENERATIONS_STREAM, resumed)
+        if created and self._loop:
+            log.info("consumer_made_again", consumer=CONSUMER, start=self._resume_at.isoformat())
+            self._loop.renew()
 
     async def stop(self) -> None:
         await self._live.stop()
@@ -117,6 +141,7 @@ class Decider:
     async def _on_message(self, msg: Msg) -> None:
         await self._on_generation(msg)
         await msg.ack()
+        self._resume_at = msg.metadata.timestamp + timedelta(microseconds=1)
 
     async def _on_generation(self, msg: Msg) -> None:
         env = await self._bus.decode_or_report(msg, GenerationReport)

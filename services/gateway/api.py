@@ -10,7 +10,13 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, TypeVar
 
-from nats.js.errors import NotFoundError
+from nats.errors import (
+    ConnectionClosedError,
+    ConnectionReconnectingError,
+    NoRespondersError,
+)
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js.errors import NoStreamResponseError, NotFoundError, ServiceUnavailableError
 from nats.js.kv import KeyValue
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import Request
@@ -31,12 +37,17 @@ from services.gateway.replies import ReplyRouter, events_until_reply
 from services.gateway.settings import GatewaySettings
 from services.shared.bus import Bus, parse_json
 from services.shared.history_store import HistoryStore
+from services.shared.jetstream import missing
 from services.shared.sessions import SessionNotFound, SessionStore
 from services.shared.tool_catalogue import ToolCatalogue
 
 STATIC = Path(__file__).parent / "static"
 DEFAULT_LISTED = 50
 MAX_LISTED = 500
+# What a request meets while NATS is away, or back without the stream it
+# writes to yet: worth trying again in a moment, not a fault of ours.
+NATS_AWAY = (ConnectionReconnectingError, ConnectionClosedError, NoRespondersError,
+             NatsTimeout, NoStreamResponseError, ServiceUnavailableError)
 
 # Generator error codes -> HTTP status.
 ERROR_STATUS = {
@@ -76,6 +87,11 @@ class CompactBody(BaseModel):
 def error(status: int, code: str, message: str, **extra: Any) -> JSONResponse:
     return JSONResponse({"error": {"code": code, "message": message, **extra}},
                         status_code=status)
+
+
+def nats_away(exc: Exception) -> dict[str, str]:
+    return {"code": "nats_unavailable", "message": "NATS is unreachable or not ready "
+            f"({type(exc).__name__}); try again in a moment"}
 
 
 class HttpError(Exception):
@@ -212,7 +228,11 @@ class Api:
 
     async def _stream_answer(self, query: Query) -> AsyncIterator[str]:
         with self._replies.expect(new_id()) as (correlation_id, queue):
-            await self._submit(query, correlation_id)
+            try:
+                await self._submit(query, correlation_id)
+            except NATS_AWAY as err:  # the stream is under way: say it as its end
+                yield sse("error", {"error": nats_away(err), "session_id": query.session_id})
+                return
             next_index = 0
             try:
                 async for event in events_until_reply(queue, self._settings.reply_timeout_s):
@@ -305,6 +325,13 @@ class Api:
                                                   direct=True)
         except NotFoundError:
             return Phase.idle
+        except NoRespondersError:
+            # The stream is in memory: after a NATS restart it is missing
+            # until a service makes it again, and then empty until the
+            # session's next transition. Either way nothing is going on.
+            if not await missing(self._bus.js, subjects.STATE_STREAM):
+                raise
+            return Phase.idle
         try:
             change = StateChange.model_validate(parse_json(msg.data or b"{}")["payload"])
             return Phase(change.to_state)
@@ -317,7 +344,7 @@ class Api:
                 self._compactions = await self._bus.js.key_value(
                     subjects.COMPACTIONS_RUNNING_BUCKET)
             entry = await self._compactions.get(sid)
-        except NotFoundError:
+        except (NotFoundError, NoRespondersError):
             return False  # no record (or no bucket since NATS came back): nothing runs
         try:
             return bool(CompactionsRunning.model_validate_json(entry.value or b"{}").running)
@@ -329,6 +356,12 @@ class Api:
 
     def _budget(self, record: SessionRecord) -> int:
         return prompt_budget(self._num_ctx(record), self._settings.output_headroom)
+
+    def reconnected(self) -> None:
+        """NATS came back, perhaps without its store: ask it again which
+        sessions exist and what their histories hold."""
+        self._known.clear()
+        self._history.forget_all()
 
 
 def sse(event: str, data: dict[str, Any]) -> str:

@@ -15,7 +15,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
-from services.gateway.api import Api, HttpError, error
+from services.gateway.api import NATS_AWAY, Api, HttpError, error, nats_away
 from services.gateway.live import LiveFeed
 from services.gateway.replies import ReplyRouter
 from services.gateway.settings import GatewaySettings
@@ -38,6 +38,11 @@ def build_app(api: Api) -> Starlette:
         code = "not_found" if exc.status_code == 404 else "http_error"
         return error(exc.status_code, code, f"{request.method} {request.url.path}: {exc.detail}")
 
+    async def on_nats_away(request: Request, exc: Exception) -> Response:
+        log.warning("request_failed_nats_away", path=request.url.path,
+                    error=f"{type(exc).__name__}: {exc}")
+        return error(503, **nats_away(exc))
+
     async def on_unexpected(request: Request, exc: Exception) -> Response:
         log.exception("request_failed", path=request.url.path)
         return error(500, "internal_error", f"{type(exc).__name__}: {exc}")
@@ -45,6 +50,7 @@ def build_app(api: Api) -> Starlette:
     return Starlette(
         routes=api.routes(),
         exception_handlers={HttpError: on_http_error, HTTPException: on_no_route,
+                            **dict.fromkeys(NATS_AWAY, on_nats_away),
                             Exception: on_unexpected},
     )
 
@@ -60,6 +66,7 @@ class Gateway:
     def __init__(self, bus: Bus, settings: GatewaySettings, api: Api,
                  replies: ReplyRouter, live: LiveFeed) -> None:
         self._settings = settings
+        self._api = api
         self._replies = replies
         self._live = live
         config = uvicorn.Config(build_app(api), host=settings.gateway_host,
@@ -88,6 +95,10 @@ class Gateway:
 
     def endpoints(self) -> list[Endpoint]:
         return []
+
+    async def reconnected(self) -> None:
+        # Replies and the live feed are plain subscriptions: nats-py renews them.
+        self._api.reconnected()
 
     def status(self) -> dict[str, Any]:
         return {"http": f"{self._settings.gateway_host}:{self._settings.gateway_port}"}

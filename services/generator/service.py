@@ -37,7 +37,7 @@ from services.generator.slots import Slots
 from services.generator.states import SessionStates
 from services.generator.toolbox import Toolbox
 from services.generator.turns import FollowUp, TurnError, TurnRunner
-from services.shared.bus import Bus
+from services.shared.bus import MSG_ID_HEADER, Bus
 from services.shared.consumer import Delivery, PullLoop, ensure_consumer
 from services.shared.history_store import HistoryConflict, HistoryStore
 from services.shared.jetstream import locks_bucket, sessions_bucket
@@ -86,14 +86,15 @@ class AnsweredQueries:
 
     def __init__(self, size: int = REMEMBERED_ANSWERS) -> None:
         self._errors: Recent[int, Reply] = Recent(size)
-        self._acks: Recent[int, asyncio.Future[bool]] = Recent(size)
+        # Per stream sequence: the query's id and the server's word on its ack.
+        self._acks: Recent[int, tuple[str, asyncio.Future[bool]]] = Recent(size)
         self.count = 0
 
     def remember(self, stream_seq: int, reply: Reply, confirmation: asyncio.Future[bool]
                  ) -> None:
         if reply.error:
             self._errors.put(stream_seq, reply)
-        self._acks.put(stream_seq, confirmation)
+        self._acks.put(stream_seq, (reply.query_id, confirmation))
         self.count += 1
 
     def error_reply(self, stream_seq: int, query_id: str) -> Reply | None:
@@ -102,17 +103,22 @@ class AnsweredQueries:
         reply = self._errors.get(stream_seq)
         return reply if reply is not None and reply.query_id == query_id else None
 
-    async def acknowledged(self, stream_seq: int) -> bool:
-        """Whether the server confirmed this process's acknowledgement of the query."""
-        ack = self._acks.get(stream_seq)
-        if ack is None:
+    async def acknowledged(self, stream_seq: int, query_id: str | None = None) -> bool:
+        """Whether the server confirmed this process's acknowledgement of the
+        query. The id is checked too, when known: a stream made anew (NATS
+        came back without its store) numbers its messages from 1 again, and
+        an earlier query must not be skipped because one of the old stream
+        had its sequence."""
+        kept = self._acks.get(stream_seq)
+        if kept is None or query_id not in (None, kept[0]):
             return False
+        ack = kept[1]
         if not ack.done():
             await asyncio.wait([ack])  # not cancelled with the waiter: others may wait too
         return not ack.cancelled() and ack.result()
 
     def cancel_pending(self) -> None:
-        for _, ack in self._acks.items():
+        for _, (_, ack) in self._acks.items():
             ack.cancel()
 
 
@@ -160,6 +166,8 @@ class Generator:
         # The compaction request being handled here, if any.
         self._compaction: asyncio.Task[None] | None = None
         self._loops: list[PullLoop] = []
+        # Each loop's stream and consumer, made again when NATS comes back without them.
+        self._consumers: list[tuple[str, ConsumerConfig]] = []
         self._answered = AnsweredQueries()
         self._crashes = CrashCounts()
         self._following: JetStreamContext.PushSubscription | None = None
@@ -186,10 +194,23 @@ class Generator:
                     on_message: Callable[[Msg], Awaitable[None]],
                     capacity: Callable[[], int]) -> PullLoop:
         """A loop on a durable consumer shared by every generator process."""
-        await ensure_consumer(self._bus.nc, stream, ConsumerConfig(
+        config = ConsumerConfig(
             durable_name=durable, filter_subject=subject, ack_policy=AckPolicy.EXPLICIT,
-            ack_wait=self._settings.query_ack_wait_s, max_ack_pending=10_000))
+            ack_wait=self._settings.query_ack_wait_s, max_ack_pending=10_000)
+        await ensure_consumer(self._bus.nc, stream, config)
+        self._consumers.append((stream, config))
         return PullLoop(self._bus.nc, stream, durable, on_message, capacity)
+
+    async def reconnected(self) -> None:
+        """NATS came back, perhaps without its store: make again what lived
+        in it (the consumers, the history follower, the settings watch) and
+        read sessions afresh rather than trust what was cached of them."""
+        self._sessions.forget_all()
+        self._following = await self._history.follow_again(self._following)
+        await self._live.watch_again()
+        for (stream, config), loop in zip(self._consumers, self._loops, strict=True):
+            if await ensure_consumer(self._bus.nc, stream, config):
+                loop.renew()
 
     async def stop(self) -> None:
         await self._live.stop()
@@ -487,7 +508,8 @@ class Generator:
             seq = int(oldest.seq or 0)
             if seq >= ours:
                 return None
-            if not await self._answered.acknowledged(seq):
+            if not await self._answered.acknowledged(
+                    seq, (oldest.headers or {}).get(MSG_ID_HEADER)):
                 return seq
             start = seq + 1  # acknowledged here, not yet dropped by the server
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import nats
@@ -80,8 +81,10 @@ def traceparent(correlation_id: str) -> str | None:
     return f"00-{correlation_id}-{secrets.token_hex(8)}-01"
 
 
-async def connect(url: str, name: str, timeout_s: float = 2.0) -> NATS:
-    """Connect, retrying until NATS answers; afterwards nats-py reconnects forever."""
+async def connect(url: str, name: str, timeout_s: float = 2.0,
+                  on_reconnect: Callable[[], Awaitable[None]] | None = None) -> NATS:
+    """Connect, retrying until NATS answers; afterwards nats-py reconnects
+    forever, and calls `on_reconnect` each time it has."""
     delay = 0.2
     while True:
         try:
@@ -94,7 +97,7 @@ async def connect(url: str, name: str, timeout_s: float = 2.0) -> NATS:
                 reconnect_time_wait=0.5,
                 error_cb=_on_error,
                 disconnected_cb=_on_disconnect,
-                reconnected_cb=_on_reconnect,
+                reconnected_cb=on_reconnect or _on_reconnect,
             )
         except (OSError, TimeoutError, nats.errors.NoServersError) as err:
             log.warning("nats_connect_failed", url=url, error=str(err), retry_in_s=delay)

@@ -84,17 +84,18 @@ class Credits:
 UPDATABLE = ("ack_wait", "max_ack_pending")
 
 
-async def ensure_consumer(nc: NATS, stream: str, config: ConsumerConfig) -> None:
+async def ensure_consumer(nc: NATS, stream: str, config: ConsumerConfig) -> bool:
     """Create the durable consumer unless it exists, and bring its updatable
     limits to this process's settings: every process sharing it asks, and the
-    server keeps one (the last started sets the limits)."""
+    server keeps one (the last started sets the limits). True when it was
+    created (after a lost store, a loop on it must `renew`)."""
     js = nc.jetstream()
     assert config.durable_name
     try:
         info = await js.consumer_info(stream, config.durable_name)
     except NotFoundError:
         await js.add_consumer(stream, config=config)
-        return
+        return True
     changed = {name: getattr(config, name) for name in UPDATABLE
                if getattr(config, name) is not None
                and getattr(config, name) != getattr(info.config, name)}
@@ -102,6 +103,7 @@ async def ensure_consumer(nc: NATS, stream: str, config: ConsumerConfig) -> None
         # Creating an existing durable with new editable fields updates it.
         await js.add_consumer(stream, config=info.config.evolve(**changed))
         log.info("consumer_updated", stream=stream, consumer=config.durable_name, **changed)
+    return False
 
 
 class PullLoop:
@@ -134,6 +136,13 @@ class PullLoop:
         self._sub = await self._nc.subscribe(self._nc.new_inbox(), cb=self._on_delivery)
 
     def room_freed(self) -> None:
+        self._wake.set()
+
+    def renew(self) -> None:
+        """The consumer was made anew (NATS came back without it): ask again
+        at once on a fresh inbox, as after a reconnect, instead of waiting for
+        requests refused before it existed to be given up for lost."""
+        self._reconnects = -1
         self._wake.set()
 
     async def stop(self) -> None:

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from nats.aio.msg import Msg
+from nats.errors import NoRespondersError
 from nats.js import JetStreamContext
 from nats.js.api import DeliverPolicy, RawStreamMsg
 from nats.js.errors import APIError, NotFoundError
@@ -29,6 +30,7 @@ from pydantic import ValidationError
 
 from schemas import subjects
 from schemas.history import ChatMessage, Conversation, HistoryEntry, Snapshot
+from services.shared.jetstream import missing
 from services.shared.recent import Recent
 from services.shared.together import together
 
@@ -89,6 +91,19 @@ class HistoryStore:
             f"{subjects.HISTORY_PREFIX}.*", stream=subjects.HISTORY_STREAM, cb=self._on_write,
             ordered_consumer=True, deliver_policy=DeliverPolicy.NEW,
             idle_heartbeat=idle_heartbeat_s)
+
+    async def follow_again(self, old: JetStreamContext.PushSubscription | None
+                           ) -> JetStreamContext.PushSubscription:
+        """Follow anew once NATS is back, without waiting for nats-py to miss
+        two heartbeats; and forget every cached view, since writes made
+        before the new follower started were seen by nobody (on a store made
+        anew, the old follower would start past them all)."""
+        if old is not None:
+            with contextlib.suppress(Exception):
+                await old.unsubscribe()
+        following = await self.follow()
+        self.forget_all()
+        return following
 
     async def _on_write(self, msg: Msg) -> None:
         sid = msg.subject.partition(".")[2]
@@ -176,6 +191,11 @@ class HistoryStore:
     def forget(self, sid: str) -> None:
         self._cache.pop(sid)
 
+    def forget_all(self) -> None:
+        """Read every session afresh: NATS came back, perhaps with a store
+        made anew whose sequences mean something else."""
+        self._cache.clear()
+
     async def _write(
         self, sid: str, entry: HistoryEntry, expected: int, extra: dict[str, str]
     ) -> int:
@@ -202,6 +222,12 @@ class HistoryStore:
             msg = await self._js.get_last_msg(subjects.HISTORY_STREAM, subject, direct=True)
         except NotFoundError:
             return 0
+        except NoRespondersError:
+            # The stream is missing (NATS came back without it, and it is not
+            # made again yet): it holds nothing yet. Otherwise an error.
+            if not await missing(self._js, subjects.HISTORY_STREAM):
+                raise
+            return 0
         return int(msg.seq or 0)
 
     async def _entry_after(self, subject: str, seq: int) -> RawStreamMsg | None:
@@ -209,6 +235,10 @@ class HistoryStore:
             return await self._js.get_msg(
                 subjects.HISTORY_STREAM, seq=seq + 1, subject=subject, next=True, direct=True)
         except NotFoundError:
+            return None
+        except NoRespondersError:
+            if not await missing(self._js, subjects.HISTORY_STREAM):
+                raise
             return None
 
     async def _read_up_to(self, subject: str, last: int, start: HistoryView,

@@ -1,8 +1,13 @@
 """The JetStream layout: every stream and bucket the services rely on.
 
-Each service calls `ensure_layout` at start; creating what exists already is a
-no-op, so any service can start first. Nothing is ever recreated or purged
-here: an operator's changes to a stream's limits survive restarts.
+Each service calls `ensure_layout` at start and again each time NATS comes
+back (a memory stream never survives a restart, a lost store keeps nothing);
+creating what exists already is a no-op, so any service can start first.
+Nothing is ever recreated or purged here: an operator's changes to a stream's
+limits survive restarts.
+
+A stream that is missing holds nothing yet: readers take it so (`missing`)
+rather than fail, until the layout is made again.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from nats.js.api import (
     StorageType,
     StreamConfig,
 )
-from nats.js.errors import NotFoundError
+from nats.js.errors import BadRequestError, NotFoundError
 from nats.js.kv import KeyValue
 
 from schemas import subjects as s
@@ -24,6 +29,9 @@ DUPLICATE_WINDOW_S = 120.0
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024
 # The default `LOCK_LEASE_S` of the generator, and of a lock bucket another service makes first.
 DEFAULT_LOCK_LEASE_S = 5.0
+# "Stream name already in use with a different configuration": another
+# service made it first (NATS came back, every service makes sure at once).
+NAME_IN_USE = 10058
 
 STREAMS = (
     StreamConfig(
@@ -95,10 +103,34 @@ async def ensure_layout(js: JetStreamContext, lock_lease_s: float | None = None)
         try:
             await js.stream_info(config.name or "")
         except NotFoundError:
-            await js.add_stream(config)
+            try:
+                await js.add_stream(config)
+            except BadRequestError as err:
+                if err.err_code != NAME_IN_USE:
+                    raise
     await sessions_bucket(js)
     await locks_bucket(js, lock_lease_s)
     await compactions_running_bucket(js)
+
+
+async def missing(js: JetStreamContext, stream: str) -> bool:
+    """Whether the stream does not exist. A direct get from a missing stream
+    is answered by nobody (`NoRespondersError`), like one sent while the
+    stream's servers are away: asking tells the two apart."""
+    try:
+        await js.stream_info(stream)
+    except NotFoundError:
+        return True
+    return False
+
+
+async def bucket_missing(kv: KeyValue) -> bool:
+    """Whether the bucket's stream does not exist (see `missing`)."""
+    try:
+        await kv.status()
+    except NotFoundError:
+        return True
+    return False
 
 
 async def sessions_bucket(js: JetStreamContext) -> KeyValue:
@@ -135,4 +167,10 @@ async def _bucket(js: JetStreamContext, config: KeyValueConfig) -> KeyValue:
     try:
         return await js.key_value(config.bucket)
     except NotFoundError:
+        pass
+    try:
         return await js.create_key_value(config)
+    except BadRequestError as err:
+        if err.err_code != NAME_IN_USE:
+            raise
+        return await js.key_value(config.bucket)  # another service made it meanwhile

@@ -22,7 +22,7 @@ import structlog
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, StorageType
 from nats.js.errors import NotFoundError
-from nats.js.kv import KV_DEL, KV_PURGE
+from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 from pydantic import ValidationError
 
 from schemas import subjects
@@ -44,6 +44,7 @@ class LiveSettings(Generic[S]):
         self.current = initial
         self._on_change = on_change
         self._task: asyncio.Task[None] | None = None
+        self._watcher: KeyValue.KeyWatcher | None = None
 
     async def start(self) -> None:
         try:
@@ -51,14 +52,27 @@ class LiveSettings(Generic[S]):
         except NotFoundError:
             kv = await self._js.create_key_value(
                 KeyValueConfig(bucket=subjects.CONFIG_BUCKET, history=5, storage=StorageType.FILE))
-        watcher = await kv.watchall()
-        self._task = asyncio.create_task(self._follow(watcher))
+        self._watcher = await kv.watchall()
+        self._task = asyncio.create_task(self._follow(self._watcher))
+
+    async def watch_again(self) -> None:
+        """NATS came back: the watcher lived in the server's memory, and the
+        bucket may be gone with a lost store. (nats-py would replace the
+        watcher only after two missed heartbeats, starting past the revisions
+        it saw, which a bucket made anew has not reached.) The settings in
+        force stay until the new watch says otherwise."""
+        await self.stop()
+        await self.start()
 
     async def stop(self) -> None:
         if self._task:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        if self._watcher is not None:
+            with contextlib.suppress(Exception):  # NATS away: nothing to unsubscribe from
+                await self._watcher.stop()  # type: ignore[no-untyped-call]
+            self._watcher = None
 
     async def _follow(self, watcher: object) -> None:
         async for entry in watcher:  # type: ignore[attr-defined]

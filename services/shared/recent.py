@@ -42,5 +42,8 @@ class Recent(Generic[K, V]):
         """Take the value out, if kept."""
         return self._items.pop(key, None)
 
+    def clear(self) -> None:
+        self._items.clear()
+
     def items(self) -> list[tuple[K, V]]:
         return list(self._items.items())

@@ -1,8 +1,10 @@
 """How every service process lives: connect, set up JetStream, register as a
-NATS micro service, run until SIGTERM or SIGINT, then drain and exit.
+NATS micro service, run until SIGTERM or SIGINT, then drain and exit. Each
+time NATS comes back the JetStream layout is made sure of again, and the
+service's `reconnected()` makes again what it keeps in the server.
 
-A service is any object with `start()`, `stop()`, `status()` and
-`endpoints()`; the runner registers its request/reply endpoints and a
+A service is any object with `start()`, `stop()`, `status()`, `endpoints()`
+and `reconnected()`; the runner registers its request/reply endpoints and a
 `<name>.status` endpoint answering `status()` as one micro service, so
 `nats micro ls`, `nats micro stats` and `$SRV.PING` find every process.
 """
@@ -20,6 +22,7 @@ from typing import Any, Protocol
 
 import structlog
 from nats.aio.client import Client as NATS
+from nats.errors import ConnectionClosedError, ConnectionReconnectingError
 from nats.micro import add_service
 from nats.micro.request import Request
 from nats.micro.service import Service
@@ -27,6 +30,7 @@ from nats.micro.service import Service
 from services.shared.bus import Bus, connect
 from services.shared.jetstream import ensure_layout
 from services.shared.logging import configure_logging
+from services.shared.reconnects import Reconnects
 from services.shared.settings import ServiceSettings
 
 VERSION = "0.1.0"
@@ -45,6 +49,11 @@ class Component(Protocol):
 
     def endpoints(self) -> list[Endpoint]: ...
 
+    async def reconnected(self) -> None:
+        """NATS is back, its JetStream layout made sure of again: make again
+        what this part keeps in the server (consumers, followers, watchers)."""
+        ...
+
 
 @dataclass(frozen=True)
 class Endpoint:
@@ -62,8 +71,9 @@ async def serve(
 ) -> None:
     configure_logging(name, settings.log_level, settings.log_format)
     stop = _stop_on_signals()
-    connecting = asyncio.create_task(
-        connect(settings.nats_url, name, settings.nats_connect_timeout_s))
+    reconnects = Reconnects()
+    connecting = asyncio.create_task(connect(
+        settings.nats_url, name, settings.nats_connect_timeout_s, reconnects.on_reconnect))
     stopping = asyncio.create_task(stop.wait())
     await asyncio.wait({connecting, stopping}, return_when=asyncio.FIRST_COMPLETED)
     if not connecting.done():  # asked to stop before NATS ever answered
@@ -73,8 +83,25 @@ async def serve(
     nc = connecting.result()
     bus = Bus(nc, name)
     await ensure_layout(bus.js, lock_lease_s)
+
+    async def layout_again() -> None:
+        await ensure_layout(bus.js, lock_lease_s)
+
+    reconnects.add(layout_again)
     component = await build(bus)
     await component.start()
+    reconnects.add(component.reconnected)
+    micro = await _register(nc, name, description, component)
+    log.info("service_started", nats_url=settings.nats_url)
+    await stop.wait()
+    log.info("service_stopping")
+    await reconnects.stop()
+    await _stop(component, micro, nc)
+    log.info("service_stopped")
+
+
+async def _register(nc: NATS, name: str, description: str, component: Component) -> Service:
+    """One micro service: the component's endpoints and `<name>.status`."""
     micro = await add_service(nc, name=name, version=VERSION, description=description)
 
     async def status(request: Request) -> None:
@@ -84,22 +111,40 @@ async def serve(
     for endpoint in component.endpoints():
         await micro.add_endpoint(name=endpoint.name, subject=endpoint.subject,
                                  handler=endpoint.handler)
-    log.info("service_started", nats_url=settings.nats_url)
-    await stop.wait()
-    log.info("service_stopping")
+    return micro
+
+
+async def _stop(component: Component, micro: Service, nc: NATS) -> None:
+    """Stop and drain, bounded: a process never lingers when NATS is gone or
+    a handler hangs. NATS away is said once, whichever way it shows."""
     try:
         await asyncio.wait_for(_shut_down(component, micro, nc), SHUTDOWN_TIMEOUT_S)
+        return
+    except (ConnectionReconnectingError, ConnectionClosedError):
+        # From drain(): nothing can be drained into a server that is away.
+        log.warning("nats_unreachable_at_shutdown", unsent_dropped=True)
     except TimeoutError:
-        # NATS is gone or a handler hangs: exit anyway rather than linger.
-        log.warning("shutdown_timed_out")
-        await nc.close()
-    log.info("service_stopped")
+        if nc.is_connected:
+            log.warning("shutdown_timed_out")
+        else:  # work in hand waited on NATS until the bound
+            log.warning("nats_unreachable_at_shutdown", unsent_dropped=True, timed_out=True)
+    await _close(nc)
 
 
 async def _shut_down(component: Component, micro: Service, nc: NATS) -> None:
     await component.stop()
     await micro.stop()
     await nc.drain()
+
+
+async def _close(nc: NATS) -> None:
+    """Close, dropping first what waits to be sent while a reconnect is under
+    way: nats-py would write it into the lost connection's closed socket, and
+    raise instead of closing."""
+    if not nc.is_connected:
+        nc._pending = []
+        nc._pending_data_size = 0
+    await nc.close()
 
 
 def _stop_on_signals() -> asyncio.Event:

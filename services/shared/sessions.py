@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 
-from nats.js.errors import KeyNotFoundError, NoKeysError
+from nats.errors import NoRespondersError
+from nats.js.errors import KeyNotFoundError, NoKeysError, NotFoundError
 from nats.js.kv import KeyValue
 
 from schemas.session import SessionRecord
+from services.shared.jetstream import bucket_missing
 from services.shared.recent import Recent
 
 
@@ -39,6 +41,10 @@ class SessionStore:
         self._remember(record)
         return record
 
+    def forget_all(self) -> None:
+        """Read every record afresh: NATS came back, perhaps without its store."""
+        self._cache.clear()
+
     def cached(self, sid: str) -> SessionRecord | None:
         """The record as this process last saw it, without asking anyone."""
         return self._cache.get(sid)
@@ -48,6 +54,12 @@ class SessionStore:
             entry = await self._kv.get(sid)
         except KeyNotFoundError as err:
             raise SessionNotFound(sid) from err
+        except NoRespondersError:
+            # The bucket is missing (NATS came back without its store, and
+            # it is not made again yet): no session exists yet.
+            if not await bucket_missing(self._kv):
+                raise
+            raise SessionNotFound(sid) from None
         if entry.value is None:
             raise SessionNotFound(sid)
         return SessionRecord.model_validate_json(entry.value)
@@ -56,7 +68,7 @@ class SessionStore:
         """Up to `limit` sessions, newest first."""
         try:
             keys = await self._kv.keys()
-        except NoKeysError:
+        except (NoKeysError, NotFoundError):  # none yet, or not even the bucket yet
             return []
         records = await asyncio.gather(*(self._load_or_none(k) for k in keys))
         found = [r for r in records if r is not None]

@@ -31,6 +31,9 @@ class ToolsService:
     async def stop(self) -> None:
         return None
 
+    async def reconnected(self) -> None:
+        return None  # its endpoints are plain subscriptions: nats-py renews them
+
     def status(self) -> dict[str, Any]:
         return {"tools": sorted(TOOLS), "calls": self._calls}
 

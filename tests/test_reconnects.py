@@ -1,0 +1,72 @@
+"""The steps a process runs each time NATS comes back: in order, each until
+it succeeds, and from the start again when NATS comes back once more."""
+
+from __future__ import annotations
+
+import asyncio
+
+from services.shared.reconnects import Reconnects
+
+
+class Journal:
+    """What the steps did, in order; waited on as it grows."""
+
+    def __init__(self) -> None:
+        self.entries: list[str] = []
+        self._grew = asyncio.Event()
+
+    def add(self, entry: str) -> None:
+        self.entries.append(entry)
+        self._grew.set()
+
+    async def reaches(self, count: int) -> None:
+        async with asyncio.timeout(5):
+            while len(self.entries) < count:
+                self._grew.clear()
+                await self._grew.wait()
+
+
+class Step:
+    """A restore step that fails its first `failures` tries."""
+
+    def __init__(self, name: str, journal: Journal, failures: int = 0) -> None:
+        self._name, self._journal, self._failures = name, journal, failures
+        self.release = asyncio.Event()
+        self.release.set()
+
+    async def __call__(self) -> None:
+        await self.release.wait()
+        if self._failures > 0:
+            self._failures -= 1
+            self._journal.add(f"{self._name} failed")
+            raise ConnectionError("NATS away again")
+        self._journal.add(f"{self._name} done")
+
+
+async def test_each_step_runs_in_order_and_is_retried_until_it_succeeds() -> None:
+    journal = Journal()
+    reconnects = Reconnects(retry_s=0.01)
+    reconnects.add(Step("layout", journal, failures=2))
+    reconnects.add(Step("consumers", journal))
+    await reconnects.on_reconnect()
+    await journal.reaches(4)
+    await reconnects.stop()
+    assert journal.entries == ["layout failed", "layout failed", "layout done",
+                               "consumers done"]
+
+
+async def test_coming_back_again_mid_restore_starts_it_over() -> None:
+    journal = Journal()
+    reconnects = Reconnects(retry_s=0.01)
+    layout, consumers = Step("layout", journal), Step("consumers", journal)
+    reconnects.add(layout)
+    reconnects.add(consumers)
+    consumers.release.clear()  # the first restore hangs on its second step
+    await reconnects.on_reconnect()
+    await journal.reaches(1)
+    await reconnects.on_reconnect()
+    consumers.release.set()
+    await journal.reaches(3)
+    await reconnects.stop()
+    # The hung step of the first restore was cancelled, not finished twice.
+    assert journal.entries == ["layout done", "layout done", "consumers done"]
