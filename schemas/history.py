@@ -42,6 +42,9 @@ class ChatMessage(Strict):
     # The query (envelope message id) this message belongs to. A redelivered
     # query finds its own messages by it, so a retried turn is never doubled.
     query_id: str | None = None
+    # An answer stopped on request while it was being written: its text is
+    # the part written until then.
+    stopped: bool = False
 
 
 class Snapshot(Strict):
@@ -76,10 +79,16 @@ class HistoryEntry(Strict):
     # On a turn: the stream sequence of the snapshot its context starts at
     # (0: none, the context starts at the subject's first entry).
     base: int = Field(default=0, ge=0)
+    # A retried answer: the query whose answer (the assistant and tool
+    # messages after the last user message) this turn's messages replace in
+    # the context. The earlier entry is kept as it was written, so a
+    # transcript shows both, the older one superseded by this entry.
+    supersedes: str | None = None
 
     @classmethod
-    def of_turn(cls, messages: tuple[ChatMessage, ...], base: int = 0) -> HistoryEntry:
-        return cls(kind="turn", messages=messages, base=base)
+    def of_turn(cls, messages: tuple[ChatMessage, ...], base: int = 0,
+                supersedes: str | None = None) -> HistoryEntry:
+        return cls(kind="turn", messages=messages, base=base, supersedes=supersedes)
 
     @classmethod
     def of_message(cls, message: ChatMessage) -> HistoryEntry:
@@ -112,8 +121,22 @@ class Conversation(Strict):
                 compacted_by=snap.request_id, compacted_query_ids=snap.compacted_query_ids,
                 just_compacted=True,
             )
-        return self.model_copy(update={"messages": (*self.messages, *entry.messages),
+        kept = self.messages
+        if entry.supersedes is not None:
+            kept = without_answer(kept, entry.supersedes)
+        return self.model_copy(update={"messages": (*kept, *entry.messages),
                                        "just_compacted": False})
+
+
+def without_answer(messages: tuple[ChatMessage, ...], query_id: str
+                   ) -> tuple[ChatMessage, ...]:
+    """The messages with the answer to `query_id` (its assistant and tool
+    messages after the last user message) taken off the end."""
+    end = len(messages)
+    while (end > 0 and messages[end - 1].role != "user"
+           and messages[end - 1].query_id == query_id):
+        end -= 1
+    return messages[:end]
 
 
 def fold(entries: list[HistoryEntry]) -> Conversation:

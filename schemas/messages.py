@@ -32,6 +32,9 @@ class Query(Payload):
     content: str = Field(min_length=1, max_length=MAX_CONTENT_CHARS)
     # Ask the generator to publish tokens as they come (costs one message each).
     stream: bool = False
+    # A fresh answer to the session's last user message (`content` repeats it):
+    # the new answer takes the old one's place in the context.
+    retry: bool = False
 
 
 class ErrorCode(StrEnum):
@@ -49,6 +52,10 @@ class ErrorCode(StrEnum):
     internal_error = "internal_error"
     # The model is not on the model server; the message says how to pull it.
     model_not_found = "model_not_found"
+    # A retry with no user message to answer again, or one that another
+    # message overtook.
+    nothing_to_retry = "nothing_to_retry"
+    retry_outdated = "retry_outdated"
 
 
 class Reply(Payload):
@@ -65,6 +72,25 @@ class Reply(Payload):
     # What a thinking model thought before answering: shown apart, never
     # stored as context.
     thinking: str | None = None
+    # The answer was stopped on request: `reply` is the part written until then.
+    stopped: bool = False
+
+
+class StopRequest(Payload):
+    """Stop the session's answer being written (core NATS request on
+    `chat.stop.<session>`); only the process running that answer replies."""
+
+    MESSAGE_TYPE = "chat.stop"
+    session_id: SessionId = Field(pattern=SESSION_ID_PATTERN)
+
+
+class StopAccepted(Payload):
+    """The reply to a `StopRequest` from the process that is stopping the answer."""
+
+    MESSAGE_TYPE = "chat.stop.accepted"
+    session_id: SessionId
+    query_id: str
+    generator_id: str
 
 
 class Token(Payload):
@@ -145,13 +171,19 @@ class CompactionResult(Payload):
 
 
 class CompactionEvent(Payload):
+    """A compaction's announcement (`started`), then, while a summary is
+    written in pieces, one `progress` per piece written."""
+
     MESSAGE_TYPE = "compaction.event"
     session_id: SessionId
-    event: Literal["started"]
+    event: Literal["started", "progress"]
     level: Level
     auto: bool
     reason: str = ""
     tokens_before: int | None = None
+    # On `progress`: how many of the summary's pieces are written, of how many.
+    pieces_done: int | None = Field(default=None, ge=0)
+    pieces_total: int | None = Field(default=None, ge=1)
 
 
 class StateChange(Payload):

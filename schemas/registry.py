@@ -15,6 +15,8 @@ PAYLOADS: tuple[type[m.Payload], ...] = (
     m.Query,
     m.Reply,
     m.Token,
+    m.StopRequest,
+    m.StopAccepted,
     m.GenerationReport,
     m.CompactionRequest,
     m.CompactionResult,

@@ -23,6 +23,9 @@ QUERY_PREFIX = "chat.query"
 # Replies and streamed tokens to the caller, plain core NATS.
 REPLY_PREFIX = "chat.reply"
 TOKEN_PREFIX = "chat.token"
+# Stop a session's answer: a core NATS request every generator listens to;
+# the one running the session's answer stops it and replies.
+STOP_PREFIX = "chat.stop"
 # Generator state transitions, one subject per session, last one kept in a stream.
 STATE_PREFIX = "generator.state"
 # Tools answer NATS requests on `tool.call.<name>`, and list themselves on `tool.list`.
@@ -80,6 +83,10 @@ def reply(sid: str) -> str:
 
 def token(sid: str) -> str:
     return f"{TOKEN_PREFIX}.{session_id(sid)}"
+
+
+def stop(sid: str) -> str:
+    return f"{STOP_PREFIX}.{session_id(sid)}"
 
 
 def state(sid: str) -> str:

@@ -78,6 +78,7 @@ ROWS = (
     "throughput_floor",
     "compaction_latency",
     "compaction_one_slot",
+    "stop_latency",
     "splice_128k",
     "estimate_error",
     "transcript_overhead",
@@ -96,6 +97,7 @@ RUN_ORDER = (
     "transcript_overhead",
     "compaction_latency",
     "compaction_one_slot",
+    "stop_latency",
 )
 # Rows that cannot run without starting processes (see --in-process).
 NEEDS_PROCESSES = frozenset(ROWS) - {"splice_128k", "estimate_error"}
@@ -118,6 +120,12 @@ SLOTS_COMPARED = (1, 4)
 # A query during a blocking compaction slower than this counts as delayed.
 DELAYED_S = 1.0
 CHARS_PER_TOKEN = (2.5, 3.0, 4.0, 5.0, 6.0, 8.0)
+# stop_latency: from the stop asked for to the caller's `done`, over answers
+# the stand-in writes slowly enough never to end by themselves meanwhile.
+STOP_MAX_MS = 500.0
+STOP_MS_PER_TOKEN = 5.0
+STOP_ROUNDS = (5, 20)  # quick, full
+STOP_AFTER_TOKENS = 3
 # Turns answered while the splice's summary was written (they must all be kept).
 MEANWHILE_TURNS = 3
 
@@ -1630,6 +1638,62 @@ def row_transcript_overhead(bench: Bench) -> Row:
     )
 
 
+# --------------------------------------------------------------------------- stop
+
+
+async def timed_stop(session: aiohttp.ClientSession, sid: str) -> float:
+    """Seconds from asking to stop a streaming answer to its `done` event:
+    by then the model call has ended, its HTTP stream closed, and the
+    partial answer is stored."""
+    tokens, asked = 0, 0.0
+    event = ""
+    async with session.post(f"/api/sessions/{sid}/messages",
+                            json={"content": "go on !long 40000"},
+                            headers={"accept": "text/event-stream"}) as response:
+        async for raw in response.content:
+            line = raw.decode().rstrip("\r\n")
+            if line.startswith("event: "):
+                event = line[7:]
+            elif line.startswith("data: ") and event == "token":
+                tokens += 1
+                if tokens == STOP_AFTER_TOKENS:
+                    asked = time.perf_counter()
+                    async with session.post(f"/api/sessions/{sid}/stop") as stop:
+                        if stop.status != 202:
+                            raise RuntimeError(f"stop: HTTP {stop.status} {await stop.text()}")
+            elif line.startswith("data: ") and event in ("done", "error"):
+                if event != "done" or not asked or not json.loads(line[6:]).get("stopped"):
+                    raise RuntimeError(f"the answer ended unstopped: {event} {line}")
+                return time.perf_counter() - asked
+    raise RuntimeError("the answer's stream ended without a done event")
+
+
+async def timed_stops(env: Env, rounds: int) -> list[float]:
+    timeout = aiohttp.ClientTimeout(total=120.0)
+    async with aiohttp.ClientSession(base_url=env.base_url, timeout=timeout) as session:
+        times = []
+        for _ in range(rounds):
+            async with session.post("/api/sessions", json={}) as created:
+                sid = str((await created.json())["session_id"])
+            times.append(await timed_stop(session, sid))
+        return times
+
+
+def row_stop_latency(bench: Bench) -> Row:
+    rounds = STOP_ROUNDS[0] if bench.params.quick else STOP_ROUNDS[1]
+    with running_env(("--ms-per-token", f"{STOP_MS_PER_TOKEN:g}")) as running:
+        times = asyncio.run(timed_stops(running, rounds))
+    figures = summary_ms(times)
+    return Row(
+        name="stop_latency", value=max(times) * 1000, unit="ms (max)",
+        target=Target("<=", STOP_MAX_MS),
+        detail=f"stop asked → done with the partial answer stored: p50 "
+               f"{figures['p50_ms']:.1f} ms, p99 {figures['p99_ms']:.1f} ms over {len(times)} "
+               f"stops, each after {STOP_AFTER_TOKENS} tokens",
+        raw={**figures, "stops": len(times), "ms_per_token": STOP_MS_PER_TOKEN},
+    )
+
+
 # --------------------------------------------------------------------------- driver
 
 
@@ -1643,6 +1707,7 @@ ROW_FUNCTIONS: dict[str, RowFunction] = {
     "throughput_2_generators": row_throughput_2,
     "compaction_latency": row_compaction,
     "compaction_one_slot": row_compaction_one_slot,
+    "stop_latency": row_stop_latency,
     "splice_128k": row_splice,
     "estimate_error": row_estimate,
     "transcript_overhead": row_transcript_overhead,
@@ -1671,7 +1736,7 @@ class Bench:
         if self.in_process and name in NEEDS_PROCESSES:
             return Row(name=name, value=None, unit="", target=None, detail="skipped",
                        skipped="needs processes (--in-process)")
-        if name in ("compaction_latency", "compaction_one_slot"):
+        if name in ("compaction_latency", "compaction_one_slot", "stop_latency"):
             self.close_plain()  # it starts systems of its own
         started = time.perf_counter()
         load = os.getloadavg()[0]

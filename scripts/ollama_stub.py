@@ -603,6 +603,9 @@ class StubState:
     shutdown_event: asyncio.Event = field(default_factory=asyncio.Event)
     # Set, and replaced by a fresh one, on every config change: held requests wait on it.
     config_changed: asyncio.Event = field(default_factory=asyncio.Event)
+    # Streamed answers whose client went away before their end (a stopped
+    # answer): each one's generation ended there.
+    streams_cut: int = 0
 
     def announce_config_change(self) -> None:
         changed, self.config_changed = self.config_changed, asyncio.Event()
@@ -617,12 +620,14 @@ class StubState:
     def stats_json(self) -> JSONObject:
         stats = self.totals.as_json()
         stats["models"] = {name: entry.as_json() for name, entry in self.per_model.items()}
+        stats["streams_cut"] = self.streams_cut
         return stats
 
     def reset(self) -> None:
         self.totals = ModelStats()
         self.per_model.clear()
         self.prompt_cache.clear()
+        self.streams_cut = 0
 
     def record_prompt(self, model: str, prompt_tokens: int, truncated: bool) -> None:
         """Per-model bookkeeping; the total request count is taken on arrival instead."""
@@ -756,8 +761,20 @@ async def _sleep_ns(seconds: float) -> int:
     return time.perf_counter_ns() - started
 
 
-async def stream_chat(generation: Generation) -> AsyncIterator[bytes]:
-    """NDJSON chunks; the per-token latency is spread evenly over the pieces."""
+async def stream_chat(generation: Generation, state: StubState) -> AsyncIterator[bytes]:
+    """NDJSON chunks; the per-token latency is spread evenly over the pieces.
+    A client that goes away ends the generation, as with Ollama."""
+    finished = False
+    try:
+        async for chunk in _chunks(generation):
+            yield chunk
+        finished = True
+    finally:
+        if not finished:
+            state.streams_cut += 1
+
+
+async def _chunks(generation: Generation) -> AsyncIterator[bytes]:
     load_ns = await _sleep_ns(generation.latency_s)
     pieces = stream_messages(generation.reply)
     total_s = generation.per_token_s * generation.eval_count
@@ -910,7 +927,7 @@ async def answer_in_slot(state: StubState, chat: ChatRequest, generation: Genera
     slot = await state.slots.take(chat.model)
     if chat.stream:
         # The background task frees the slot even if the client left before the stream began.
-        return StreamingResponse(held_stream(stream_chat(generation), slot),
+        return StreamingResponse(held_stream(stream_chat(generation, state), slot),
                                  media_type="application/x-ndjson",
                                  background=BackgroundTask(slot.release))
     try:

@@ -598,7 +598,8 @@ async def test_reset_zeroes_stats_and_forgets_cache(stub_url: str) -> None:
         await client.list()  # not a chat request: not counted
     assert stats(stub_url)["requests"] == 1
     reset = control().post(f"{stub_url}/_stub/reset").json()
-    assert reset == {"requests": 0, "max_prompt_tokens": 0, "truncated": 0, "models": {}}
+    assert reset == {"requests": 0, "max_prompt_tokens": 0, "truncated": 0, "models": {},
+                     "streams_cut": 0}
     after = await chat(stub_url, messages)
     assert after.prompt_eval_count == count_prompt_tokens(messages, None, 4.0)
 

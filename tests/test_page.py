@@ -160,8 +160,8 @@ def test_script_loads_nothing_from_outside(js: str) -> None:
 
 
 def test_script_uses_every_endpoint(js: str) -> None:
-    for endpoint in ("/api/sessions", "/messages", "/compact", "/api/events", "/transcript",
-                     "/export", '"DELETE"'):
+    for endpoint in ("/api/sessions", "/messages", "/compact", "/stop", "/retry", "/api/events",
+                     "/transcript", "/export", '"DELETE"'):
         assert endpoint in js, endpoint
     assert "text/event-stream" in js
     assert "getReader()" in js
@@ -228,7 +228,19 @@ const gauge = [{ status: "completed", tokens_before: 1255, tokens_after: 1002 },
                { status: "skipped", error: "nothing to compact" },
                { status: "completed" }]
   .map((result) => mod.sessionAfterCompaction(shown, result).token_count);
+// A compaction's progress in the banner, and what an answer not yet begun waits for.
+const progress = [{ pieces_done: 1, pieces_total: 5 }, { pieces_done: 5, pieces_total: 5 }, {}]
+  .map(mod.progressText);
+const waits = [];
+let pending = { queued: true, started: false };
+for (const [action, to] of [["start_generation", "generating"], ["reset", "idle"],
+                            ["receive", "receiving"]]) {
+  pending = mod.pendingAfter(pending, action, to);
+  waits.push(mod.pendingText(pending));
+}
+const lateProgress = mod.compactingAfter(null, "compaction.event", "c9", "progress");
 console.log(JSON.stringify({
+  progress, waits, lateProgress,
   events: out, levels, fmt: mod.fmt(1234567), pct: mod.percent(1234, 3584),
   types: mod.LIVE_EVENT_TYPES, banner, reload, gauge,
   shown: [["idle", false], ["generating", true], ["idle", true], ["compacting", false]]
@@ -282,3 +294,9 @@ def test_sse_parser_and_helpers_under_node(tmp_path: Path) -> None:
     assert result["divider"] == ["compacted · automatic · 1,255 → 1,002 tokens · 14:02",
                                  "compacted · manual · emergency"]
     assert sorted(result["faded"]) == [0, 1, 2, 3] and result["noMarker"] == []
+    assert result["progress"] == ["Compacting… piece 2 of 5", "Compacting… all 5 pieces written",
+                                  "Compacting the conversation…"]
+    # Queued behind the earlier turn until it ends, then waiting for the model.
+    assert result["waits"] == ["queued: the session's earlier message is answered first…",
+                               "waiting for a generator…", "waiting for the model…"]
+    assert result["lateProgress"] == "c9"

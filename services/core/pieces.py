@@ -121,10 +121,11 @@ def next_piece(zone: Zone, start: int, notes: str | None, window: SummaryWindow)
     return Piece(messages, start, end, cut, window.output_tokens)
 
 
-def count_pieces(zone: Zone, notes: str | None, window: SummaryWindow) -> int:
-    """How many pieces the zone takes if every piece's notes weigh as `notes`
-    (for progress; the real pieces are planned with the real notes)."""
-    pieces, start = 0, 0
+def count_pieces(zone: Zone, notes: str | None, window: SummaryWindow, start: int = 0) -> int:
+    """How many pieces the zone takes (from entry `start` on) if every
+    piece's notes weigh as `notes` (for progress; the real pieces are planned
+    with the real notes)."""
+    pieces = 0
     while start < len(zone.entries):
         start = next_piece(zone, start, notes, window).end
         pieces += 1

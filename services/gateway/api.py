@@ -31,6 +31,7 @@ from schemas.session import MAX_SYSTEM_PROMPT_CHARS, CompactionsRunning, Session
 from services.core.context import next_prompt_tokens
 from services.core.state_machine import Phase, session_state
 from services.core.tokens import Calibration, prompt_budget
+from services.gateway.controls import Controls
 from services.gateway.live import LiveFeed
 from services.gateway.replies import ReplyRouter, events_until_reply
 from services.gateway.settings import GatewaySettings
@@ -62,6 +63,8 @@ ERROR_STATUS = {
     "model_not_found": 404,
     "timeout": 504,
     "tool_loop_limit": 502,
+    "nothing_to_retry": 409,
+    "retry_outdated": 409,
 }
 
 
@@ -150,6 +153,7 @@ class Api:
             Route("/api/sessions/{session_id}/messages", self.post_message, methods=["POST"]),
             Route("/api/sessions/{session_id}/compact", self.compact, methods=["POST"]),
             *self._transcript.routes(),
+            *Controls(self._bus, self._history, self, session_id_of).routes(),
             Route("/api/events", self.events, methods=["GET"]),
             Mount("/static", StaticFiles(directory=STATIC), name="static"),
         ]
@@ -206,11 +210,17 @@ class Api:
         sid = session_id_of(request)
         body = await parse_body(request, PostMessage)
         await self._require(sid)
+        return await self.answer(request, Query(session_id=sid, content=body.content))
+
+    async def answer(self, request: Request, query: Query) -> Response:
+        """Submit the query; its answer as server-sent events if the caller
+        accepts them, else as one JSON reply."""
         if "text/event-stream" in request.headers.get("accept", ""):
-            return StreamingResponse(self._stream_answer(sid, body.content),
+            streamed = query.model_copy(update={"stream": True})
+            return StreamingResponse(self._stream_answer(streamed),
                                      media_type="text/event-stream")
         with self._replies.expect(new_id()) as (correlation_id, queue):
-            await self._submit(sid, body.content, correlation_id, stream=False)
+            await self._submit(query, correlation_id)
             try:
                 async for event in events_until_reply(queue, self._settings.reply_timeout_s):
                     if isinstance(event, Reply):
@@ -220,12 +230,12 @@ class Api:
         return error(504, "timeout", "no answer from a generator in time; the query stays "
                      "queued and will be answered when a generator is available")
 
-    async def _stream_answer(self, sid: str, content: str) -> AsyncIterator[str]:
+    async def _stream_answer(self, query: Query) -> AsyncIterator[str]:
         with self._replies.expect(new_id()) as (correlation_id, queue):
             try:
-                await self._submit(sid, content, correlation_id, stream=True)
+                await self._submit(query, correlation_id)
             except NATS_AWAY as err:  # the stream is under way: say it as its end
-                yield sse("error", {"error": nats_away(err), "session_id": sid})
+                yield sse("error", {"error": nats_away(err), "session_id": query.session_id})
                 return
             next_index = 0
             try:
@@ -242,11 +252,10 @@ class Api:
             except TimeoutError:
                 yield sse("error", {"error": {"code": "timeout", "message": "no answer in time"}})
 
-    async def _submit(self, sid: str, content: str, correlation_id: str, stream: bool) -> None:
-        await self._bus.js_publish(
-            subjects.query(sid), Query(session_id=sid, content=content, stream=stream),
-            correlation_id=correlation_id, session_id=sid,
-        )
+    async def _submit(self, query: Query, correlation_id: str) -> None:
+        sid = query.session_id
+        await self._bus.js_publish(subjects.query(sid), query,
+                                   correlation_id=correlation_id, session_id=sid)
 
     async def compact(self, request: Request) -> Response:
         sid = session_id_of(request)
@@ -277,17 +286,25 @@ class Api:
         if reply.error:
             return {"error": {"code": reply.error_code, "message": reply.error},
                     "session_id": reply.session_id}
-        body = {"session_id": reply.session_id, "reply": reply.reply,
-                "prompt_tokens": reply.prompt_tokens,
-                "completion_tokens": reply.completion_tokens}
+        body: dict[str, Any] = {"session_id": reply.session_id, "reply": reply.reply,
+                                "prompt_tokens": reply.prompt_tokens,
+                                "completion_tokens": reply.completion_tokens}
         if reply.thinking:
             body["thinking"] = reply.thinking
+        if reply.stopped:
+            body["stopped"] = True
         return body
 
     async def _existing(self, request: Request) -> str:
         sid = session_id_of(request)
         await self._record(sid)
         return sid
+
+    async def require(self, sid: str) -> None:
+        await self._require(sid)
+
+    async def state(self, sid: str) -> dict[str, str]:
+        return await self._state(sid)
 
     async def _require(self, sid: str) -> None:
         """404 unless the session exists; once seen an id needs no further

@@ -32,7 +32,14 @@ from schemas.session import SessionRecord
 from services.core.boundary import tail_turns_for
 from services.core.context import next_prompt_tokens
 from services.core.decision import Level as CoreLevel
-from services.core.pieces import NothingFits, Piece, SummaryWindow, Zone, next_piece
+from services.core.pieces import (
+    NothingFits,
+    Piece,
+    SummaryWindow,
+    Zone,
+    count_pieces,
+    next_piece,
+)
 from services.core.splice import (
     CompactionPlan,
     SpliceConflict,
@@ -268,8 +275,9 @@ class Compactor:
                          job: Job) -> str:
         """notes₁ from the first piece, notes₂ from notes₁ and the next, ...
         Each piece is planned (and checked) with the notes it is sent with."""
-        window, start = self._summary_window(record), 0
+        window, start, done = self._summary_window(record), 0, 0
         while start < len(zone.entries):
+            await self._progress(job, done, done + count_pieces(zone, notes, window, start))
             piece = next_piece(zone, start, notes, window)
             result = await self._provider.chat(ChatRequest(
                 model=self._summary_model(record), messages=piece.messages,
@@ -288,9 +296,24 @@ class Compactor:
                      output_tokens=piece.output_tokens)
             if self._on_piece is not None:
                 await self._on_piece(job.session_id, piece)
-            start = piece.end
+            start, done = piece.end, done + 1
+        await self._progress(job, done, done)
         assert notes is not None  # the zone is never empty
         return notes
+
+    async def _progress(self, job: Job, done: int, total: int) -> None:
+        """How far the summary is, for the page; the total is re-estimated
+        before each piece, with the notes written so far. Never fails the
+        compaction: a lost progress event costs only the display."""
+        try:
+            await self._bus.publish(
+                subjects.COMPACTION_EVENT,
+                CompactionEvent(session_id=job.session_id, event="progress", level=job.level,
+                                auto=job.auto, reason=job.reason, pieces_done=done,
+                                pieces_total=max(total, 1)),
+                correlation_id=job.correlation_id, session_id=job.session_id)
+        except Exception as err:
+            log.warning("compaction_progress_not_published", error=str(err))
 
     def _summary_model(self, record: SessionRecord) -> str:
         return self._settings.compaction_model or record.model_or(self._settings.model)

@@ -27,6 +27,7 @@ import structlog
 
 from schemas.session import SessionRecord
 from services.generator.provider import ChatResult
+from services.generator.stops import StopSwitch
 from services.generator.token_stream import TokenStream
 from services.shared import metrics
 from services.shared.history_store import HistoryView
@@ -54,6 +55,8 @@ class HeadStart:
     stream: TokenStream | None
     call: asyncio.Task[ChatResult]
     count: HeadStartCount
+    # The call's stop switch, which the turn takes over when it keeps the call.
+    switch: StopSwitch = field(default_factory=lambda: StopSwitch(""))
     settled: bool = field(default=False)
 
     async def result(self) -> ChatResult:

@@ -85,6 +85,8 @@ class ChatResult:
     completion_tokens: int | None = None
     # "length" when the answer was cut off at num_predict (or the window).
     done_reason: str | None = None
+    # Stopped on request: `content` is what was written until then.
+    stopped: bool = False
 
 
 class ChatProvider(Protocol):

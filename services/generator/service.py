@@ -18,13 +18,14 @@ from typing import Any
 
 import structlog
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig
 from nats.js.errors import NotFoundError
 
 from schemas import subjects
 from schemas.envelope import Envelope
-from schemas.messages import CompactionRequest, Query, Reply
+from schemas.messages import CompactionRequest, Query, Reply, StopAccepted, StopRequest
 from services.core.state_machine import Action, CompactionMode
 from services.generator.arrival_order import ArrivalOrder, HandBacks
 from services.generator.compaction import Compactor
@@ -173,10 +174,15 @@ class Generator:
         self._answered = AnsweredQueries()
         self._crashes = CrashCounts()
         self._following: JetStreamContext.PushSubscription | None = None
+        self._stop_requests: Subscription | None = None
 
     async def start(self) -> None:
         await self._live.start()
         self._following = await self._history.follow()
+        # Every generator hears every stop; only the one running the
+        # session's answer acts and replies.
+        self._stop_requests = await self._bus.nc.subscribe(f"{subjects.STOP_PREFIX}.*",
+                                                           cb=self._on_stop)
         self._loops = [
             await self._pull(f"{subjects.QUERY_PREFIX}.*", subjects.QUERIES_STREAM,
                              QUERY_CONSUMER, self._spawn_query, self._capacity),
@@ -211,9 +217,10 @@ class Generator:
 
     async def stop(self) -> None:
         await self._live.stop()
-        if self._following is not None:
-            with contextlib.suppress(Exception):
-                await self._following.unsubscribe()
+        for subscription in (self._following, self._stop_requests):
+            if subscription is not None:
+                with contextlib.suppress(Exception):
+                    await subscription.unsubscribe()
         for loop in self._loops:
             await loop.stop()
         await self._finish_or_hand_back()
@@ -233,6 +240,22 @@ class Generator:
         for task in unfinished:
             task.cancel()
         await asyncio.wait(unfinished, timeout=HAND_BACK_S)
+
+    async def _on_stop(self, msg: Msg) -> None:
+        env = await self._bus.decode_or_report(msg, StopRequest)
+        if env is None:
+            return
+        sid = env.payload.session_id
+        switch = self._turns.stops.stop(sid)
+        if switch is None or not msg.reply:
+            return  # not running here: the process that runs it answers
+        log.info("stop_requested", session_id=sid, query_id=switch.query_id,
+                 correlation_id=env.correlation_id)
+        with contextlib.suppress(Exception):
+            await self._bus.respond(msg, StopAccepted(
+                session_id=sid, query_id=switch.query_id,
+                generator_id=self._settings.generator_id),
+                correlation_id=env.correlation_id, session_id=sid)
 
     def endpoints(self) -> list[Endpoint]:
         return []

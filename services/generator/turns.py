@@ -35,16 +35,24 @@ from services.core.decision import Level, check_fit
 from services.core.overflow import FitsShare, best_case_prompt, cut_tool_output
 from services.core.prompt import HistoryWeights, render_messages
 from services.core.prompt_cache import cached_size, previous_call
+from services.core.retry import retry_point
 from services.core.state_machine import Action
 from services.core.text_size import Size, prompt_size
 from services.core.tokens import Calibration, calibrate, estimate_prompt, prompt_budget
 from services.generator.compaction import CompactionFailed, CompactionSkipped, Compactor
 from services.generator.head_start import HeadStart, HeadStartCount, still_good
 from services.generator.models import ModelFacts
-from services.generator.provider import ChatProvider, ChatRequest, ChatResult, ProviderError
+from services.generator.provider import (
+    ChatProvider,
+    ChatRequest,
+    ChatResult,
+    OnToken,
+    ProviderError,
+)
 from services.generator.session_lock import Lease
 from services.generator.settings import GeneratorSettings
 from services.generator.states import SessionStates
+from services.generator.stops import Stops, StopSwitch
 from services.generator.token_stream import TokenStream
 from services.generator.toolbox import Toolbox
 from services.shared.bus import Bus
@@ -79,6 +87,15 @@ class Turn:
     # may have served from it. Held for the turn only.
     previous: Messages | None = None
     reused: Size = field(default_factory=Size)
+    # A retry's: the history up to the last user message, the answer after
+    # it left out (see `services.core.retry`). None for a new message.
+    retry_context: Conversation | None = None
+    switch: StopSwitch | None = None
+
+    @property
+    def context(self) -> Conversation:
+        """The history the turn's prompt is built on."""
+        return self.retry_context if self.retry_context is not None else self.view.conversation
 
     @property
     def sid(self) -> str:
@@ -110,6 +127,7 @@ class TurnRunner:
         self._toolbox = toolbox
         self._compactor = compactor
         self.head_starts = HeadStartCount()
+        self.stops = Stops()
 
     @property
     def _settings(self) -> GeneratorSettings:
@@ -150,7 +168,7 @@ class TurnRunner:
         knows the session's history and record and the prompt fits."""
         sid = env.payload.session_id
         view, record = self._history.cached(sid), self._sessions.cached(sid)
-        if view is None or record is None:
+        if view is None or record is None or env.payload.retry:
             return None
         try:
             tools = await self._offered_tools(record)
@@ -160,8 +178,9 @@ class TurnRunner:
         if not self._fits(record, prompt, tools):
             return None  # the turn must compact first
         stream = TokenStream(self._bus, env, held=True) if env.payload.stream else None
-        call = asyncio.create_task(self._call_model(env, record, prompt, tools, stream))
-        return HeadStart(view, record, prompt, tools, stream, call, self.head_starts)
+        switch = StopSwitch(env.message_id)
+        call = asyncio.create_task(self._call_model(env, record, prompt, tools, stream, switch))
+        return HeadStart(view, record, prompt, tools, stream, call, self.head_starts, switch)
 
     async def run(self, env: Envelope[Query], record: SessionRecord, lease: Lease,
                   head: HeadStart | None = None) -> tuple[Reply, FollowUp | None]:
@@ -184,19 +203,24 @@ class TurnRunner:
                          error="this query was answered before, and a compaction has "
                                "since folded its answer into the summary"), None
         record = await self._with_window(record)
-        turn = Turn(env, record, view, [_question(env)],
-                    previous=previous_call(record.system, view.conversation,
-                                           record.tokens_per_char is not None))
+        turn, supersedes = self._new_turn(env, record, view)
         started = time.monotonic()
         await self._states.apply(sid, Action.start_generation, env.correlation_id)
-        result, prompt, tools = await self._tool_loop(turn, self._kept(head, turn))
-        answer = ChatMessage(role="assistant", content=result.content, query_id=query_id)
+        kept = self._kept(head, turn)
+        turn.switch = kept.switch if kept is not None else StopSwitch(query_id)
+        with self.stops.running(sid, turn.switch):
+            result, prompt, tools = await self._tool_loop(turn, kept)
+        answer = ChatMessage(role="assistant", content=result.content, query_id=query_id,
+                             stopped=result.stopped)
         await self._states.apply(sid, Action.publish, env.correlation_id)
-        turn.view = await self._history.append(sid, turn.view, [*turn.messages, answer])
+        turn.view = await self._history.append(sid, turn.view, [*turn.messages, answer],
+                                               supersedes)
+        if result.stopped:
+            log.info("answer_stopped", chars=len(result.content))
         reply = Reply(session_id=sid, query_id=query_id, reply=result.content,
                       prompt_tokens=result.prompt_tokens,
                       completion_tokens=result.completion_tokens,
-                      thinking=result.thinking or None)
+                      thinking=result.thinking or None, stopped=result.stopped)
 
         async def follow_up() -> None:
             sent = prompt_size(prompt, tools)
@@ -204,6 +228,25 @@ class TurnRunner:
             await self._report(turn, result, sent, tools, started)
 
         return reply, follow_up
+
+    @staticmethod
+    def _new_turn(env: Envelope[Query], record: SessionRecord, view: HistoryView
+                  ) -> tuple[Turn, str | None]:
+        """The turn, and for a retry the query whose answer its answer replaces."""
+        previous = previous_call(record.system, view.conversation,
+                                 record.tokens_per_char is not None)
+        if not env.payload.retry:
+            return Turn(env, record, view, [_question(env)], previous=previous), None
+        point = retry_point(view.conversation)
+        if point is None:
+            raise TurnError("nothing_to_retry", "the session has no user message left to "
+                            "answer again (none yet, or folded into the summary)")
+        if point.context.messages[-1].content != env.payload.content:
+            # Another message was answered since the retry was asked for.
+            raise TurnError("retry_outdated", "the session's last message changed since the "
+                            "retry was asked for; retry again")
+        return (Turn(env, record, view, [], previous=previous, retry_context=point.context),
+                point.supersedes)
 
     def _kept(self, head: HeadStart | None, turn: Turn) -> HeadStart | None:
         """The head start if its prompt is the one this turn sends; else cancelled."""
@@ -226,8 +269,9 @@ class TurnRunner:
             if head is not None:
                 result, head = await head.result(), None  # only the first call starts early
             else:
-                result = await self._call_model(turn.env, turn.record, prompt, tools, stream)
-            if not result.tool_calls:
+                result = await self._call_model(turn.env, turn.record, prompt, tools, stream,
+                                                turn.switch)
+            if not result.tool_calls or result.stopped:
                 return result, prompt, tools
             call = ChatMessage(role="assistant", content=result.content,
                                tool_calls=result.tool_calls, query_id=turn.query_id)
@@ -251,7 +295,10 @@ class TurnRunner:
         prompt = self._render(turn)
         if self._fits(turn.record, prompt, tools):
             return prompt
-        if not self._may_compact(turn.record):
+        if turn.retry_context is not None:
+            # A compaction could fold away the very message to answer again.
+            advice = "a retried answer does not compact first: compact the session, then retry"
+        elif not self._may_compact(turn.record):
             advice = ("automatic compaction is off for this session: compact it "
                       "(POST /api/sessions/{id}/compact) or shorten the message")
         elif await self._compact_if_it_can_help(turn, tools):
@@ -266,7 +313,7 @@ class TurnRunner:
             return prompt
         # Still over: a tool result too large for the turn is cut, not the turn lost.
         if self._cut_tool_output(turn, lambda pending, share: self._fits(
-                turn.record, render_messages(turn.record.system, turn.view.conversation, pending),
+                turn.record, render_messages(turn.record.system, turn.context, pending),
                 tools, share)):
             return self._render(turn)
         raise self._overflow(turn.record, prompt, tools, advice)
@@ -279,7 +326,7 @@ class TurnRunner:
         tail = tail_turns_for(Level.emergency, self._settings.compaction_tail_turns)
 
         def best_case_fits(pending: Sequence[ChatMessage], share: float = 1.0) -> bool:
-            best = best_case_prompt(turn.record.system, turn.view.conversation, pending, tail)
+            best = best_case_prompt(turn.record.system, turn.context, pending, tail)
             return self._fits(turn.record, best, tools, share)
 
         if not self._cut_tool_output(turn, best_case_fits):
@@ -309,7 +356,7 @@ class TurnRunner:
         return True
 
     def _render(self, turn: Turn) -> Messages:
-        return render_messages(turn.record.system, turn.view.conversation, turn.messages)
+        return render_messages(turn.record.system, turn.context, turn.messages)
 
     def _may_compact(self, record: SessionRecord) -> bool:
         return self._settings.compaction_threshold > 0 and record.auto_compact
@@ -343,17 +390,25 @@ class TurnRunner:
         return [run.message for run in runs]
 
     async def _call_model(self, env: Envelope[Query], record: SessionRecord, prompt: Messages,
-                          tools: Messages, stream: TokenStream | None = None
-                          ) -> ChatResult:
+                          tools: Messages, stream: TokenStream | None = None,
+                          switch: StopSwitch | None = None) -> ChatResult:
         request = ChatRequest(model=record.model_or(self._settings.model), messages=prompt,
                               num_ctx=self.num_ctx(record), tools=tools,
                               think=self._settings.think)
         if stream is None and env.payload.stream:
             stream = TokenStream(self._bus, env)
+        switch = switch or StopSwitch(env.message_id)
+        switch.written = []
+        # A stopped answer keeps what its caller was shown: the streamed text.
+        # Unstreamed, the answer comes whole (far cheaper than a chunk per
+        # word), so one stopped before its end keeps nothing.
+        on_token = _heard_by(switch, stream) if stream is not None else None
         try:
-            result = await self._provider.chat(request, stream.send if stream else None)
+            result = await switch.unless_thrown(self._provider.chat(request, on_token))
         except ProviderError as err:
             raise TurnError(err.cause, str(err)) from err
+        if result is None:
+            return ChatResult(content="".join(switch.written), stopped=True)
         if not result.content.strip() and not result.tool_calls:
             where = " (its output was all in 'thinking')" if result.thinking else ""
             raise TurnError("empty_reply", f"the model returned an empty reply{where}")
@@ -418,6 +473,13 @@ def _moved(before: float | None, after: float | None) -> bool:
     if after is None:
         return False
     return before is None or abs(after / before - 1) > 0.005
+
+
+def _heard_by(switch: StopSwitch, stream: TokenStream) -> OnToken:
+    async def on_token(text: str) -> None:
+        await switch.heard(text)
+        await stream.send(text)
+    return on_token
 
 
 def _question(env: Envelope[Query]) -> ChatMessage:

@@ -186,6 +186,20 @@ class Bus:
         ack = await self.js.publish(subject, _encode(env), timeout=timeout_s, headers=headers)
         return env, ack
 
+    async def request(self, subject: str, payload: Payload, *, timeout_s: float,
+                      session_id: str | None = None) -> Msg:
+        """A core NATS request; raises TimeoutError (or NoRespondersError) if
+        nobody answers."""
+        env = self.envelope(subject, payload, session_id=session_id)
+        return await self.nc.request(subject, _encode(env), timeout=timeout_s,
+                                     headers=headers_for(env))
+
+    async def respond(self, msg: Msg, payload: Payload, *, correlation_id: str | None = None,
+                      session_id: str | None = None) -> None:
+        env = self.envelope(msg.reply, payload, correlation_id=correlation_id,
+                            session_id=session_id)
+        await self.nc.publish(msg.reply, _encode(env), headers=headers_for(env))
+
     async def decode_or_report(self, msg: Msg, payload_type: type[P]) -> Envelope[P] | None:
         """The validated message, or None after reporting it as malformed."""
         try:

@@ -177,15 +177,17 @@ class HistoryStore:
         return view
 
     async def append(
-        self, sid: str, view: HistoryView, messages: Sequence[ChatMessage]
+        self, sid: str, view: HistoryView, messages: Sequence[ChatMessage],
+        supersedes: str | None = None,
     ) -> HistoryView:
         """Append one turn's messages after `view`, in one write.
 
         No `Nats-Msg-Id` here: the server checks the expected sequence before
         duplicates, so a retry whose first attempt was stored fails as a
         conflict either way. What makes a retried turn harmless is its query
-        id on every message: the redelivered query finds its stored answer."""
-        entry = HistoryEntry.of_turn(tuple(messages), view.base_seq)
+        id on every message: the redelivered query finds its stored answer.
+        `supersedes`: a retried answer's, see `HistoryEntry`."""
+        entry = HistoryEntry.of_turn(tuple(messages), view.base_seq, supersedes)
         seq = await self._write(sid, entry, view.last_seq, {})
         view = _applied(view, entry, seq)
         self._remember(sid, view)

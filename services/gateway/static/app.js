@@ -14,6 +14,8 @@ const API = {
   transcript: (id, params) =>
     `/api/sessions/${encodeURIComponent(id)}/transcript?${new URLSearchParams(params)}`,
   exportAs: (id, format) => `/api/sessions/${encodeURIComponent(id)}/export?format=${format}`,
+  stop: (id) => `/api/sessions/${encodeURIComponent(id)}/stop`,
+  retry: (id) => `/api/sessions/${encodeURIComponent(id)}/retry`,
   events: (id) => `/api/events?session_id=${encodeURIComponent(id)}`,
 };
 
@@ -127,6 +129,10 @@ export function sessionAfterCompaction(session, result) {
 // from a read of the session ("unknown") ends with any result.
 export function compactingAfter(current, type, correlationId, event) {
   if (type === "compaction.event" && event === "started") return correlationId ?? "unknown";
+  // Progress of a compaction whose start this page did not see (it was loaded later).
+  if (type === "compaction.event" && event === "progress" && current === null) {
+    return correlationId ?? "unknown";
+  }
   if (type === "compaction.result" &&
       (correlationId == null || correlationId === current || current === "unknown")) {
     return null;
@@ -141,6 +147,35 @@ export function compactingAfter(current, type, correlationId, event) {
 export function compactingAfterReload(current, state, readSeq, startSeenAtSeq) {
   return state !== "compacting" && readSeq > startSeenAtSeq ? null : current;
 }
+
+// The banner's text for a compaction's progress event (pieces of its summary).
+export function progressText(progress) {
+  const done = progress?.pieces_done;
+  const total = progress?.pieces_total;
+  if (typeof done !== "number" || typeof total !== "number" || total < 1) {
+    return "Compacting the conversation…";
+  }
+  if (done >= total) return `Compacting… all ${total} piece${total === 1 ? "" : "s"} written`;
+  return `Compacting… piece ${done + 1} of ${total}`;
+}
+
+// What an answer not yet begun waits for, after a state change of its session
+// (action, to_state). Sent while the session answered an earlier message, it
+// is queued until that turn ends (reset); once its own turn runs and before
+// any token, it waits for the model (a free slot of the model server).
+export function pendingAfter(pending, action, toState) {
+  if (pending.queued) return action === "reset" ? { queued: false, started: false } : pending;
+  if (toState === "receiving" || toState === "generating") return { queued: false, started: true };
+  return pending;
+}
+
+export function pendingText(pending) {
+  if (pending.queued) return "queued: the session's earlier message is answered first…";
+  if (pending.started) return "waiting for the model…";
+  return "waiting for a generator…";
+}
+
+const QUIET_PHASES = ["idle", "unknown", "error"];
 
 // The session's state as the server computes it (services/core/state_machine.py):
 // a running compaction, whichever generator runs it, else the turn's phase.
@@ -281,6 +316,8 @@ const app = {
   items: [], // the transcript items shown, oldest first
   older: null, // cursor of the page before them; null at the start
   loadingOlder: false,
+  pending: null, // the answer being waited for, while one is (see pendingAnswer)
+  compactionProgress: null, // the running compaction's last progress event
 };
 
 const ui = {};
@@ -539,6 +576,7 @@ function messageItem(message) {
   if (role === "tool" && message.tool_name) {
     head.append(el("span", { className: "tool-name", text: message.tool_name }));
   }
+  if (message.stopped) head.append(el("span", { className: "msg-tag", text: "stopped" }));
   item.append(head);
   if (role === "tool") {
     item.append(el("pre", { className: "tool-result", text: message.content ?? "" }));
@@ -569,6 +607,10 @@ function renderTranscript({ toEnd = false } = {}) {
     }
     return node;
   });
+  const last = app.items.at(-1);
+  if (last?.kind === "message" && last.role === "assistant" && !last.tool_calls?.length) {
+    nodes.at(-1).append(el("div", { className: "msg-actions" }, [retryButton()]));
+  }
   if (app.older) nodes.unshift(el("li", { className: "msg-more", text: "Scroll up for earlier messages…" }));
   ui.messages.replaceChildren(...nodes);
   show(ui.emptyHint, nodes.length === 0);
@@ -684,7 +726,9 @@ function scrollToEnd(force = false) {
 // The assistant answer being streamed into the list.
 function pendingAnswer() {
   const text = el("div", { className: "msg-text" });
-  const status = el("div", { className: "msg-status", text: "waiting for the generator…" });
+  let waiting = { queued: !QUIET_PHASES.includes(app.phase), started: false };
+  let writing = false;
+  const status = el("div", { className: "msg-status", text: pendingText(waiting) });
   const item = el("li", { className: "msg msg-assistant msg-pending", attrs: { "aria-busy": "true" } }, [
     el("div", { className: "msg-head" }, [el("span", { className: "msg-role", text: "Assistant" })]),
     text,
@@ -693,8 +737,17 @@ function pendingAnswer() {
   ui.messages.append(item);
   scrollToEnd(true);
   return {
+    stateChanged(action, toState) {
+      if (writing) return;
+      waiting = pendingAfter(waiting, action, toState);
+      status.textContent = pendingText(waiting);
+    },
+    stopping() {
+      status.textContent = "stopping…";
+    },
     append(piece) {
       const stick = nearBottom();
+      writing = true;
       text.append(document.createTextNode(piece));
       status.textContent = "writing…";
       if (stick) scrollToEnd(true);
@@ -713,7 +766,8 @@ function pendingAnswer() {
           el("div", { className: "msg-text", text: body.thinking }),
         ]));
       }
-      status.textContent = `prompt ${fmt(body.prompt_tokens)} · completion ${fmt(body.completion_tokens)} tokens`;
+      const counts = `prompt ${fmt(body.prompt_tokens)} · completion ${fmt(body.completion_tokens)} tokens`;
+      status.textContent = body.stopped ? `stopped · ${counts}` : counts;
       item.classList.remove("msg-pending");
       item.removeAttribute("aria-busy");
     },
@@ -743,11 +797,23 @@ function setComposerEnabled(enabled) {
   }
 }
 
+// While an answer streams, Stop takes the place of Send.
 function setBusy(busy) {
   app.busy = busy;
   ui.sendButton.disabled = busy || !app.sessionId;
-  ui.sendButton.textContent = busy ? "Sending…" : "Send";
+  show(ui.sendButton, !busy);
+  show(ui.stopButton, busy);
+  ui.stopButton.disabled = !busy;
   ui.composer.setAttribute("aria-busy", String(busy));
+  for (const button of ui.messages.querySelectorAll(".retry-button")) button.disabled = busy;
+}
+
+function retryButton() {
+  const button = el("button", { className: "retry-button", text: "Retry", attrs: { type: "button" } });
+  button.title = "Ask for a fresh answer to the last message";
+  button.disabled = app.busy;
+  button.addEventListener("click", retryAnswer);
+  return button;
 }
 
 async function sendMessage(event) {
@@ -758,18 +824,53 @@ async function sendMessage(event) {
   ui.input.value = "";
   show(ui.emptyHint, false);
   ui.messages.append(messageItem({ role: "user", content }));
+  rememberSession(id, content.slice(0, 40));
+  await runTurn(API.messages(id), { content });
+}
+
+// A fresh answer to the last message: the old one stays on screen, marked
+// superseded, until the new one is stored.
+async function retryAnswer() {
+  const id = app.sessionId;
+  if (!id || app.busy) return;
+  const last = ui.messages.lastElementChild;
+  if (last?.classList.contains("msg-assistant")) {
+    last.classList.add("msg-superseded");
+    last.querySelector(".msg-actions")?.remove();
+    last.querySelector(".msg-head")?.append(el("span", { className: "msg-tag", text: "superseded" }));
+  }
+  await runTurn(API.retry(id), null);
+}
+
+async function stopAnswer() {
+  const id = app.sessionId;
+  if (!id || !app.busy) return;
+  ui.stopButton.disabled = true;
+  app.pending?.stopping();
+  const response = await fetch(API.stop(id), { method: "POST" }).catch(() => null);
+  if (response && response.status !== 202) {
+    const err = await readError(response);
+    showNotice(`Could not stop: ${err.error?.message ?? response.status}`);
+  } else if (!response) {
+    showNotice("Could not stop: the gateway is unreachable");
+  }
+}
+
+// Sends a message (or a retry) and streams its answer into a pending bubble.
+async function runTurn(url, body) {
+  const id = app.sessionId;
   const answer = pendingAnswer();
+  app.pending = answer;
   const controller = new AbortController();
   app.abort = controller;
   app.reloadAfterTurn = false;
   setBusy(true);
-  rememberSession(id, content.slice(0, 40));
   let succeeded = false;
   try {
-    const response = await fetch(API.messages(id), {
+    const response = await fetch(url, {
       method: "POST",
       headers: { "Content-Type": "application/json", Accept: "text/event-stream" },
-      body: JSON.stringify({ content }),
+      body: body === null ? undefined : JSON.stringify(body),
       signal: controller.signal,
     });
     if (!response.ok) {
@@ -795,6 +896,7 @@ async function sendMessage(event) {
     // Unless the page moved to another session meanwhile (which aborted this read).
     if (app.abort === controller) {
       app.abort = null;
+      app.pending = null;
       setBusy(false);
       // On success the stored history (with tool calls) replaces the streamed bubble;
       // after an error the inline error stays and only the gauge and facts refresh
@@ -875,6 +977,7 @@ function renderState(detail = "") {
 function renderCompacting() {
   const visible = app.compacting !== null || app.phase === "compacting";
   show(ui.compactingBanner, visible);
+  ui.compactingBanner.textContent = progressText(app.compactionProgress);
   document.body.classList.toggle("is-compacting", visible);
 }
 
@@ -1029,6 +1132,7 @@ function onLiveEvent(type, raw) {
   switch (type) {
     case "generator.state": {
       app.phase = p.to_state ?? "unknown";
+      app.pending?.stateChanged(p.action, p.to_state);
       renderState(p.action ? `after ${p.action}` : "");
       renderCompacting();
       logLine(type, `${p.from_state ?? "?"} → ${p.to_state ?? "?"}${p.action ? ` (${p.action})` : ""}`, ts);
@@ -1050,8 +1154,13 @@ function onLiveEvent(type, raw) {
     case "compaction.event": {
       app.compacting = compactingAfter(app.compacting, type, envelope.correlation_id, p.event);
       if (p.event === "started") app.compactingSeenAt = app.loadSeq;
+      app.compactionProgress = p.event === "progress" ? p : null;
       renderState();
       renderCompacting();
+      if (p.event === "progress") {
+        logLine(type, `compaction progress: ${fmt(p.pieces_done)} of ${fmt(p.pieces_total)} pieces written`, ts);
+        break;
+      }
       logLine(type, `compaction ${p.event ?? "?"} (${p.level ?? "?"}, ${p.auto ? "auto" : "manual"})` +
         `${typeof p.tokens_before === "number" ? ` at ${fmt(p.tokens_before)} tokens` : ""}` +
         `${p.reason ? `: ${p.reason}` : ""}`, ts);
@@ -1059,6 +1168,7 @@ function onLiveEvent(type, raw) {
     }
     case "compaction.result": {
       app.compacting = compactingAfter(app.compacting, type, envelope.correlation_id);
+      if (app.compacting === null) app.compactionProgress = null;
       renderState();
       renderCompacting();
       const status = p.status ?? "completed";
@@ -1111,6 +1221,7 @@ function bindUi() {
     composer: "composer",
     input: "message-input",
     sendButton: "send-button",
+    stopButton: "stop-button",
     stateBadge: "state-badge",
     stateDetail: "state-detail",
     compactingBanner: "compacting-banner",
@@ -1159,6 +1270,7 @@ function start() {
     if (ui.sessionSelect.value) selectSession(ui.sessionSelect.value);
   });
   ui.composer.addEventListener("submit", sendMessage);
+  ui.stopButton.addEventListener("click", stopAnswer);
   ui.input.addEventListener("keydown", onComposerKey);
   ui.compactForm.addEventListener("submit", requestCompaction);
   ui.logClear.addEventListener("click", () => ui.log.replaceChildren());

@@ -1,0 +1,104 @@
+"""The controls of a running chat: stop the answer being written, and ask
+for a fresh answer to the last message.
+
+A stop is a core NATS request on `chat.stop.<session>`: every generator
+hears it, and only the one running the session's answer replies (and stops
+it). No reply in time means nothing runs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js.errors import NotFoundError
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from schemas import subjects
+from schemas.history import Conversation
+from schemas.messages import Query, StopAccepted, StopRequest
+from services.core.retry import retry_point
+from services.core.state_machine import Phase
+from services.shared.bus import BadMessage, Bus, decode
+from services.shared.history_store import HistoryStore
+
+# How long the process running the answer has to say it is stopping it. A
+# generator answers from its event loop at once; silence means none runs it.
+STOP_ANSWER_S = 1.0
+QUIET_PHASES = (Phase.idle.value, Phase.error.value)
+
+
+class Answers(Protocol):
+    async def require(self, sid: str) -> None: ...
+
+    async def state(self, sid: str) -> dict[str, str]: ...
+
+    async def answer(self, request: Request, query: Query) -> Response: ...
+
+
+def conflict(code: str, message: str) -> JSONResponse:
+    return JSONResponse({"error": {"code": code, "message": message}}, status_code=409)
+
+
+class Controls:
+    def __init__(self, bus: Bus, history: HistoryStore, answers: Answers,
+                 session_id_of: Callable[[Request], str]) -> None:
+        self._bus = bus
+        self._session_id_of = session_id_of
+        self._history = history
+        self._answers = answers
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/api/sessions/{session_id}/stop", self.stop, methods=["POST"]),
+            Route("/api/sessions/{session_id}/retry", self.retry, methods=["POST"]),
+        ]
+
+    async def stop(self, request: Request) -> Response:
+        sid = self._session_id_of(request)
+        await self._answers.require(sid)
+        try:
+            msg = await self._bus.request(subjects.stop(sid), StopRequest(session_id=sid),
+                                          timeout_s=STOP_ANSWER_S, session_id=sid)
+        except (NatsTimeout, NoRespondersError, TimeoutError):
+            return conflict("nothing_running", "no answer is being written for this session "
+                            "(it may have just finished)")
+        accepted = decode(msg.data, StopAccepted, msg.subject).payload
+        return JSONResponse({"status": "stopping", "session_id": sid,
+                             "query_id": accepted.query_id,
+                             "generator_id": accepted.generator_id}, status_code=202)
+
+    async def retry(self, request: Request) -> Response:
+        sid = self._session_id_of(request)
+        await self._answers.require(sid)
+        conversation = (await self._history.read(sid)).conversation
+        if await self._busy(sid, conversation):
+            return conflict("turn_running", "the session is answering a message; stop it or "
+                            "wait for its answer, then retry")
+        point = retry_point(conversation)
+        if point is None:
+            return conflict("nothing_to_retry", "the session has no user message left to "
+                            "answer again (none yet, or folded into the summary)")
+        question = point.context.messages[-1].content
+        return await self._answers.answer(request, Query(session_id=sid, content=question,
+                                                         retry=True))
+
+    async def _busy(self, sid: str, conversation: Conversation) -> bool:
+        """A turn under way, or a query waiting for its turn in the queue. The
+        work queue drops a query a moment after its acknowledgement: one
+        whose answer is stored already is done."""
+        if (await self._answers.state(sid))["phase"] not in QUIET_PHASES:
+            return True
+        try:
+            msg = await self._bus.js.get_last_msg(subjects.QUERIES_STREAM, subjects.query(sid),
+                                                  direct=True)
+        except NotFoundError:
+            return False
+        try:
+            query_id = decode(msg.data or b"", Query, subjects.query(sid)).message_id
+        except BadMessage:
+            return False  # not a query any generator will answer
+        return all(message.query_id != query_id for message in conversation.messages)

@@ -1,0 +1,79 @@
+"""Stopping an answer while it is written.
+
+Each turn this process runs has a `StopSwitch`; a stop request for the
+session throws it. A model call under way then ends at once: its task is
+cancelled, which closes the HTTP stream to the model server, and the server
+stops generating when its client goes away. The turn keeps what was written
+until then and stores it as its answer, marked stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Iterator
+
+from services.generator.provider import ChatResult
+
+
+class StopSwitch:
+    """One turn's switch, and the text its current model call has written."""
+
+    def __init__(self, query_id: str) -> None:
+        self.query_id = query_id
+        self._thrown = asyncio.Event()
+        self.written: list[str] = []
+
+    @property
+    def thrown(self) -> bool:
+        return self._thrown.is_set()
+
+    def throw(self) -> None:
+        self._thrown.set()
+
+    async def heard(self, text: str) -> None:
+        self.written.append(text)
+
+    async def unless_thrown(self, call: Awaitable[ChatResult]) -> ChatResult | None:
+        """The call's result, or None once the switch is thrown (the call then
+        cancelled, and waited for, so its connection is closed)."""
+        if self.thrown:
+            if asyncio.iscoroutine(call):
+                call.close()  # never started: nothing to cancel
+            return None
+        task = asyncio.ensure_future(call)
+        thrown = asyncio.ensure_future(self._thrown.wait())
+        try:
+            await asyncio.wait({task, thrown}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            thrown.cancel()
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        if task.cancelled():
+            return None
+        return task.result()
+
+
+class Stops:
+    """The switches of the turns this process runs, by session."""
+
+    def __init__(self) -> None:
+        self._running: dict[str, StopSwitch] = {}
+
+    @contextlib.contextmanager
+    def running(self, sid: str, switch: StopSwitch) -> Iterator[StopSwitch]:
+        self._running[sid] = switch
+        try:
+            yield switch
+        finally:
+            if self._running.get(sid) is switch:
+                del self._running[sid]
+
+    def stop(self, sid: str) -> StopSwitch | None:
+        """Throw the session's switch; None when no turn of it runs here."""
+        switch = self._running.get(sid)
+        if switch is not None:
+            switch.throw()  # thrown again: the same stop, asked twice
+        return switch

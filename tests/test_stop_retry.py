@@ -1,0 +1,268 @@
+"""Stop and retry on real processes, with the stand-in writing long answers
+slowly (`!long N` at `--ms-per-token`): a stopped answer ends the model call
+and is stored as far as it got, and a retried one takes the old one's place
+in the context while the stored turns keep both."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import httpx
+import nats
+import pytest
+from nats.js.errors import NotFoundError
+
+from schemas import subjects
+from schemas.history import HistoryEntry
+from tests.events import Watcher, server_sent_events, watching
+from tests.nats_server import NatsServer
+from tests.stub_server import running_stub
+from tests.system import System, running_system
+
+# Long enough (some 10 000 tokens at 5 ms each) never to end by itself in a test.
+LONG = "tell me everything !long 40000"
+SSE = {"accept": "text/event-stream"}
+
+
+@pytest.fixture(scope="module")
+def stub() -> Iterator[str]:
+    with running_stub("--ms-per-token", "5") as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def system(nats_url: str, stub: str) -> Iterator[System]:
+    with running_system(nats_url, stub, services=("generator", "gateway")) as running:
+        yield running
+
+
+@pytest.fixture
+async def http(system: System) -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(base_url=system.base_url, timeout=60) as client:
+        yield client
+
+
+async def create(http: httpx.AsyncClient) -> str:
+    return str((await http.post("/api/sessions", json={})).json()["session_id"])
+
+
+async def streams_cut(stub: str) -> int:
+    async with httpx.AsyncClient() as client:
+        return int((await client.get(f"{stub}/_stub/stats")).json()["streams_cut"])
+
+
+async def until(condition: Any, timeout_s: float = 15.0) -> None:
+    """Wait for an outside condition (the stand-in's count) to hold."""
+    async with asyncio.timeout(timeout_s):
+        while True:
+            if await condition():
+                return
+            await asyncio.sleep(0.05)
+
+
+async def stopped_mid_stream(http: httpx.AsyncClient, sid: str, tokens: int = 3,
+                             before_stop: Any = None, retry: bool = False
+                             ) -> tuple[dict[str, Any], str, Any]:
+    """Ask the long question (or retry it), stop it after a few tokens; the
+    `done` event's data, the text streamed, and the stop's response."""
+    streamed: list[str] = []
+    stop: Any = None
+    path, body = ("retry", None) if retry else ("messages", {"content": LONG})
+    async with http.stream("POST", f"/api/sessions/{sid}/{path}", json=body,
+                           headers=SSE) as response:
+        async for name, data in server_sent_events(response):
+            if name == "token":
+                streamed.append(data["text"])
+                if len(streamed) == tokens:
+                    if before_stop is not None:
+                        await before_stop()
+                    stop = await http.post(f"/api/sessions/{sid}/stop")
+            elif name in ("done", "error"):
+                assert name == "done", data
+                return data, "".join(streamed), stop
+    raise AssertionError("the stream ended without a done event")
+
+
+async def stored_entries(nats_url: str, sid: str) -> list[HistoryEntry]:
+    nc = await nats.connect(nats_url)
+    try:
+        js, entries, start = nc.jetstream(), [], 1
+        while True:
+            try:
+                msg = await js.get_msg(subjects.HISTORY_STREAM, seq=start,
+                                       subject=subjects.history(sid), next=True, direct=True)
+            except NotFoundError:
+                return entries
+            entries.append(HistoryEntry.model_validate_json(msg.data or b"{}"))
+            start = int(msg.seq or 0) + 1
+    finally:
+        await nc.close()
+
+
+async def test_a_stop_mid_stream_ends_the_call_and_stores_the_partial_answer(
+    http: httpx.AsyncClient, stub: str,
+) -> None:
+    sid = await create(http)
+    cut_before = await streams_cut(stub)
+    done, streamed, stop = await stopped_mid_stream(http, sid)
+    assert stop.status_code == 202, stop.text
+    assert done["stopped"] is True
+    assert done["reply"].startswith(streamed) and len(done["reply"]) < 40000
+    await until(lambda: _more_cut(stub, cut_before))  # the model server saw its client go
+    session = (await http.get(f"/api/sessions/{sid}")).json()
+    answer = session["messages"][-1]
+    assert answer["role"] == "assistant" and answer["stopped"] is True
+    assert answer["content"] == done["reply"]
+    assert session["state"] == "idle"
+    # The session goes on as usual, its lock free.
+    nxt = await http.post(f"/api/sessions/{sid}/messages", json={"content": "and now?"})
+    assert nxt.status_code == 200, nxt.text
+    assert nxt.json()["reply"] == "Echo: and now? (turn 2)"
+    assert "stopped" not in nxt.json()
+
+
+async def _more_cut(stub: str, before: int) -> bool:
+    return await streams_cut(stub) > before
+
+
+async def test_a_stopped_json_caller_gets_a_reply_marked_stopped(
+    http: httpx.AsyncClient, nats_url: str,
+) -> None:
+    sid = await create(http)
+    async with watching(nats_url, subjects.token(sid)) as tokens:
+        asked = asyncio.create_task(
+            http.post(f"/api/sessions/{sid}/messages", json={"content": LONG}))
+        # Nobody streams this answer, so wait for the turn to run instead.
+        await _until_generating(http, sid)
+        stop = await http.post(f"/api/sessions/{sid}/stop")
+        reply = await asked
+    assert stop.status_code == 202, stop.text
+    assert reply.status_code == 200 and reply.json()["stopped"] is True
+    assert not tokens.payloads(), "tokens were published though the caller did not stream"
+    # The caller was shown nothing of the answer, and nothing of it is kept.
+    answer = (await http.get(f"/api/sessions/{sid}")).json()["messages"][-1]
+    assert answer == {"role": "assistant", "query_id": answer["query_id"], "stopped": True}
+
+
+async def _until_generating(http: httpx.AsyncClient, sid: str) -> None:
+    async def generating() -> bool:
+        return bool((await http.get(f"/api/sessions/{sid}")).json()["phase"] == "generating")
+    await until(generating)
+
+
+async def test_stop_with_nothing_running_is_a_conflict(http: httpx.AsyncClient) -> None:
+    sid = await create(http)
+    stop = await http.post(f"/api/sessions/{sid}/stop")
+    assert stop.status_code == 409
+    assert stop.json()["error"]["code"] == "nothing_running"
+    assert (await http.post("/api/sessions/nosuchsession/stop")).status_code == 404
+
+
+async def test_a_query_queued_behind_the_stopped_one_is_answered_as_usual(
+    http: httpx.AsyncClient, nats_url: str,
+) -> None:
+    sid = await create(http)
+    later: list[asyncio.Task[httpx.Response]] = []
+    async with watching(nats_url, subjects.query(sid)) as queries:
+        async def queue_another() -> None:
+            later.append(asyncio.create_task(http.post(
+                f"/api/sessions/{sid}/messages", json={"content": "next one"})))
+            await queries.wait_until(lambda: len(queries.payloads("chat.query")) == 2)
+
+        done, _, stop = await stopped_mid_stream(http, sid, before_stop=queue_another)
+    assert stop.status_code == 202 and done["stopped"] is True
+    answer = await later[0]
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["reply"] == "Echo: next one (turn 2)"
+
+
+async def test_retry_keeps_both_answers_stored_and_one_in_the_context(
+    http: httpx.AsyncClient, nats_url: str,
+) -> None:
+    sid = await create(http)
+    first = await http.post(f"/api/sessions/{sid}/messages", json={"content": "hello"})
+    assert first.status_code == 200, first.text
+    again = await http.post(f"/api/sessions/{sid}/retry")
+    assert again.status_code == 200, again.text
+    assert again.json()["reply"] == "Echo: hello (turn 1)"
+    messages = (await http.get(f"/api/sessions/{sid}")).json()["messages"]
+    assert [m["role"] for m in messages] == ["user", "assistant"]
+    entries = await stored_entries(nats_url, sid)
+    assert len(entries) == 2
+    old, new = entries[0].messages[-1], entries[1].messages[-1]
+    assert old.role == new.role == "assistant" and old.query_id != new.query_id
+    assert entries[1].supersedes == old.query_id
+    assert messages[1]["query_id"] == new.query_id
+    # A second retry replaces the retried answer, and the conversation goes on from it.
+    assert (await http.post(f"/api/sessions/{sid}/retry")).status_code == 200
+    nxt = await http.post(f"/api/sessions/{sid}/messages", json={"content": "more"})
+    assert nxt.json()["reply"] == "Echo: more (turn 2)"
+    roles = [m["role"] for m in (await http.get(f"/api/sessions/{sid}")).json()["messages"]]
+    assert roles == ["user", "assistant", "user", "assistant"]
+
+
+async def test_retry_streams_like_a_message(http: httpx.AsyncClient) -> None:
+    sid = await create(http)
+    await http.post(f"/api/sessions/{sid}/messages", json={"content": "hi"})
+    async with http.stream("POST", f"/api/sessions/{sid}/retry", headers=SSE) as response:
+        events = [(name, data) async for name, data in server_sent_events(response)]
+    assert events[-1][0] == "done" and events[-1][1]["reply"] == "Echo: hi (turn 1)"
+    assert "".join(d["text"] for n, d in events if n == "token") == "Echo: hi (turn 1)"
+
+
+async def test_retry_while_a_turn_runs_or_with_nothing_asked_is_a_conflict(
+    http: httpx.AsyncClient,
+) -> None:
+    sid = await create(http)
+    empty = await http.post(f"/api/sessions/{sid}/retry")
+    assert empty.status_code == 409 and empty.json()["error"]["code"] == "nothing_to_retry"
+    retried: list[httpx.Response] = []
+
+    async def retry_now() -> None:
+        retried.append(await http.post(f"/api/sessions/{sid}/retry"))
+
+    done, _, _ = await stopped_mid_stream(http, sid, before_stop=retry_now)
+    assert retried[0].status_code == 409
+    assert retried[0].json()["error"]["code"] == "turn_running"
+    assert done["stopped"] is True
+    # The stopped answer can be retried (and stopped): the fresh one replaces it.
+    again, _, stop = await stopped_mid_stream(http, sid, tokens=5, retry=True)
+    assert stop.status_code == 202 and again["stopped"] is True
+    messages = (await http.get(f"/api/sessions/{sid}")).json()["messages"]
+    assert [m["role"] for m in messages] == ["user", "assistant"]
+    assert messages[1]["content"] == again["reply"]
+    assert messages[1]["query_id"] != messages[0]["query_id"]  # the retry's answer
+
+
+async def test_a_stop_reaches_whichever_generator_runs_the_answer(
+    private_nats: NatsServer, stub: str,
+) -> None:
+    system = System(private_nats.url, stub, services=("gateway",)).start()
+    for name in ("gen-a", "gen-b"):
+        system.add(name, "services.generator", {"GENERATOR_ID": name}).start()
+    try:
+        async with (httpx.AsyncClient(base_url=system.base_url, timeout=60) as http,
+                    watching(private_nats.url, f"{subjects.STATE_PREFIX}.*") as states):
+            holders = set()
+            for _ in range(4):  # enough sessions that each generator runs some, mostly
+                sid = await create(http)
+                done, _, stop = await stopped_mid_stream(http, sid)
+                assert stop.status_code == 202, stop.text
+                assert done["stopped"] is True
+                holder = _runner(states, sid)
+                assert stop.json()["generator_id"] == holder
+                holders.add(holder)
+                nxt = await http.post(f"/api/sessions/{sid}/messages", json={"content": "on"})
+                assert nxt.json()["reply"] == "Echo: on (turn 2)"
+    finally:
+        system.stop()
+    assert holders <= {"gen-a", "gen-b"}
+
+
+def _runner(states: Watcher, sid: str) -> str:
+    started = [p["generator_id"] for p in states.payloads("generator.state")
+               if p["session_id"] == sid and p["action"] == "start_generation"]
+    return str(started[0])
+

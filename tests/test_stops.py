@@ -1,0 +1,54 @@
+"""A turn's stop switch: a model call under way ends when it is thrown, and
+one not yet begun never starts."""
+
+from __future__ import annotations
+
+import asyncio
+
+from services.generator.provider import ChatResult
+from services.generator.stops import Stops, StopSwitch
+
+
+async def answer_after(started: asyncio.Event, finish: asyncio.Event,
+                       cancelled: list[bool]) -> ChatResult:
+    started.set()
+    try:
+        await finish.wait()
+    except asyncio.CancelledError:
+        cancelled.append(True)
+        raise
+    return ChatResult(content="whole answer")
+
+
+async def test_a_call_runs_to_its_end_unless_the_switch_is_thrown() -> None:
+    finish, started, cancelled = asyncio.Event(), asyncio.Event(), []
+    finish.set()
+    result = await StopSwitch("q1").unless_thrown(answer_after(started, finish, cancelled))
+    assert result == ChatResult(content="whole answer") and not cancelled
+
+
+async def test_throwing_the_switch_cancels_the_call_under_way() -> None:
+    switch, started, cancelled = StopSwitch("q1"), asyncio.Event(), []
+    call = asyncio.create_task(switch.unless_thrown(
+        answer_after(started, asyncio.Event(), cancelled)))
+    await started.wait()
+    switch.throw()
+    assert await call is None
+    assert cancelled == [True]  # ended, not left running
+
+
+async def test_a_call_after_the_switch_was_thrown_never_starts() -> None:
+    switch, started = StopSwitch("q1"), asyncio.Event()
+    switch.throw()
+    assert await switch.unless_thrown(answer_after(started, asyncio.Event(), [])) is None
+    assert not started.is_set()
+
+
+def test_a_stop_finds_only_the_turn_running_for_its_session() -> None:
+    stops, switch = Stops(), StopSwitch("q1")
+    assert stops.stop("s1") is None
+    with stops.running("s1", switch):
+        assert stops.stop("s2") is None
+        assert stops.stop("s1") is switch and switch.thrown
+        assert stops.stop("s1") is switch  # asked twice: the same stop
+    assert stops.stop("s1") is None
