@@ -1161,7 +1161,8 @@ class ModelSlots:
         self.log: deque[JSONObject] = deque(maxlen=SLOT_LOG_LENGTH)
 
     def note(self, model: str, event: str, kind: str) -> None:
-        self.log.append({"model": normalize_model(model), "event": event, "kind": kind})
+        self.log.append({"model": normalize_model(model), "event": event, "kind": kind,
+                         "at_s": time.monotonic()})
 
     async def take(self, model: str, kind: str = "answer") -> Slot:
         key = normalize_model(model)

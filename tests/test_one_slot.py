@@ -33,7 +33,7 @@ from tests.stub_server import configure_stub, running_stub
 SID = "one-slot"
 
 
-async def stub_log(url: str) -> list[dict[str, str]]:
+async def stub_log(url: str) -> list[dict[str, Any]]:
     async with httpx.AsyncClient() as http:
         answer: dict[str, Any] = (await http.get(f"{url}/_stub/slots")).json()
     return [entry for entry in answer["log"] if entry["model"] == "stub-model:latest"]
@@ -48,11 +48,11 @@ async def eventually(check: Callable[[], Awaitable[bool]], what: str) -> None:
     raise AssertionError(f"never happened: {what}")
 
 
-def arrived(log: list[dict[str, str]], kind: str) -> int:
+def arrived(log: list[dict[str, Any]], kind: str) -> int:
     return sum(1 for entry in log if entry["event"] == "arrived" and entry["kind"] == kind)
 
 
-def sent_while_the_answer_waited(log: list[dict[str, str]]) -> list[dict[str, str]]:
+def sent_while_the_answer_waited(log: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Summary requests that reached the server between the answer's arrival
     and its first chunk: each is a piece the answer may have waited behind."""
     events = [(entry["event"], entry["kind"]) for entry in log]
