@@ -43,6 +43,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import aiohttp
+import httpx
 import nats
 
 from schemas import subjects
@@ -117,6 +118,8 @@ SUMMARY_LATENCY_S = 5.0
 # per generated token, so a summary takes seconds and an answer a tenth of one.
 SHARED_MS_PER_TOKEN = 10.0
 SLOTS_COMPARED = (1, 4)
+# The summariser's window there: small enough that the summary takes several pieces.
+SHARED_SUMMARY_NUM_CTX = 1024
 # A query during a blocking compaction slower than this counts as delayed.
 DELAYED_S = 1.0
 CHARS_PER_TOKEN = (2.5, 3.0, 4.0, 5.0, 6.0, 8.0)
@@ -1240,18 +1243,53 @@ def row_compaction(bench: Bench) -> Row:
     )
 
 
-def measure_shared_slots(params: Params, parallel: int) -> list[CompactionRun]:
-    """Background compactions written by the model that answers, on a server
-    serving `parallel` requests of it at once (OLLAMA_NUM_PARALLEL)."""
+def measure_shared_slots(params: Params, parallel: int
+                         ) -> tuple[list[CompactionRun], list[float]]:
+    """Background compactions written in pieces by the model that answers, on
+    a server serving `parallel` requests of it at once (OLLAMA_NUM_PARALLEL);
+    with how long each piece held its slot (from the stand-in's slot log)."""
     flags = ("--parallel", str(parallel), "--ms-per-token", f"{SHARED_MS_PER_TOKEN:g}")
     env = {k: v for k, v in compaction_env(params, "background").items()
            if k != "COMPACTION_MODEL"}
+    env["COMPACTION_NUM_CTX"] = str(SHARED_SUMMARY_NUM_CTX)
     with running_env(flags, env) as running:
-        return asyncio.run(compaction_rounds(running, params, 1))
+        runs = asyncio.run(compaction_rounds(running, params, 1))
+        log = httpx.get(f"{running.stub_url}/_stub/slots").json()["log"]
+    return runs, summary_piece_seconds(log)
+
+
+def summary_piece_seconds(log: Sequence[dict[str, Any]]) -> list[float]:
+    """Slot time of each summary piece: summaries go one at a time per model,
+    so each summary's slot is given back before the next one takes it."""
+    taken, pieces = None, []
+    for entry in log:
+        if entry["kind"] != "summary":
+            continue
+        if entry["event"] == "started":
+            taken = entry["at_s"]
+        elif entry["event"] == "done" and taken is not None:
+            pieces.append(entry["at_s"] - taken)
+            taken = None
+    return pieces
+
+
+def shared_slot_figures(parallel: int, params: Params) -> dict[str, Any]:
+    runs, pieces = measure_shared_slots(params, parallel)
+    figures = background_figures(runs)
+    if len(pieces) < 2:
+        raise RuntimeError(f"the summary took {len(pieces)} piece(s), not several")
+    base, during = figures["baseline"], figures["during_compaction"]
+    piece_ms = 1000 * statistics.median(pieces)
+    bound_ms = COMPACTION_MAX_RATIO * base["p50_ms"] + piece_ms
+    return {**figures, "pieces": len(pieces), "piece_ms": piece_ms,
+            "longest_piece_ms": 1000 * max(pieces), "p50_bound_ms": bound_ms,
+            # What the slowest answer waited beyond a usual one: one piece at most.
+            "longest_wait_ms": during["max_ms"] - base["p50_ms"],
+            "p50_of_bound": during["p50_ms"] / bound_ms}
 
 
 def row_compaction_one_slot(bench: Bench) -> Row:
-    figures = {parallel: background_figures(measure_shared_slots(bench.params, parallel))
+    figures = {parallel: shared_slot_figures(parallel, bench.params)
                for parallel in SLOTS_COMPARED}
     one = figures[1]
 
@@ -1260,15 +1298,19 @@ def row_compaction_one_slot(bench: Bench) -> Row:
         return (f"--parallel {parallel}: p50 {f['during_compaction']['p50_ms']:.0f} vs "
                 f"{f['baseline']['p50_ms']:.0f} ms (×{f['p50_ratio']:.2f}), p99 "
                 f"{f['during_compaction']['p99_ms']:.0f} vs {f['baseline']['p99_ms']:.0f} ms "
-                f"(×{f['p99_ratio']:.2f}), longest {f['during_compaction']['max_ms']:.0f} ms")
+                f"(×{f['p99_ratio']:.2f}), longest {f['during_compaction']['max_ms']:.0f} ms "
+                f"(waited {f['longest_wait_ms']:.0f}); "
+                f"{f['pieces']} pieces of {f['piece_ms']:.0f} ms "
+                f"(longest {f['longest_piece_ms']:.0f})")
 
     return Row(
         name="compaction_one_slot",
-        value=one["p50_ratio"],
-        unit="× no compaction (p50, --parallel 1)", target=Target("<=", COMPACTION_MAX_RATIO),
+        value=one["p50_of_bound"],
+        unit="of 1.2 × p50 without compaction + one piece (p50, --parallel 1)",
+        target=Target("<=", 1.0),
         detail="; ".join(text(parallel) for parallel in SLOTS_COMPARED)
-               + "; summaries by the answering model, in one piece",
-        raw={"ms_per_token": SHARED_MS_PER_TOKEN,
+               + "; summaries by the answering model",
+        raw={"ms_per_token": SHARED_MS_PER_TOKEN, "summary_num_ctx": SHARED_SUMMARY_NUM_CTX,
              **{f"parallel_{parallel}": f for parallel, f in figures.items()}},
     )
 

@@ -26,6 +26,7 @@ import re
 import socket
 import sys
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -48,6 +49,8 @@ STUB_MODEL = "stub-model:latest"
 STUB_VERSION = "0.0.0-stub"
 SUMMARY_MARKER = "COMPACTION SUMMARY"
 ERROR_TEXT = "stub: simulated internal error"
+# Events kept by `/_stub/slots` (arrivals, slots taken, first chunks, ends).
+SLOT_LOG_LENGTH = 10_000
 
 # Every chat message costs a few template tokens on top of its text, like real chat templates.
 PER_MESSAGE_OVERHEAD = 4
@@ -359,6 +362,10 @@ def _fit(text: str, length: int, seed: int) -> str:
     if len(text) >= length:
         return text[:length]
     return text + filler_text(length - len(text), seed)
+
+
+def request_kind(request: ChatRequest) -> str:
+    return "summary" if is_summary_request(request.messages) else "answer"
 
 
 def is_summary_request(messages: Sequence[ChatMessage]) -> bool:
@@ -916,6 +923,7 @@ async def chat_endpoint(request: Request) -> Response:
     if "hang" in state.config.quirks:
         await wait_until_disconnected(request, state)
         return error_response(503, "stub: hang ended")
+    state.slots.note(chat.model, "arrived", request_kind(chat))
     await wait_while_held(state, chat.model)
     generation = prepare_generation(state, chat, kept, prompt_tokens, started_ns)
     generation.loading_ns = loading_ns
@@ -924,14 +932,16 @@ async def chat_endpoint(request: Request) -> Response:
 
 async def answer_in_slot(state: StubState, chat: ChatRequest, generation: Generation) -> Response:
     """The answer, produced while holding one of the model's parallel slots."""
-    slot = await state.slots.take(chat.model)
+    slot = await state.slots.take(chat.model, request_kind(chat))
     if chat.stream:
         # The background task frees the slot even if the client left before the stream began.
         return StreamingResponse(held_stream(stream_chat(generation, state), slot),
                                  media_type="application/x-ndjson",
                                  background=BackgroundTask(slot.release))
     try:
-        return JSONResponse(await complete_chat(generation))
+        whole = await complete_chat(generation)
+        slot.first_chunk()  # the whole answer is its first chunk
+        return JSONResponse(whole)
     finally:
         slot.release()
 
@@ -1173,15 +1183,24 @@ def apply_thinking(catalogue: ModelCatalogue, request: ChatRequest, reply: Reply
 
 class ModelSlots:
     """At most ``parallel`` requests in progress per model; the rest wait in
-    arrival order (asyncio's semaphore is fair), as OLLAMA_NUM_PARALLEL does."""
+    arrival order (asyncio's semaphore is fair), as OLLAMA_NUM_PARALLEL does.
+
+    ``log`` keeps, in order, when each chat request arrived, got a slot, sent
+    its first chunk and gave its slot back, and whether it was a summary or an
+    answer: which request waited behind which, without reading any clock."""
 
     def __init__(self, parallel: int | None) -> None:
         self._parallel = parallel
         self._slots: dict[str, asyncio.Semaphore] = {}
         self.waiting: dict[str, int] = {}
         self.busy: dict[str, int] = {}
+        self.log: deque[JSONObject] = deque(maxlen=SLOT_LOG_LENGTH)
 
-    async def take(self, model: str) -> Slot:
+    def note(self, model: str, event: str, kind: str) -> None:
+        self.log.append({"model": normalize_model(model), "event": event, "kind": kind,
+                         "at_s": time.monotonic()})
+
+    async def take(self, model: str, kind: str = "answer") -> Slot:
         key = normalize_model(model)
         if self._parallel is not None:
             semaphore = self._slots.setdefault(key, asyncio.Semaphore(self._parallel))
@@ -1191,28 +1210,37 @@ class ModelSlots:
             finally:
                 self.waiting[key] -= 1
         self.busy[key] = self.busy.get(key, 0) + 1
-        return Slot(self, key)
+        self.note(key, "started", kind)
+        return Slot(self, key, kind)
 
-    def give_back(self, key: str) -> None:
+    def give_back(self, key: str, kind: str) -> None:
         self.busy[key] -= 1
+        self.note(key, "done", kind)
         if self._parallel is not None:
             self._slots[key].release()
 
     def as_json(self) -> JSONObject:
         return {"parallel": self._parallel, "waiting": dict(self.waiting),
-                "in_progress": dict(self.busy)}
+                "in_progress": dict(self.busy), "log": list(self.log)}
 
 
 class Slot:
     """One request's place; given back once, however its response ends."""
 
-    def __init__(self, slots: ModelSlots, key: str) -> None:
+    def __init__(self, slots: ModelSlots, key: str, kind: str) -> None:
         self._slots: ModelSlots | None = slots
         self._key = key
+        self.kind = kind
+        self._first_chunk = True
+
+    def first_chunk(self) -> None:
+        if self._first_chunk and self._slots is not None:
+            self._first_chunk = False
+            self._slots.note(self._key, "first_chunk", self.kind)
 
     def release(self) -> None:
         if self._slots is not None:
-            self._slots.give_back(self._key)
+            self._slots.give_back(self._key, self.kind)
             self._slots = None
 
 
@@ -1246,6 +1274,7 @@ class ModelLoads:
 async def held_stream(chunks: AsyncIterator[bytes], slot: Slot) -> AsyncIterator[bytes]:
     try:
         async for chunk in chunks:
+            slot.first_chunk()
             yield chunk
     finally:
         slot.release()
