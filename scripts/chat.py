@@ -151,10 +151,20 @@ class Chat:
         self.context_line()
 
     def transcript(self, _: str = "") -> None:
+        after: str | None = ""
         response = self.client.get(f"/api/sessions/{self.sid}/transcript")
-        if response.status_code == 200:
-            for message in response.json().get("messages", []):
-                self.print_message(message)
+        while response.status_code == 200:
+            page = response.json()
+            for item in page.get("items", []):
+                self.print_item(item)
+            after = page.get("next")
+            if not after:
+                return
+            response = self.client.get(f"/api/sessions/{self.sid}/transcript",
+                                       params={"after": after})
+        if after != "":
+            self.out.print(Text(f"(the rest of the transcript could not be read: HTTP "
+                                f"{response.status_code})", style="dim"))
             return
         # No full transcript from this gateway: what the model sees now.
         self.out.print(Text("(this gateway has no transcript endpoint: showing the current "
@@ -165,6 +175,16 @@ class Chat:
             self.print_message({"role": "summary", "content": s["summary"]})
         for message in s["messages"]:
             self.print_message(message)
+
+    def print_item(self, item: dict[str, Any]) -> None:
+        """A transcript item: a message, or a compaction's divider and its summary."""
+        if item.get("kind") != "compaction":
+            self.print_message(item)
+            return
+        how = "automatic" if item.get("auto") else "manual"
+        self.out.print(Text(f"── compacted · {how} · {item.get('tokens_before')} → "
+                            f"{item.get('tokens_after')} tokens ──", style="dim"))
+        self.print_message({"role": "summary", "content": item.get("summary") or ""})
 
     def print_message(self, message: dict[str, Any]) -> None:
         line = Text(f"{message.get('role', '?')}: ", style="bold")

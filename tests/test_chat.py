@@ -41,7 +41,7 @@ def test_a_conversation_with_a_compaction(system: System) -> None:
     assert "compacting…" in out
     assert "compaction completed: " in out
     assert "state idle" in out
-    assert "summary: " in out  # the transcript stub shows the current context
+    assert "summary: " in out and "compacted · manual" in out  # the transcript's divider
     assert "unknown command /nonsense" in out
     assert "never sent" not in out
 

@@ -17,5 +17,6 @@ def test_the_turn_runner_keeps_nothing_per_session() -> None:
     parts: list[Any] = [object() for _ in range(8)]
     runner = TurnRunner(*parts)
     kept = {name: value for name, value in vars(runner).items() if value not in parts}
-    assert set(kept) == {"head_starts"}
+    # `stops`: the switches of the turns running now, each gone when its turn ends.
+    assert set(kept) == {"head_starts", "stops"}
 
