@@ -9,6 +9,7 @@ in the page, and saves a screenshot under its temporary directory.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -184,3 +185,68 @@ def test_a_message_is_sent_on_a_narrow_screen(watched: Watched) -> None:
     playwright_api.expect(page.locator("#messages .msg-user .msg-text").last).to_have_text(
         "hello from a phone")
     watched.shot("narrow")
+
+
+# Some 10 000 tokens: at 5 ms each it never ends by itself before the Stop click.
+LONG_QUESTION = "tell me everything !long 40000"
+
+
+def test_stop_ends_the_answer_keeps_its_text_and_gives_send_back(
+        watched: Watched, stub_url: str) -> None:
+    page = watched.page
+    create_session(page)
+    send_button, stop_button = page.locator("#send-button"), page.locator("#stop-button")
+    configure_stub(stub_url, ms_per_token=5)
+    try:
+        page.fill("#message-input", LONG_QUESTION)
+        page.click("#send-button")
+        pending = page.locator("#messages .msg-pending .msg-text")
+        playwright_api.expect(pending).not_to_have_text("")
+        playwright_api.expect(stop_button).to_be_visible()
+        playwright_api.expect(send_button).to_be_hidden()
+        watched.shot("streaming-long")
+        seen = pending.inner_text()
+        stop_button.click()
+        playwright_api.expect(page.locator("#messages .msg-pending")).to_have_count(0)
+    finally:
+        configure_stub(stub_url, ms_per_token=0)
+    answer = page.locator("#messages .msg-assistant").last
+    playwright_api.expect(answer.locator(".msg-tag")).to_have_text("stopped")
+    kept = answer.locator(".msg-text").inner_text()
+    assert kept.startswith(seen.strip()) and len(kept) < 40000, kept[:200]
+    playwright_api.expect(send_button).to_be_visible()
+    playwright_api.expect(stop_button).to_be_hidden()
+    playwright_api.expect(page.locator("#state-badge")).to_have_attribute("data-state", "idle")
+    watched.shot("stopped")
+    send(page, "and now briefly")
+    playwright_api.expect(page.locator("#messages .msg-assistant .msg-text").last).to_have_text(
+        "Echo: and now briefly (turn 2)")
+    assert page.locator("#messages .msg-assistant .msg-tag").count() == 1
+
+
+def test_retry_replaces_the_last_answer_with_a_fresh_one(watched: Watched) -> None:
+    page = watched.page
+    create_session(page)
+    send(page, "hello")
+    answers = page.locator("#messages .msg-assistant")
+    playwright_api.expect(answers).to_have_count(1)
+    page.locator("#messages .retry-button").click()
+    playwright_api.expect(page.locator("#messages .msg-pending")).to_have_count(0)
+    playwright_api.expect(page.locator("#send-button")).to_be_enabled()
+    old, fresh = answers.first, answers.last
+    # Retry sits on the stored answer only: once it is there, the list was
+    # drawn again from the transcript, not left as streamed.
+    playwright_api.expect(fresh.locator(".retry-button")).to_be_enabled()
+    # Both answers stay on the page; only the fresh one is in the context.
+    playwright_api.expect(answers).to_have_count(2)
+    playwright_api.expect(old).to_have_class(re.compile(r"\bmsg-superseded\b"))
+    playwright_api.expect(old.locator(".msg-tag")).to_have_text("superseded")
+    playwright_api.expect(fresh).not_to_have_class(re.compile(r"\bmsg-superseded\b"))
+    playwright_api.expect(fresh.locator(".msg-text")).to_have_text("Echo: hello (turn 1)")
+    playwright_api.expect(page.locator("#messages .retry-button")).to_have_count(1)
+    watched.shot("retried")
+    send(page, "more")
+    playwright_api.expect(answers.last.locator(".msg-text")).to_have_text("Echo: more (turn 2)")
+    playwright_api.expect(answers.nth(1).locator(".retry-button")).to_have_count(0)
+    playwright_api.expect(old.locator(".msg-tag")).to_have_text("superseded")
+    assert page.locator("#messages .msg-superseded").count() == 1

@@ -255,6 +255,13 @@ console.log(JSON.stringify({
   faded: [...mod.fadedIndexes(["m", "m", "m", "m", ["c", 2], "m", ["c", 1], "m"].map(
     (k) => (k === "m" ? { kind: "message" } : { kind: "compaction", kept_messages: k[1] })))],
   noMarker: [...mod.fadedIndexes([{ kind: "message" }])],
+  // A question, its answer (a tool call, its result, the text), a retry of it.
+  superseded: [...mod.supersededIndexes([
+    { kind: "message", role: "user", query_id: "q1" },
+    { kind: "message", role: "assistant", query_id: "q1" },
+    { kind: "message", role: "tool", query_id: "q1" },
+    { kind: "message", role: "assistant", query_id: "q1" },
+    { kind: "message", role: "assistant", query_id: "q2", supersedes: "q1" }])],
 }));
 """
 
@@ -294,6 +301,7 @@ def test_sse_parser_and_helpers_under_node(tmp_path: Path) -> None:
     assert result["divider"] == ["compacted · automatic · 1,255 → 1,002 tokens · 14:02",
                                  "compacted · manual · emergency"]
     assert sorted(result["faded"]) == [0, 1, 2, 3] and result["noMarker"] == []
+    assert sorted(result["superseded"]) == [1, 2, 3]
     assert result["progress"] == ["Compacting… piece 2 of 5", "Compacting… all 5 pieces written",
                                   "Compacting the conversation…"]
     # Queued behind the earlier turn until it ends, then waiting for the model.

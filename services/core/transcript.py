@@ -67,7 +67,11 @@ def items_of(stored: StoredEntry) -> list[Item]:
     entry = stored.entry
     if entry.kind == "snapshot" and entry.snapshot is not None:
         return [Item(Position(stored.seq), marker(entry.snapshot, stored.time))]
-    return [Item(Position(stored.seq, i), message_item(m)) for i, m in enumerate(entry.messages)]
+    # A retried answer names the query whose answer it replaces, so a reader
+    # can mark the older one superseded (it stays in the transcript).
+    extra = {"supersedes": entry.supersedes} if entry.supersedes is not None else {}
+    return [Item(Position(stored.seq, i), {**message_item(m), **extra})
+            for i, m in enumerate(entry.messages)]
 
 
 def message_item(message: ChatMessage) -> dict[str, Any]:
@@ -76,6 +80,10 @@ def message_item(message: ChatMessage) -> dict[str, Any]:
         body["tool_calls"] = [c.model_dump() for c in message.tool_calls]
     if message.tool_name is not None:
         body["tool_name"] = message.tool_name
+    if message.query_id is not None:
+        body["query_id"] = message.query_id
+    if message.stopped:
+        body["stopped"] = True
     return body
 
 

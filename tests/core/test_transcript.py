@@ -44,6 +44,20 @@ def test_a_snapshot_is_one_marker_and_its_kept_copies_are_not_repeated() -> None
     assert [str(i.position) for i in items] == ["1-0", "1-1", "2-0", "2-1", "3-0", "4-0", "4-1"]
 
 
+def test_a_stopped_answer_and_a_retry_say_so() -> None:
+    question = ChatMessage(role="user", content="q", query_id="q1")
+    stopped = ChatMessage(role="assistant", content="par", query_id="q1", stopped=True)
+    fresh = ChatMessage(role="assistant", content="full", query_id="q2")
+    stored = [StoredEntry(1, AT, HistoryEntry.of_turn((question, stopped))),
+              StoredEntry(2, AT, HistoryEntry.of_turn((fresh,), supersedes="q1"))]
+    items = [i.as_json() for i in items_after(stored, None)]
+    assert items[1] == {"kind": "message", "role": "assistant", "content": "par",
+                        "query_id": "q1", "stopped": True, "position": "1-1"}
+    assert items[2] == {"kind": "message", "role": "assistant", "content": "full",
+                        "query_id": "q2", "supersedes": "q1", "position": "2-0"}
+    assert "stopped" not in items[0] and "supersedes" not in items[0]
+
+
 def test_items_after_a_cursor_start_right_after_it() -> None:
     whole = list(items_after(entries(), None))
     for n, item in enumerate(whole):

@@ -216,6 +216,17 @@ export function fadedIndexes(items) {
   return faded;
 }
 
+// Indexes of the answers a retry replaced: the messages of a query that a
+// later item `supersedes`. They stay in the transcript, out of the context.
+export function supersededIndexes(items) {
+  const replaced = new Set(items.map((item) => item.supersedes).filter(Boolean));
+  const indexes = new Set();
+  items.forEach((item, i) => {
+    if (item.kind === "message" && item.role !== "user" && replaced.has(item.query_id)) indexes.add(i);
+  });
+  return indexes;
+}
+
 function clockTime(timestamp) {
   const date = timestamp ? new Date(timestamp) : new Date();
   const valid = Number.isNaN(date.getTime()) ? new Date() : date;
@@ -598,6 +609,7 @@ function dividerItem(marker) {
 // The whole transcript loaded so far; older pages come as the list scrolls up.
 function renderTranscript({ toEnd = false } = {}) {
   const faded = fadedIndexes(app.items);
+  const superseded = supersededIndexes(app.items);
   const nodes = app.items.map((item, i) => {
     if (item.kind === "compaction") return dividerItem(item);
     const node = messageItem(item);
@@ -605,6 +617,7 @@ function renderTranscript({ toEnd = false } = {}) {
       node.classList.add("msg-compacted");
       node.title = "Compacted: no longer in the model's context";
     }
+    if (superseded.has(i)) markSuperseded(node);
     return node;
   });
   const last = app.items.at(-1);
@@ -835,11 +848,16 @@ async function retryAnswer() {
   if (!id || app.busy) return;
   const last = ui.messages.lastElementChild;
   if (last?.classList.contains("msg-assistant")) {
-    last.classList.add("msg-superseded");
     last.querySelector(".msg-actions")?.remove();
-    last.querySelector(".msg-head")?.append(el("span", { className: "msg-tag", text: "superseded" }));
+    markSuperseded(last);
   }
   await runTurn(API.retry(id), null);
+}
+
+function markSuperseded(node) {
+  node.classList.add("msg-superseded");
+  node.title = "Superseded by a retry: no longer in the model's context";
+  node.querySelector(".msg-head")?.append(el("span", { className: "msg-tag", text: "superseded" }));
 }
 
 async function stopAnswer() {
