@@ -10,6 +10,9 @@ import math
 from pathlib import Path
 
 from scripts.bench import (
+    ROW_FUNCTIONS,
+    ROWS,
+    RUN_ORDER,
     Http,
     main,
     measure_nats_rtt,
@@ -78,3 +81,10 @@ async def test_the_bare_turn_answers_each_query_of_a_session_in_turn() -> None:
     assert [r.status_code for r in replies] == [200] * 6
     assert [json.loads(r.text)["reply"] for r in replies] == [
         f"Echo: q{n} (turn {n + 1})" for _ in ("a", "b") for n in range(3)]
+
+
+def test_every_row_is_listed_run_and_measured_by_a_function() -> None:
+    """A row missing from one of the three lists is silently never run (or never shown)."""
+    assert len(ROWS) == len(set(ROWS)) == len(RUN_ORDER)
+    assert set(ROWS) == set(RUN_ORDER) == set(ROW_FUNCTIONS)
+    assert "memory_sessions" in ROWS
