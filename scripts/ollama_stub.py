@@ -983,7 +983,10 @@ async def root_endpoint(request: Request) -> Response:
     return PlainTextResponse("Ollama is running")
 
 
-async def show_endpoint(request: Request) -> Response:
+async def requested_model(request: Request) -> tuple[str, dict[str, Any]] | Response:
+    """The body of a `/api/show` or `/api/pull` request and the model it names
+    (as `model` or, in older clients, `name`), or the 400 Ollama answers
+    without one."""
     try:
         body = await _read_json(request)
     except BadRequest as exc:
@@ -991,6 +994,14 @@ async def show_endpoint(request: Request) -> Response:
     model = (body.get("model") or body.get("name")) if isinstance(body, dict) else None
     if not isinstance(model, str) or not model:
         return error_response(400, "model is required")
+    return model, body
+
+
+async def show_endpoint(request: Request) -> Response:
+    asked = await requested_model(request)
+    if isinstance(asked, Response):
+        return asked
+    model, _ = asked
     config = _state(request).config
     if not config.models.has(model):
         return error_response(404, f"model '{model}' not found")
@@ -1310,13 +1321,10 @@ def pull_progress(model: str) -> list[JSONObject]:
 
 
 async def pull_endpoint(request: Request) -> Response:
-    try:
-        body = await _read_json(request)
-    except BadRequest as exc:
-        return error_response(400, str(exc))
-    model = (body.get("model") or body.get("name")) if isinstance(body, dict) else None
-    if not isinstance(model, str) or not model:
-        return error_response(400, "model is required")
+    asked = await requested_model(request)
+    if isinstance(asked, Response):
+        return asked
+    model, body = asked
     state = _state(request)
     lines = pull_progress(model)
     state.config.models.pulled(model)
