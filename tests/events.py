@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -89,3 +90,19 @@ async def consumer_caught_up(nats_url: str, stream: str, durable: str,
         raise TimeoutError(f"{durable} on {stream} still busy after {timeout_s} s")
     finally:
         await nc.close()
+
+
+async def eventually(check: Callable[[], bool | Awaitable[bool]], what: str = "the condition",
+                     timeout_s: float = 20.0) -> None:
+    """Wait until `check` holds: for state another process keeps (a stand-in's
+    counters, a service's status) that sends no event of its own. It is asked
+    again every 20 ms, up to `timeout_s`."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            while True:
+                held = check()
+                if await held if inspect.isawaitable(held) else held:
+                    return
+                await asyncio.sleep(0.02)
+    except TimeoutError:
+        raise AssertionError(f"never happened within {timeout_s:g} s: {what}") from None

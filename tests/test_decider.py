@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import nats
 
@@ -21,7 +21,7 @@ from services.core.text_size import Size
 from services.core.tokens import Calibration
 from services.shared.bus import Bus, decode
 from services.shared.jetstream import ensure_layout
-from tests.events import consumer_caught_up
+from tests.events import consumer_caught_up, eventually
 from tests.nats_server import NatsServer, free_port
 
 
@@ -67,15 +67,6 @@ async def stored_requests(bus: Bus) -> list[Envelope[CompactionRequest]]:
         msg = await bus.js.get_msg(subjects.COMPACTIONS_STREAM, seq)
         found.append(decode(msg.data or b"", CompactionRequest, subjects.COMPACTION_REQUEST))
     return found
-
-
-async def settled(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    """Wait until the decider's state meets `condition` (it changes in its own tasks)."""
-    async with asyncio.timeout(timeout_s):
-        while True:
-            if condition():
-                return
-            await asyncio.sleep(0.02)
 
 
 async def report_and_settle(bus: Bus, url: str, sid: str) -> None:
@@ -131,7 +122,7 @@ async def test_a_missed_result_does_not_stop_automatic_compaction(
         await bus.publish(subjects.COMPACTION_RESULT,
                           CompactionResult(session_id=sid, tokens_after=100),
                           correlation_id=requests[1].correlation_id, session_id=sid)
-        await settled(lambda: not decider.status()["pending"])
+        await eventually(lambda: not decider.status()["pending"], "no request pending")
         await report_and_settle(bus, private_nats.url, sid)
         requests = await stored_requests(bus)
         assert len(requests) == 3 and "no result in time" not in requests[2].payload.reason
@@ -208,7 +199,7 @@ async def test_a_result_published_while_the_decider_was_cut_off_still_counts(
                                    correlation_id=first.correlation_id, session_id=sid)
         await link.open()
         await asyncio.wait_for(up.wait(), 10)
-        await settled(lambda: not decider.status()["pending"])
+        await eventually(lambda: not decider.status()["pending"], "no request pending")
         await report_and_settle(generator, private_nats.url, sid)
         requests = await stored_requests(generator)
         assert len(requests) == 2 and "no result in time" not in requests[1].payload.reason

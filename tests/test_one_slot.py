@@ -9,7 +9,6 @@ order requests arrived, got the slot and sent their first chunk."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -26,7 +25,7 @@ from services.shared.bus import Bus
 from services.shared.history_store import HistoryStore
 from services.shared.jetstream import ensure_layout, sessions_bucket
 from services.shared.sessions import SessionStore
-from tests.events import watching
+from tests.events import eventually, watching
 from tests.nats_server import NatsServer
 from tests.stub_server import configure_stub, running_stub
 
@@ -37,15 +36,6 @@ async def stub_log(url: str) -> list[dict[str, Any]]:
     async with httpx.AsyncClient() as http:
         answer: dict[str, Any] = (await http.get(f"{url}/_stub/slots")).json()
     return [entry for entry in answer["log"] if entry["model"] == "stub-model:latest"]
-
-
-async def eventually(check: Callable[[], Awaitable[bool]], what: str) -> None:
-    """Poll a condition of another process (the stand-in sends no events)."""
-    for _ in range(1000):
-        if await check():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"never happened: {what}")
 
 
 def arrived(log: list[dict[str, Any]], kind: str) -> int:

@@ -15,6 +15,7 @@ import ollama
 import pytest
 
 from services.generator.provider import ChatRequest, OllamaProvider, ProviderError
+from tests.events import eventually
 from tests.stub_server import configure_stub, running_stub
 
 
@@ -275,15 +276,6 @@ async def stub_slots(url: str) -> dict[str, Any]:
     async with httpx.AsyncClient() as http:
         answer: dict[str, Any] = (await http.get(f"{url}/_stub/slots")).json()
     return answer
-
-
-async def eventually(check: Any, what: str) -> None:
-    """Poll a condition another process holds (it sends no event of its own)."""
-    for _ in range(500):
-        if await check():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"never happened: {what}")
 
 
 async def test_on_a_one_slot_server_a_summary_waits_for_a_waiting_answer() -> None:

@@ -16,7 +16,7 @@ from nats.js.errors import NotFoundError
 
 from schemas import subjects
 from schemas.history import HistoryEntry
-from tests.events import Watcher, server_sent_events, watching
+from tests.events import Watcher, eventually, server_sent_events, watching
 from tests.nats_server import NatsServer
 from tests.stub_server import running_stub
 from tests.system import System, running_system
@@ -51,15 +51,6 @@ async def create(http: httpx.AsyncClient) -> str:
 async def streams_cut(stub: str) -> int:
     async with httpx.AsyncClient() as client:
         return int((await client.get(f"{stub}/_stub/stats")).json()["streams_cut"])
-
-
-async def until(condition: Any, timeout_s: float = 15.0) -> None:
-    """Wait for an outside condition (the stand-in's count) to hold."""
-    async with asyncio.timeout(timeout_s):
-        while True:
-            if await condition():
-                return
-            await asyncio.sleep(0.05)
 
 
 async def stopped_mid_stream(http: httpx.AsyncClient, sid: str, tokens: int = 3,
@@ -110,7 +101,7 @@ async def test_a_stop_mid_stream_ends_the_call_and_stores_the_partial_answer(
     assert stop.status_code == 202, stop.text
     assert done["stopped"] is True
     assert done["reply"].startswith(streamed) and len(done["reply"]) < 40000
-    await until(lambda: _more_cut(stub, cut_before))  # the model server saw its client go
+    await eventually(lambda: _more_cut(stub, cut_before), "the model server saw its client go")
     session = (await http.get(f"/api/sessions/{sid}")).json()
     answer = session["messages"][-1]
     assert answer["role"] == "assistant" and answer["stopped"] is True
@@ -149,7 +140,7 @@ async def test_a_stopped_json_caller_gets_a_reply_marked_stopped(
 async def _until_generating(http: httpx.AsyncClient, sid: str) -> None:
     async def generating() -> bool:
         return bool((await http.get(f"/api/sessions/{sid}")).json()["phase"] == "generating")
-    await until(generating)
+    await eventually(generating, "an answer under way")
 
 
 async def test_stop_with_nothing_running_is_a_conflict(http: httpx.AsyncClient) -> None:
