@@ -27,7 +27,7 @@ import socket
 import sys
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from types import FrameType
@@ -836,12 +836,9 @@ async def _next_disconnect(request: Request) -> None:
         pass
 
 
-async def wait_until_disconnected(request: Request, state: StubState) -> None:
-    """Simulate a wedged model: never answer, but let the client or a shutdown end it."""
-    waiters = {
-        asyncio.ensure_future(_next_disconnect(request)),
-        asyncio.ensure_future(state.shutdown_event.wait()),
-    }
+async def first_of(*awaitables: Awaitable[Any]) -> None:
+    """Return when the first of these ends; the others are cancelled."""
+    waiters = {asyncio.ensure_future(a) for a in awaitables}
     try:
         await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -849,19 +846,16 @@ async def wait_until_disconnected(request: Request, state: StubState) -> None:
             waiter.cancel()
 
 
+async def wait_until_disconnected(request: Request, state: StubState) -> None:
+    """Simulate a wedged model: never answer, but let the client or a shutdown end it."""
+    await first_of(_next_disconnect(request), state.shutdown_event.wait())
+
+
 async def wait_while_held(state: StubState, model: str) -> None:
     """Keep a request for a held model waiting until the model is let go, or the
     stand-in exits."""
     while state.config.holds(model) and not state.shutdown_event.is_set():
-        waiters = {
-            asyncio.ensure_future(state.config_changed.wait()),
-            asyncio.ensure_future(state.shutdown_event.wait()),
-        }
-        try:
-            await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for waiter in waiters:
-                waiter.cancel()
+        await first_of(state.config_changed.wait(), state.shutdown_event.wait())
 
 
 def receive_prompt(state: StubState, request: ChatRequest) -> tuple[list[ChatMessage], int]:
