@@ -217,11 +217,17 @@ for (const [type, id, event] of [["compaction.event", "c1", "started"],
 }
 // One known only from a read ends with the first result seen.
 banner.push(mod.compactingAfter("unknown", "compaction.result", "c3"));
-// Read afresh after a reconnect: any state but compacting ends it (a turn's
+// A read of the session: any state but compacting ends the banner (a turn's
 // phase too), unless the read was sent before its start was seen (load 3
-// against a start seen at load 3).
-const reload = [["idle", 4, 3], ["compacting", 4, 3], ["generating", 4, 3], ["idle", 3, 3]]
-  .map(([state, readSeq, seenAt]) => mod.compactingAfterReload("c1", state, readSeq, seenAt));
+// against a start seen at load 3); "compacting" keeps it, or brings it up for
+// a compaction whose start was missed, unless the read was sent before a
+// result was seen (load 5 against a result seen at load 5).
+const reload = [["c1", "idle", 4, 3, 0], ["c1", "compacting", 4, 3, 0],
+                ["c1", "generating", 4, 3, 0], ["c1", "idle", 3, 3, 0],
+                [null, "compacting", 1, 0, 0], [null, "compacting", 5, 3, 5],
+                [null, "compacting", 6, 3, 5]]
+  .map(([current, state, readSeq, startSeen, endSeen]) =>
+    mod.compactingAfterRead(current, state, readSeq, startSeen, endSeen));
 // The gauge after a compaction's result: completed moves it, anything else does not.
 const shown = { token_count: 1255, budget: 1792 };
 const gauge = [{ status: "completed", tokens_before: 1255, tokens_after: 1002 },
@@ -239,8 +245,12 @@ for (const [action, to] of [["start_generation", "generating"], ["reset", "idle"
   waits.push(mod.pendingText(pending));
 }
 const lateProgress = mod.compactingAfter(null, "compaction.event", "c9", "progress");
+// Progress arriving after its own result, and a redelivery's start, are echoes.
+const echoes = [mod.compactingAfter(null, "compaction.event", "c9", "progress", "c9"),
+                mod.compactingAfter(null, "compaction.event", "c9", "started", "c9"),
+                mod.compactingAfter(null, "compaction.event", "c10", "started", "c9")];
 console.log(JSON.stringify({
-  progress, waits, lateProgress,
+  progress, waits, lateProgress, echoes,
   events: out, levels, fmt: mod.fmt(1234567), pct: mod.percent(1234, 3584),
   types: mod.LIVE_EVENT_TYPES, banner, reload, gauge,
   shown: [["idle", false], ["generating", true], ["idle", true], ["compacting", false]]
@@ -293,7 +303,7 @@ def test_sse_parser_and_helpers_under_node(tmp_path: Path) -> None:
     assert result["pct"] == 34
     assert result["types"] == list(LIVE_EVENT_TYPES)
     assert result["banner"] == ["c1", "c1", None, None]
-    assert result["reload"] == [None, "c1", None, "c1"]
+    assert result["reload"] == [None, "c1", None, "c1", "unknown", None, "unknown"]
     # As the server's session_state: a running compaction hides the turn's phase.
     assert result["shown"] == ["idle", "compacting", "compacting", "compacting"]
     assert result["gauge"] == [1002, 1255, 1255]
@@ -308,3 +318,4 @@ def test_sse_parser_and_helpers_under_node(tmp_path: Path) -> None:
     assert result["waits"] == ["queued: the session's earlier message is answered first…",
                                "waiting for a generator…", "waiting for the model…"]
     assert result["lateProgress"] == "c9"
+    assert result["echoes"] == [None, None, "c10"]

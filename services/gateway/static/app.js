@@ -126,11 +126,14 @@ export function sessionAfterCompaction(session, result) {
 // The compaction the "compacting" banner stands for (its correlation id), after
 // a live event. Only that compaction's own result ends it: a second request,
 // skipped because one already runs, must not hide the banner. One known only
-// from a read of the session ("unknown") ends with any result.
-export function compactingAfter(current, type, correlationId, event) {
-  if (type === "compaction.event" && event === "started") return correlationId ?? "unknown";
+// from a read of the session ("unknown") ends with any result. Events of the
+// compaction whose result came last (`ended`) are late or a redelivery's
+// echo, and do not bring the banner back.
+export function compactingAfter(current, type, correlationId, event, ended = null) {
+  const echo = correlationId != null && correlationId === ended;
+  if (type === "compaction.event" && event === "started" && !echo) return correlationId ?? "unknown";
   // Progress of a compaction whose start this page did not see (it was loaded later).
-  if (type === "compaction.event" && event === "progress" && current === null) {
+  if (type === "compaction.event" && event === "progress" && current === null && !echo) {
     return correlationId ?? "unknown";
   }
   if (type === "compaction.result" &&
@@ -140,12 +143,15 @@ export function compactingAfter(current, type, correlationId, event) {
   return current;
 }
 
-// The banner once the session is read afresh after live events were down: the
-// result of its compaction may have been missed meanwhile. A running compaction
-// is the session's state, so any other state means none runs; but a read sent
-// before the compaction's start was seen tells nothing of it.
-export function compactingAfterReload(current, state, readSeq, startSeenAtSeq) {
-  return state !== "compacting" && readSeq > startSeenAtSeq ? null : current;
+// The banner after a read of the session, sent as load `readSeq`, given the
+// loads current when this page last saw a compaction start and a result end
+// one. A read races the live events: one sent before a result was seen may
+// still say "compacting" and must not bring the banner back; one sent after a
+// start was seen that says anything else means the compaction ended, its
+// result perhaps missed while live events were down.
+export function compactingAfterRead(current, state, readSeq, startSeenAtSeq, endSeenAtSeq) {
+  if (state === "compacting") return readSeq > endSeenAtSeq ? current ?? "unknown" : current;
+  return readSeq > startSeenAtSeq ? null : current;
 }
 
 // The banner's text for a compaction's progress event (pieces of its summary).
@@ -323,7 +329,8 @@ const app = {
   phase: "unknown", // the turn's phase, from generator.state events and reads
   compacting: null, // correlation id of the compaction running, if one is
   compactingSeenAt: 0, // loadSeq when that compaction's start arrived
-  eventsMissed: false, // live events were down: read the session again
+  compactionEndSeenAt: 0, // loadSeq when the last compaction result arrived
+  compactionEnded: null, // that result's correlation id
   items: [], // the transcript items shown, oldest first
   older: null, // cursor of the page before them; null at the start
   loadingOlder: false,
@@ -490,27 +497,27 @@ async function loadSession({ messages = true } = {}) {
     }
     return;
   }
-  if (seq !== app.loadSeq || id !== app.sessionId) return; // a newer load or another session
+  const current = () => seq === app.loadSeq && id === app.sessionId;
+  if (!current()) return; // a newer load or another session
   app.session = session;
-  if (app.eventsMissed) {
-    app.eventsMissed = false;
-    app.compacting = compactingAfterReload(app.compacting, session.state, seq,
-      app.compactingSeenAt);
-    renderCompacting();
-  }
   showNotice("");
   if (messages && !app.busy) await loadNewer(id);
+  if (!current()) return; // overtaken while the messages loaded
   loadTimeline(id);
   if (messages && app.busy) app.reloadAfterTurn = true; // the end of the turn reloads them
   renderSessionFacts(session);
   renderGauge();
+  const wasCompacting = app.compacting;
+  app.compacting = compactingAfterRead(app.compacting, session.state, seq,
+    app.compactingSeenAt, app.compactionEndSeenAt);
+  // During a turn its phase follows the live events, which a read may trail.
   if (session.state && !app.busy) {
-    // Opened (or read again) mid-compaction: its start was not seen here.
-    if (session.state === "compacting" && app.compacting === null) app.compacting = "unknown";
     app.phase = session.phase ?? session.state;
     renderState();
-    renderCompacting();
+  } else if (app.compacting !== wasCompacting) {
+    renderState();
   }
+  renderCompacting();
   const firstUser = (session.messages || []).find((m) => m.role === "user");
   if (firstUser) rememberSession(id, firstUser.content.slice(0, 40));
 }
@@ -1119,7 +1126,6 @@ function connectEvents(id) {
     setLive("connected");
     if (wasDown) {
       logLine("live", "reconnected; reloading the session");
-      app.eventsMissed = true;
       scheduleRefresh();
     }
     wasDown = false;
@@ -1170,7 +1176,8 @@ function onLiveEvent(type, raw) {
       break;
     }
     case "compaction.event": {
-      app.compacting = compactingAfter(app.compacting, type, envelope.correlation_id, p.event);
+      app.compacting = compactingAfter(app.compacting, type, envelope.correlation_id, p.event,
+        app.compactionEnded);
       if (p.event === "started") app.compactingSeenAt = app.loadSeq;
       app.compactionProgress = p.event === "progress" ? p : null;
       renderState();
@@ -1186,6 +1193,8 @@ function onLiveEvent(type, raw) {
     }
     case "compaction.result": {
       app.compacting = compactingAfter(app.compacting, type, envelope.correlation_id);
+      app.compactionEndSeenAt = app.loadSeq;
+      app.compactionEnded = envelope.correlation_id ?? null;
       if (app.compacting === null) app.compactionProgress = null;
       renderState();
       renderCompacting();
