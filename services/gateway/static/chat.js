@@ -344,23 +344,7 @@ async function runTurn(url, body) {
   setBusy(true);
   let succeeded = false;
   try {
-    const response = await postTurn(url, body, controller.signal);
-    if (!response.ok) {
-      const err = await readError(response);
-      answer.fail(err.error);
-      return;
-    }
-    const type = response.headers.get("content-type") || "";
-    if (!type.includes("text/event-stream") || !response.body) {
-      const body = await response.json(); // a plain JSON answer
-      if (body.error) answer.fail(body.error);
-      else {
-        answer.done(body);
-        succeeded = true;
-      }
-      return;
-    }
-    succeeded = await readAnswerStream(response.body, answer);
+    succeeded = await readAnswer(await postTurn(url, body, controller.signal), answer);
   } catch (err) {
     if (err.name === "AbortError") answer.fail({ code: "cancelled", message: "stopped reading (switched session)" });
     else answer.fail({ code: "network_error", message: String(err.message || err) });
@@ -378,6 +362,26 @@ async function runTurn(url, body) {
       if (document.activeElement === document.body) ui.input.focus();
     }
   }
+}
+
+// Reads the answer of a message's POST into the pending bubble; true when it completed.
+async function readAnswer(response, answer) {
+  if (!response.ok) {
+    const err = await readError(response);
+    answer.fail(err.error);
+    return false;
+  }
+  const type = response.headers.get("content-type") || "";
+  if (!type.includes("text/event-stream") || !response.body) {
+    const body = await response.json(); // a plain JSON answer
+    if (body.error) {
+      answer.fail(body.error);
+      return false;
+    }
+    answer.done(body);
+    return true;
+  }
+  return readAnswerStream(response.body, answer);
 }
 
 // Reads the POST's server-sent events; true when the answer completed.

@@ -147,73 +147,84 @@ function onLiveEvent(type, raw) {
   if (!envelope || typeof envelope !== "object") return;
   if (envelope.session_id && envelope.session_id !== app.sessionId) return;
   const p = envelope.payload && typeof envelope.payload === "object" ? envelope.payload : {};
-  const ts = envelope.timestamp;
-  switch (type) {
-    case "generator.state": {
-      app.phase = p.to_state ?? "unknown";
-      app.pending?.stateChanged(p.action, p.to_state);
-      renderState(p.action ? `after ${p.action}` : "");
-      renderCompacting();
-      logLine(type, `${p.from_state ?? "?"} → ${p.to_state ?? "?"}${p.action ? ` (${p.action})` : ""}`, ts);
-      break;
-    }
-    case "response.generation": {
-      app.lastGeneration = p;
-      renderGauge();
-      logLine(type, `prompt ${fmt(p.prompt_tokens)} · completion ${fmt(p.completion_tokens)} tokens · ` +
-        `${fmt(p.sent_chars)} chars sent · ${fmt(p.duration_ms)} ms`, ts);
-      scheduleRefresh();
-      break;
-    }
-    case "compaction.request": {
-      logLine(type, `${p.auto ? "automatic" : "manual"} compaction requested (${p.level ?? "gentle"})` +
-        `${p.reason ? `: ${p.reason}` : ""}`, ts);
-      break;
-    }
-    case "compaction.event": {
-      app.compacting = compactingAfter(app.compacting, type, envelope.correlation_id, p.event,
-        app.compactionEnded);
-      if (p.event === "started") app.compactingSeenAt = app.loadSeq;
-      app.compactionProgress = p.event === "progress" ? p : null;
-      renderState();
-      renderCompacting();
-      if (p.event === "progress") {
-        logLine(type, `compaction progress: ${fmt(p.pieces_done)} of ${fmt(p.pieces_total)} pieces written`, ts);
-        break;
-      }
-      logLine(type, `compaction ${p.event ?? "?"} (${p.level ?? "?"}, ${p.auto ? "auto" : "manual"})` +
-        `${typeof p.tokens_before === "number" ? ` at ${fmt(p.tokens_before)} tokens` : ""}` +
-        `${p.reason ? `: ${p.reason}` : ""}`, ts);
-      break;
-    }
-    case "compaction.result": {
-      app.compacting = compactingAfter(app.compacting, type, envelope.correlation_id);
-      app.compactionEndSeenAt = app.loadSeq;
-      app.compactionEnded = envelope.correlation_id ?? null;
-      if (app.compacting === null) app.compactionProgress = null;
-      renderState();
-      renderCompacting();
-      const status = p.status ?? "completed";
-      let text;
-      if (status === "completed") {
-        text = `compaction completed: ${fmt(p.tokens_before)} → ${fmt(p.tokens_after)} tokens`;
-      } else if (status === "skipped") {
-        text = `compaction skipped${p.error ? `: ${p.error}` : ""}`;
-      } else {
-        text = `compaction failed: ${p.error ?? "unknown error"}`;
-      }
-      logLine(type, text, ts);
-      ui.compactStatus.dataset.kind = status === "failed" ? "error" : "info";
-      ui.compactStatus.textContent = text.charAt(0).toUpperCase() + text.slice(1);
-      if (status === "completed") {
-        app.session = sessionAfterCompaction(app.session, p);
-        renderGauge();
-        if (app.busy) app.reloadAfterTurn = true; // the turn's end reloads
-        else loadSession();
-      }
-      break;
-    }
-    default:
-      logLine(type, "event", ts);
+  const handle = LIVE_HANDLERS.get(type);
+  if (handle) handle(p, envelope.timestamp, envelope.correlation_id);
+  else logLine(type, "event", envelope.timestamp);
+}
+
+// One handler per live event type: (payload, timestamp, correlation id).
+const LIVE_HANDLERS = new Map([
+  ["generator.state", onStateChange],
+  ["response.generation", onGeneration],
+  ["compaction.request", onCompactionRequest],
+  ["compaction.event", onCompactionEvent],
+  ["compaction.result", onCompactionResult],
+]);
+
+function onStateChange(p, ts) {
+  app.phase = p.to_state ?? "unknown";
+  app.pending?.stateChanged(p.action, p.to_state);
+  renderState(p.action ? `after ${p.action}` : "");
+  renderCompacting();
+  logLine("generator.state",
+    `${p.from_state ?? "?"} → ${p.to_state ?? "?"}${p.action ? ` (${p.action})` : ""}`, ts);
+}
+
+function onGeneration(p, ts) {
+  app.lastGeneration = p;
+  renderGauge();
+  logLine("response.generation", `prompt ${fmt(p.prompt_tokens)} · completion ${fmt(p.completion_tokens)} tokens · ` +
+    `${fmt(p.sent_chars)} chars sent · ${fmt(p.duration_ms)} ms`, ts);
+  scheduleRefresh();
+}
+
+function onCompactionRequest(p, ts) {
+  logLine("compaction.request", `${p.auto ? "automatic" : "manual"} compaction requested (${p.level ?? "gentle"})` +
+    `${p.reason ? `: ${p.reason}` : ""}`, ts);
+}
+
+function onCompactionEvent(p, ts, correlationId) {
+  const type = "compaction.event";
+  app.compacting = compactingAfter(app.compacting, type, correlationId, p.event,
+    app.compactionEnded);
+  if (p.event === "started") app.compactingSeenAt = app.loadSeq;
+  app.compactionProgress = p.event === "progress" ? p : null;
+  renderState();
+  renderCompacting();
+  if (p.event === "progress") {
+    logLine(type, `compaction progress: ${fmt(p.pieces_done)} of ${fmt(p.pieces_total)} pieces written`, ts);
+    return;
   }
+  logLine(type, `compaction ${p.event ?? "?"} (${p.level ?? "?"}, ${p.auto ? "auto" : "manual"})` +
+    `${typeof p.tokens_before === "number" ? ` at ${fmt(p.tokens_before)} tokens` : ""}` +
+    `${p.reason ? `: ${p.reason}` : ""}`, ts);
+}
+
+function onCompactionResult(p, ts, correlationId) {
+  const type = "compaction.result";
+  app.compacting = compactingAfter(app.compacting, type, correlationId);
+  app.compactionEndSeenAt = app.loadSeq;
+  app.compactionEnded = correlationId ?? null;
+  if (app.compacting === null) app.compactionProgress = null;
+  renderState();
+  renderCompacting();
+  const status = p.status ?? "completed";
+  const text = compactionResultText(status, p);
+  logLine(type, text, ts);
+  ui.compactStatus.dataset.kind = status === "failed" ? "error" : "info";
+  ui.compactStatus.textContent = text.charAt(0).toUpperCase() + text.slice(1);
+  if (status === "completed") {
+    app.session = sessionAfterCompaction(app.session, p);
+    renderGauge();
+    if (app.busy) app.reloadAfterTurn = true; // the turn's end reloads
+    else loadSession();
+  }
+}
+
+function compactionResultText(status, p) {
+  if (status === "completed") {
+    return `compaction completed: ${fmt(p.tokens_before)} → ${fmt(p.tokens_after)} tokens`;
+  }
+  if (status === "skipped") return `compaction skipped${p.error ? `: ${p.error}` : ""}`;
+  return `compaction failed: ${p.error ?? "unknown error"}`;
 }
