@@ -12,10 +12,8 @@ from .common import ChatMessage, JSONObject
 ROLES = ("system", "user", "assistant", "tool")
 
 
-
 class BadRequest(Exception):
     """A client error; the text becomes the ``error`` field of an HTTP 400 answer."""
-
 
 
 @dataclass
@@ -28,12 +26,10 @@ class ChatRequest:
     think: bool | str | None
 
 
-
 def _check_optional_str(message: Mapping[str, Any], key: str, where: str) -> None:
     value = message.get(key)
     if value is not None and not isinstance(value, str):
         raise BadRequest(f"{where}.{key} must be a string")
-
 
 
 def _check_tool_calls(value: Any, where: str) -> None:
@@ -49,7 +45,6 @@ def _check_tool_calls(value: Any, where: str) -> None:
             raise BadRequest(f"{where}.tool_calls[{index}].function.arguments must be an object")
 
 
-
 def parse_message(raw: Any, index: int) -> ChatMessage:
     where = f"messages[{index}]"
     if not isinstance(raw, dict):
@@ -62,7 +57,6 @@ def parse_message(raw: Any, index: int) -> ChatMessage:
     return dict(raw)
 
 
-
 def parse_messages(raw: Any) -> list[ChatMessage]:
     # Ollama treats absent messages as a "load the model" request, not as an error.
     if raw is None:
@@ -70,7 +64,6 @@ def parse_messages(raw: Any) -> list[ChatMessage]:
     if not isinstance(raw, list):
         raise BadRequest("messages must be a list")
     return [parse_message(item, index) for index, item in enumerate(raw)]
-
 
 
 def parse_options(raw: Any) -> JSONObject:
@@ -92,14 +85,12 @@ def parse_options(raw: Any) -> JSONObject:
     return dict(raw)
 
 
-
 def parse_tools(raw: Any) -> list[JSONObject]:
     if raw is None:
         return []
     if not isinstance(raw, list) or not all(isinstance(tool, dict) for tool in raw):
         raise BadRequest("tools must be a list of objects")
     return list(raw)
-
 
 
 def parse_chat_request(body: Any) -> ChatRequest:

@@ -24,13 +24,11 @@ def _named_list_arg(text: str) -> tuple[str, tuple[str, ...]]:
     return normalize_model(name), capabilities
 
 
-
 def _named_int_arg(text: str) -> tuple[str, int]:
     name, sep, number = text.partition("=")
     if not sep or not name or not number.isdigit() or int(number) < 1:
         raise argparse.ArgumentTypeError(f"expected NAME=N with N >= 1, got {text!r}")
     return normalize_model(name), int(number)
-
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,7 +49,6 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="leave capabilities out of /api/show, as older Ollama releases do")
 
 
-
 def catalogue_from_args(args: argparse.Namespace) -> ModelCatalogue:
     served = None
     if args.models is not None:
@@ -60,7 +57,6 @@ def catalogue_from_args(args: argparse.Namespace) -> ModelCatalogue:
                           context_length=dict(args.context_length),
                           parallel=args.parallel, load_ms=args.load_ms,
                           show_capabilities=not args.show_without_capabilities)
-
 
 
 def _model_latency_arg(text: str) -> tuple[str, float]:
@@ -74,13 +70,11 @@ def _model_latency_arg(text: str) -> tuple[str, float]:
     return name, value
 
 
-
 def _positive_float_arg(text: str) -> float:
     value = float(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
     return value
-
 
 
 def _non_negative_float_arg(text: str) -> float:
@@ -90,13 +84,11 @@ def _non_negative_float_arg(text: str) -> float:
     return value
 
 
-
 def _positive_int_arg(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {text!r}")
     return value
-
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -119,7 +111,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-
 def config_from_args(args: argparse.Namespace) -> StubConfig:
     return StubConfig(
         host=args.host,
@@ -131,7 +122,6 @@ def config_from_args(args: argparse.Namespace) -> StubConfig:
         default_num_ctx=args.default_num_ctx,
         models=catalogue_from_args(args),
     )
-
 
 
 def main(argv: Sequence[str] | None = None) -> int:

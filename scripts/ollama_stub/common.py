@@ -10,18 +10,12 @@ from collections.abc import Awaitable
 from typing import Any
 
 JSONObject = dict[str, Any]
-
 ChatMessage = dict[str, Any]
-
 STUB_MODEL = "stub-model:latest"
-
 STUB_VERSION = "0.0.0-stub"
-
 # Events kept by `/_stub/slots` (arrivals, slots taken, first chunks, ends).
 SLOT_LOG_LENGTH = 10_000
-
 FIXED_TIMESTAMP = "2024-01-01T00:00:00Z"
-
 
 
 def normalize_model(name: str) -> str:
@@ -29,11 +23,9 @@ def normalize_model(name: str) -> str:
     return name if ":" in name.rsplit("/", 1)[-1] else f"{name}:latest"
 
 
-
 def canonical_json(value: Any) -> str:
     """Compact, key-sorted JSON, so equal structures always cost the same tokens."""
     return json.dumps(value, separators=(",", ":"), sort_keys=True)
-
 
 
 async def sleep_ns(seconds: float) -> int:
@@ -46,7 +38,6 @@ async def sleep_ns(seconds: float) -> int:
         if short > 0:
             await asyncio.sleep(short / 1e9 + 0.001)
     return time.perf_counter_ns() - started
-
 
 
 async def first_of(*awaitables: Awaitable[Any]) -> None:

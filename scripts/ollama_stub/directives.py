@@ -15,7 +15,7 @@ from .common import JSONObject, first_of, normalize_model
 from .models import ModelCatalogue
 from .quirks import QUIRKS
 
-if TYPE_CHECKING:  # a type only: the state module imports this one, indirectly
+if TYPE_CHECKING:  # a type only: the state module imports this one
     from .state import StubState
 
 
@@ -59,7 +59,6 @@ class StubConfig:
         }
 
 
-
 async def wait_while_held(state: StubState, model: str) -> None:
     """Keep a request for a held model waiting until the model is let go, or the
     stand-in exits."""
@@ -67,13 +66,11 @@ async def wait_while_held(state: StubState, model: str) -> None:
         await first_of(state.config_changed.wait(), state.shutdown_event.wait())
 
 
-
 def _number(value: Any, key: str, positive: bool) -> float:
     bound_ok = isinstance(value, int | float) and (value > 0 if positive else value >= 0)
     if isinstance(value, bool) or not bound_ok:
         raise BadRequest(f"{key} must be a number {'> 0' if positive else '>= 0'}")
     return float(value)
-
 
 
 def _quirk_list(value: Any) -> set[str]:
@@ -85,12 +82,10 @@ def _quirk_list(value: Any) -> set[str]:
     return set(value)
 
 
-
 def _latency_map(value: Any) -> dict[str, float]:
     if not isinstance(value, dict):
         raise BadRequest("model_latency must be an object of model name -> milliseconds")
     return {str(name): _number(ms, f"model_latency[{name}]", False) for name, ms in value.items()}
-
 
 
 def _model_set(value: Any) -> set[str]:
@@ -99,12 +94,10 @@ def _model_set(value: Any) -> set[str]:
     return set(value)
 
 
-
 def _positive_int(value: Any, key: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise BadRequest(f"{key} must be an integer >= 1")
     return value
-
 
 
 def apply_config_update(config: StubConfig, body: Any) -> None:

@@ -38,7 +38,6 @@ def model_details() -> JSONObject:
     }
 
 
-
 def model_entry(name: str) -> JSONObject:
     digest = hashlib.sha256(name.encode()).hexdigest()
     return {
@@ -51,18 +50,12 @@ def model_entry(name: str) -> JSONObject:
     }
 
 
-
 DEFAULT_CAPABILITIES = ("completion", "tools")
-
 KNOWN_CAPABILITIES = ("completion", "tools", "thinking", "vision", "insert", "embedding")
-
 DEFAULT_CONTEXT_LENGTH = 131072
-
 # A pull streams this many progress lines per layer, as Ollama reports a download.
 PULL_STEPS = 4
-
 PULL_LAYER_BYTES = 4_000_000
-
 
 
 @dataclass
@@ -96,10 +89,8 @@ class ModelCatalogue:
             self.served.add(normalize_model(model))
 
 
-
 def not_found_text(model: str) -> str:
     return f'model "{model}" not found, try pulling it first'
-
 
 
 def model_refusal(catalogue: ModelCatalogue, request: ChatRequest) -> JSONResponse | None:
@@ -118,13 +109,11 @@ def model_refusal(catalogue: ModelCatalogue, request: ChatRequest) -> JSONRespon
     return None
 
 
-
 def thinks(catalogue: ModelCatalogue, request: ChatRequest) -> bool:
     """A thinking model thinks unless told ``think: false``; other models only when asked."""
     if "thinking" in catalogue.capabilities_of(request.model):
         return request.think is not False and request.think != "false"
     return wants_thinking(request.think)
-
 
 
 def apply_thinking(catalogue: ModelCatalogue, request: ChatRequest, reply: Reply,
@@ -140,7 +129,6 @@ def apply_thinking(catalogue: ModelCatalogue, request: ChatRequest, reply: Reply
     if "thinking" in catalogue.capabilities_of(request.model) and is_summary_request(messages):
         reply.thinking = f"{reply.thinking}\nDrafting: {reply.content}"
         reply.content = ""
-
 
 
 class ModelSlots:
@@ -186,7 +174,6 @@ class ModelSlots:
                 "in_progress": dict(self.busy), "log": list(self.log)}
 
 
-
 class Slot:
     """One request's place; given back once, however its response ends."""
 
@@ -205,7 +192,6 @@ class Slot:
         if self._slots is not None:
             self._slots.give_back(self._key, self.kind)
             self._slots = None
-
 
 
 class ModelLoads:
@@ -231,7 +217,6 @@ class ModelLoads:
         return time.perf_counter_ns() - started
 
 
-
 async def held_stream(chunks: AsyncIterator[bytes], slot: Slot) -> AsyncIterator[bytes]:
     try:
         async for chunk in chunks:
@@ -239,7 +224,6 @@ async def held_stream(chunks: AsyncIterator[bytes], slot: Slot) -> AsyncIterator
             yield chunk
     finally:
         slot.release()
-
 
 
 def show_answer(catalogue: ModelCatalogue, model: str, default_num_ctx: int) -> JSONObject:
@@ -256,7 +240,6 @@ def show_answer(catalogue: ModelCatalogue, model: str, default_num_ctx: int) -> 
     if not catalogue.show_capabilities:
         del answer["capabilities"]
     return answer
-
 
 
 def pull_progress(model: str) -> list[JSONObject]:

@@ -23,12 +23,9 @@ if TYPE_CHECKING:  # a type only: the state module imports this one, indirectly
 
 
 QUIRKS = ("cache-count", "empty-content", "error", "hang")
-
 ERROR_TEXT = "stub: simulated internal error"
-
 # Below this many new tokens a prompt-cache hit makes Ollama omit prompt_eval_count.
 CACHE_MIN_TOKENS = 5
-
 
 
 def apply_empty_content_quirk(reply: Reply) -> None:
@@ -38,12 +35,10 @@ def apply_empty_content_quirk(reply: Reply) -> None:
         reply.content = ""
 
 
-
 def _fingerprint(tools: Sequence[Any], messages: Sequence[ChatMessage]) -> tuple[str, list[str]]:
     keys = ("role", "content", "thinking", "tool_calls", "tool_name", "images")
     normalized = [canonical_json({k: m.get(k) or None for k in keys}) for m in messages]
     return canonical_json(list(tools)), normalized
-
 
 
 def reported_prompt_count(
@@ -82,12 +77,10 @@ def reported_prompt_count(
     return None if suffix_tokens < CACHE_MIN_TOKENS else suffix_tokens
 
 
-
 async def _next_disconnect(request: Request) -> None:
     # The body has been read, so the server's next message can only be the disconnect.
     while (await request.receive())["type"] != "http.disconnect":
         pass
-
 
 
 async def wait_until_disconnected(request: Request, state: StubState) -> None:

@@ -21,18 +21,12 @@ from .common import ChatMessage, JSONObject, canonical_json
 from .tokens import count_completion_tokens, message_text
 
 SUMMARY_MARKER = "COMPACTION SUMMARY"
-
 SUMMARY_MIN_CHARS = 80
-
 SUMMARY_MAX_CHARS = 4000
-
 GOAL_MAX_CHARS = 200
-
 ECHO_MAX_CHARS = 120
-
 # Keeps a mistyped "!long" from exhausting memory.
 LONG_MAX_CHARS = 2_000_000
-
 FILLER_WORDS = (
     "lorem", "ipsum", "dolor", "sit", "amet", "consectetur", "adipiscing", "elit",
     "sed", "do", "eiusmod", "tempor", "incididunt", "ut", "labore", "et", "dolore",
@@ -40,27 +34,19 @@ FILLER_WORDS = (
 )  # fmt: skip
 
 _TOOL_DIRECTIVE = re.compile(r"!tool\s+([A-Za-z_][\w.\-]*)")
-
 _LONG_DIRECTIVE = re.compile(r"!long\s+(\d+)")
-
 # `!lead "Let me check"`: the text a tool-calling reply writes before its calls.
 _LEAD_DIRECTIVE = re.compile(r'!lead\s+"([^"]*)"')
-
 # In a transcript being summarised: write a summary of that many characters
 # (to exceed num_predict and see the answer cut off with done_reason "length").
 _SUMMARY_DIRECTIVE = re.compile(r"!summary\s+(\d+)")
-
 # Keep calling the tool after each result, for tests of a runaway tool loop.
 _TOOL_LOOP_DIRECTIVE = "!toolloop"
-
 _FIRST_REQUEST = re.compile(r"FIRST REQUEST[^\n]*\n(.+)")
-
 _EARLIER_GOAL = re.compile(r"EARLIER NOTES[^\n]*\n(?:.*\n)*?Goal: (.+)")
-
 # The user label of a transcript rendered into one message: "[user]", "user:", "**User**:",
 # with the text on the same line or on the lines below it.
 _TRANSCRIPT_USER_LABEL = re.compile(r"^[ \t#*>]*(?:\[user\]:?|user\**:)[ \t]*(.*)$", re.IGNORECASE)
-
 
 
 @dataclass
@@ -68,7 +54,6 @@ class Reply:
     content: str = ""
     thinking: str = ""
     tool_calls: list[JSONObject] = field(default_factory=list)
-
 
 
 def filler_text(length: int, seed: int = 0) -> str:
@@ -86,11 +71,9 @@ def filler_text(length: int, seed: int = 0) -> str:
     return "".join(words)[:length]
 
 
-
 def _one_line(text: str) -> str:
     # Summary sections are one line each, so excerpts must not carry newlines.
     return " ".join(text.split())
-
 
 
 def _fit(text: str, length: int, seed: int) -> str:
@@ -101,10 +84,8 @@ def _fit(text: str, length: int, seed: int) -> str:
     return text + filler_text(length - len(text), seed)
 
 
-
 def request_kind(request: ChatRequest) -> str:
     return "summary" if is_summary_request(request.messages) else "answer"
-
 
 
 def is_summary_request(messages: Sequence[ChatMessage]) -> bool:
@@ -112,7 +93,6 @@ def is_summary_request(messages: Sequence[ChatMessage]) -> bool:
         message["role"] == "system" and SUMMARY_MARKER in str(message.get("content") or "")
         for message in messages
     )
-
 
 
 def transcript_user_text(text: str) -> str | None:
@@ -129,7 +109,6 @@ def transcript_user_text(text: str) -> str | None:
         if body:
             return "\n".join(body)
     return None
-
 
 
 def summary_goal(conversation: Sequence[ChatMessage]) -> str:
@@ -155,12 +134,10 @@ def summary_goal(conversation: Sequence[ChatMessage]) -> str:
     return ""
 
 
-
 def summary_target_chars(conversation: Sequence[ChatMessage]) -> int:
     """About a tenth of the summarised text, within [80, 4000] characters."""
     total = sum(len(message_text(message)) for message in conversation)
     return max(SUMMARY_MIN_CHARS, min(SUMMARY_MAX_CHARS, round(total * 0.1)))
-
 
 
 def _progress_text(conversation: Sequence[ChatMessage], digest: str) -> str:
@@ -172,7 +149,6 @@ def _progress_text(conversation: Sequence[ChatMessage], digest: str) -> str:
     ]
     counts = ", ".join(f"{roles.count(role)} {role}" for role in ("user", "assistant", "tool"))
     return f"[{digest}] {len(conversation)} messages ({counts}); " + " | ".join(excerpts)
-
 
 
 def build_summary(messages: Sequence[ChatMessage], exact_chars: int | None) -> str:
@@ -202,13 +178,11 @@ def build_summary(messages: Sequence[ChatMessage], exact_chars: int | None) -> s
     return summary[:wanted]
 
 
-
 def summary_directive(conversation: Sequence[ChatMessage]) -> int | None:
     """The largest ``!summary N`` asked for in the text being summarised, if any."""
     asked = [int(found.group(1)) for message in conversation
              for found in _SUMMARY_DIRECTIVE.finditer(str(message.get("content") or ""))]
     return min(max(asked), LONG_MAX_CHARS) if asked else None
-
 
 
 def offered_tool_names(tools: Sequence[JSONObject]) -> set[str]:
@@ -218,7 +192,6 @@ def offered_tool_names(tools: Sequence[JSONObject]) -> set[str]:
         if isinstance(function, dict) and isinstance(function.get("name"), str):
             names.add(function["name"])
     return names
-
 
 
 def _directive_arguments(text: str, position: int) -> JSONObject:
@@ -231,7 +204,6 @@ def _directive_arguments(text: str, position: int) -> JSONObject:
     except ValueError:
         return {}
     return value if isinstance(value, dict) else {}
-
 
 
 def tool_call_directives(
@@ -257,13 +229,11 @@ def tool_call_directives(
     return calls
 
 
-
 def lead_text(messages: Sequence[ChatMessage]) -> str:
     """What the last user message's ``!lead "..."`` asks a tool call to say first."""
     last_user = next((m for m in reversed(messages) if m["role"] == "user"), None)
     found = _LEAD_DIRECTIVE.search(str(last_user.get("content") or "")) if last_user else None
     return found.group(1) if found else ""
-
 
 
 def tool_results_reply(messages: Sequence[ChatMessage]) -> str:
@@ -277,7 +247,6 @@ def tool_results_reply(messages: Sequence[ChatMessage]) -> str:
     return "tool results: " + "; ".join(reversed(results))
 
 
-
 def echo_reply(messages: Sequence[ChatMessage]) -> str:
     users = [str(m.get("content") or "") for m in messages if m["role"] == "user"]
     last = users[-1] if users else ""
@@ -288,11 +257,9 @@ def echo_reply(messages: Sequence[ChatMessage]) -> str:
     return reply
 
 
-
 def wants_thinking(think: bool | str | None) -> bool:
     # Ollama accepts true/false or an effort level ("low", "medium", "high").
     return think is True or (isinstance(think, str) and think not in ("", "false"))
-
 
 
 def build_reply(request: ChatRequest, messages: Sequence[ChatMessage]) -> Reply:
@@ -309,7 +276,6 @@ def build_reply(request: ChatRequest, messages: Sequence[ChatMessage]) -> Reply:
     if wants_thinking(request.think):
         reply.thinking = f"Considering {len(messages)} message(s) before answering."
     return reply
-
 
 
 def limit_to_num_predict(reply: Reply, num_predict: Any, chars_per_token: float) -> str:

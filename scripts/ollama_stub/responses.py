@@ -25,20 +25,16 @@ if TYPE_CHECKING:  # a type only: the state module imports this one, indirectly
 _STREAM_PIECE = re.compile(r"\S+\s*|\s+")
 
 
-
 def now_rfc3339() -> str:
     return datetime.now(UTC).isoformat().replace("+00:00", "Z")
-
 
 
 def error_response(status: int, text: str) -> JSONResponse:
     return JSONResponse({"error": text}, status_code=status)
 
 
-
 def chat_chunk(model: str, message: JSONObject, done: bool) -> JSONObject:
     return {"model": model, "created_at": now_rfc3339(), "message": message, "done": done}
-
 
 
 def reply_message(reply: Reply) -> JSONObject:
@@ -48,7 +44,6 @@ def reply_message(reply: Reply) -> JSONObject:
     if reply.tool_calls:
         message["tool_calls"] = reply.tool_calls
     return message
-
 
 
 def stream_messages(reply: Reply) -> list[JSONObject]:
@@ -63,7 +58,6 @@ def stream_messages(reply: Reply) -> list[JSONObject]:
     if reply.tool_calls:
         pieces.append({"role": "assistant", "content": "", "tool_calls": reply.tool_calls})
     return pieces
-
 
 
 @dataclass
@@ -96,7 +90,6 @@ class Generation:
         return fields
 
 
-
 async def stream_chat(generation: Generation, state: StubState) -> AsyncIterator[bytes]:
     """NDJSON chunks; the per-token latency is spread evenly over the pieces.
     A client that goes away ends the generation, as with Ollama."""
@@ -108,7 +101,6 @@ async def stream_chat(generation: Generation, state: StubState) -> AsyncIterator
     finally:
         if not finished:
             state.streams_cut += 1
-
 
 
 async def _chunks(generation: Generation) -> AsyncIterator[bytes]:
@@ -126,10 +118,8 @@ async def _chunks(generation: Generation) -> AsyncIterator[bytes]:
     yield _ndjson(final)
 
 
-
 def _ndjson(obj: JSONObject) -> bytes:
     return (json.dumps(obj) + "\n").encode()
-
 
 
 async def complete_chat(generation: Generation) -> JSONObject:
@@ -140,13 +130,11 @@ async def complete_chat(generation: Generation) -> JSONObject:
     return answer
 
 
-
 def load_response(model: str) -> JSONResponse:
     # What Ollama answers to a chat request without messages: it just loads the model.
     answer = chat_chunk(model, {"role": "assistant", "content": ""}, done=True)
     answer["done_reason"] = "load"
     return JSONResponse(answer)
-
 
 
 async def ndjson_lines(lines: Sequence[JSONObject]) -> AsyncIterator[bytes]:

@@ -51,13 +51,11 @@ def _state(request: Request) -> StubState:
     return state
 
 
-
 async def _read_json(request: Request) -> Any:
     try:
         return await request.json()
     except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError both land here
         raise BadRequest(f"request body is not valid JSON: {exc}") from None
-
 
 
 def receive_prompt(state: StubState, request: ChatRequest) -> tuple[list[ChatMessage], int]:
@@ -70,7 +68,6 @@ def receive_prompt(state: StubState, request: ChatRequest) -> tuple[list[ChatMes
     received = count_prompt_tokens(request.messages, request.tools, config.chars_per_token)
     state.record_prompt(request.model, received, truncated=received > num_ctx)
     return truncate_to_fit(request.messages, request.tools, num_ctx, config.chars_per_token)
-
 
 
 def prepare_generation(
@@ -97,7 +94,6 @@ def prepare_generation(
         started_ns=started_ns,
         done_reason=done_reason,
     )
-
 
 
 async def chat_endpoint(request: Request) -> Response:
@@ -128,7 +124,6 @@ async def chat_endpoint(request: Request) -> Response:
     return await answer_in_slot(state, chat, generation)
 
 
-
 async def answer_in_slot(state: StubState, chat: ChatRequest, generation: Generation) -> Response:
     """The answer, produced while holding one of the model's parallel slots."""
     slot = await state.slots.take(chat.model, request_kind(chat))
@@ -145,22 +140,18 @@ async def answer_in_slot(state: StubState, chat: ChatRequest, generation: Genera
         slot.release()
 
 
-
 async def tags_endpoint(request: Request) -> Response:
     names = listed_models(_state(request))
     return JSONResponse({"models": [model_entry(name) for name in names]})
-
 
 
 async def version_endpoint(request: Request) -> Response:
     return JSONResponse({"version": STUB_VERSION})
 
 
-
 async def root_endpoint(request: Request) -> Response:
     # Same banner as Ollama, handy for health checks.
     return PlainTextResponse("Ollama is running")
-
 
 
 async def requested_model(request: Request) -> tuple[str, dict[str, Any]] | Response:
@@ -177,7 +168,6 @@ async def requested_model(request: Request) -> tuple[str, dict[str, Any]] | Resp
     return model, body
 
 
-
 async def show_endpoint(request: Request) -> Response:
     asked = await requested_model(request)
     if isinstance(asked, Response):
@@ -189,17 +179,14 @@ async def show_endpoint(request: Request) -> Response:
     return JSONResponse(show_answer(config.models, model, config.default_num_ctx))
 
 
-
 async def stats_endpoint(request: Request) -> Response:
     return JSONResponse(_state(request).stats_json())
-
 
 
 async def reset_endpoint(request: Request) -> Response:
     state = _state(request)
     state.reset()
     return JSONResponse(state.stats_json())
-
 
 
 async def config_endpoint(request: Request) -> Response:
@@ -211,7 +198,6 @@ async def config_endpoint(request: Request) -> Response:
             return error_response(400, str(exc))
         state.announce_config_change()
     return JSONResponse(state.config.as_json())
-
 
 
 def build_app(config: StubConfig) -> Starlette:
@@ -234,10 +220,8 @@ def build_app(config: StubConfig) -> Starlette:
     return app
 
 
-
 async def slots_endpoint(request: Request) -> Response:
     return JSONResponse(_state(request).slots.as_json())
-
 
 
 async def pull_endpoint(request: Request) -> Response:
@@ -254,13 +238,11 @@ async def pull_endpoint(request: Request) -> Response:
     return StreamingResponse(ndjson_lines(lines), media_type="application/x-ndjson")
 
 
-
 def listed_models(state: StubState) -> list[str]:
     served = state.config.models.served
     if served is None:
         return list(dict.fromkeys([STUB_MODEL, *state.seen_models]))
     return sorted(served)
-
 
 
 class StubServer(uvicorn.Server):
@@ -281,7 +263,6 @@ class StubServer(uvicorn.Server):
         except RuntimeError:
             event.set()
         super().handle_exit(sig, frame)
-
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

@@ -25,7 +25,6 @@ class ModelStats:
         }
 
 
-
 @dataclass
 class StubState:
     config: StubConfig

@@ -13,14 +13,10 @@ from .common import ChatMessage, canonical_json
 
 # Every chat message costs a few template tokens on top of its text, like real chat templates.
 PER_MESSAGE_OVERHEAD = 4
-
 # A CJK character costs 0.6-0.8 tokens on Llama 3 and Qwen tokenizers.
 DENSE_TOKENS_PER_CHAR = 0.7
-
 _NOT_DENSE = re.compile("[\x00-\u07ff]+")
-
 _NOT_TWO_BYTE = re.compile("[^\u0080-\u07ff]+")
-
 
 
 def message_text(message: Mapping[str, Any]) -> str:
@@ -30,7 +26,6 @@ def message_text(message: Mapping[str, Any]) -> str:
     if tool_calls:
         text += canonical_json(tool_calls)
     return text + str(message.get("thinking") or "")
-
 
 
 def count_text_tokens(text: str, chars_per_token: float) -> int:
@@ -46,15 +41,12 @@ def count_text_tokens(text: str, chars_per_token: float) -> int:
     return math.ceil(sparse / chars_per_token + dense * DENSE_TOKENS_PER_CHAR)
 
 
-
 def count_message_tokens(message: Mapping[str, Any], chars_per_token: float) -> int:
     return count_text_tokens(message_text(message), chars_per_token) + PER_MESSAGE_OVERHEAD
 
 
-
 def count_tools_tokens(tools: Sequence[Any] | None, chars_per_token: float) -> int:
     return count_text_tokens(canonical_json(list(tools)), chars_per_token) if tools else 0
-
 
 
 def count_prompt_tokens(
@@ -67,7 +59,6 @@ def count_prompt_tokens(
     return total + count_tools_tokens(tools, chars_per_token)
 
 
-
 def count_completion_tokens(
     content: str,
     thinking: str,
@@ -77,7 +68,6 @@ def count_completion_tokens(
     """Generated tokens; never zero, because a real model always emits at least EOS."""
     text = content + thinking + (canonical_json(list(tool_calls)) if tool_calls else "")
     return max(1, count_text_tokens(text, chars_per_token))
-
 
 
 def truncate_to_fit(
