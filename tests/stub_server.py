@@ -1,4 +1,4 @@
-"""Run the Ollama stand-in (scripts/ollama_stub.py) as a subprocess for tests.
+"""Run the Ollama stand-in (scripts/ollama_stub/) as a subprocess for tests.
 
     with running_stub("--quirk", "cache-count") as url:
         client = ollama.AsyncClient(host=url)

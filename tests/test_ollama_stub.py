@@ -743,7 +743,7 @@ async def test_cli_flags_configure_the_stub() -> None:
 
 
 def test_script_prints_url_and_shuts_down_promptly_while_hanging() -> None:
-    command = [sys.executable, "scripts/ollama_stub.py", "--port", "0", "--quirk", "hang"]
+    command = [sys.executable, "-m", "scripts.ollama_stub", "--port", "0", "--quirk", "hang"]
     with subprocess.Popen(
         command, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
     ) as process:

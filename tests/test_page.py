@@ -79,9 +79,13 @@ def page(html: str) -> PageParser:
     return parser
 
 
+MODULES = ("api", "shared", "live", "chat", "panel", "sessions", "app")
+
+
 @pytest.fixture(scope="module")
 def js() -> str:
-    return read("app.js")
+    """The page's script: app.js and the modules it is made of, as one text."""
+    return "\n".join(read(f"{name}.js") for name in MODULES)
 
 
 @pytest.fixture(scope="module")
@@ -156,7 +160,16 @@ def test_script_renders_text(js: str) -> None:
 def test_script_loads_nothing_from_outside(js: str) -> None:
     assert "http://" not in js
     assert "https://" not in js
-    assert not re.search(r"^\s*import\s", js, re.MULTILINE), "no dependencies"
+    imported = re.findall(r"^\s*import\b[^;]*?from\s+\"([^\"]+)\"", js, re.MULTILINE | re.DOTALL)
+    assert imported, "app.js is made of modules"
+    # No dependencies: only the page's own modules, each one there.
+    assert {name.removeprefix("./").removesuffix(".js") for name in imported} <= set(MODULES)
+    assert not re.search(r"^\s*import\s+[\"']|\bimport\s*\(", js, re.MULTILINE)
+
+
+def test_every_module_of_the_script_is_one_of_the_page() -> None:
+    on_disk = {path.stem for path in STATIC.glob("*.js")}
+    assert on_disk == set(MODULES)
 
 
 def test_script_uses_every_endpoint(js: str) -> None:
@@ -196,8 +209,10 @@ def test_script_finds_only_elements_the_page_has(js: str, page: PageParser) -> N
 NODE = shutil.which("node")
 
 NODE_CHECK = r"""
-const mod = await import(process.argv[1]);
-const p = new mod.SseParser();
+const load = (name) => import(`${process.argv[1]}/${name}.js`);
+const [live, shared, chat, panel] = await Promise.all(
+  ["live", "shared", "chat", "panel"].map(load));
+const p = new live.SseParser();
 const out = [];
 // Frames split at awkward places, a comment, CRLF line ends and a multi-line data field.
 for (const chunk of [": connected\n\nevent: tok", "en\ndata: {\"text\": \"Hi\", \"index\": 0}\n",
@@ -206,17 +221,17 @@ for (const chunk of [": connected\n\nevent: tok", "en\ndata: {\"text\": \"Hi\", 
   out.push(...p.push(chunk));
 }
 out.push(...p.finish());
-const levels = [0, 0.79, 0.8, 0.949, 0.95, 1.2].map((r) => mod.gaugeLevel(r * 1000, 1000));
+const levels = [0, 0.79, 0.8, 0.949, 0.95, 1.2].map((r) => panel.gaugeLevel(r * 1000, 1000));
 // A compaction starts; a second request is skipped; then the first one ends.
 const banner = [];
 let running = null;
 for (const [type, id, event] of [["compaction.event", "c1", "started"],
                                  ["compaction.result", "c2"], ["compaction.result", "c1"]]) {
-  running = mod.compactingAfter(running, type, id, event);
+  running = live.compactingAfter(running, type, id, event);
   banner.push(running);
 }
 // One known only from a read ends with the first result seen.
-banner.push(mod.compactingAfter("unknown", "compaction.result", "c3"));
+banner.push(live.compactingAfter("unknown", "compaction.result", "c3"));
 // A read of the session: any state but compacting ends the banner (a turn's
 // phase too), unless the read was sent before its start was seen (load 3
 // against a start seen at load 3); "compacting" keeps it, or brings it up for
@@ -227,46 +242,46 @@ const reload = [["c1", "idle", 4, 3, 0], ["c1", "compacting", 4, 3, 0],
                 [null, "compacting", 1, 0, 0], [null, "compacting", 5, 3, 5],
                 [null, "compacting", 6, 3, 5]]
   .map(([current, state, readSeq, startSeen, endSeen]) =>
-    mod.compactingAfterRead(current, state, readSeq, startSeen, endSeen));
+    live.compactingAfterRead(current, state, readSeq, startSeen, endSeen));
 // The gauge after a compaction's result: completed moves it, anything else does not.
 const shown = { token_count: 1255, budget: 1792 };
 const gauge = [{ status: "completed", tokens_before: 1255, tokens_after: 1002 },
                { status: "skipped", error: "nothing to compact" },
                { status: "completed" }]
-  .map((result) => mod.sessionAfterCompaction(shown, result).token_count);
+  .map((result) => panel.sessionAfterCompaction(shown, result).token_count);
 // A compaction's progress in the banner, and what an answer not yet begun waits for.
 const progress = [{ pieces_done: 1, pieces_total: 5 }, { pieces_done: 5, pieces_total: 5 }, {}]
-  .map(mod.progressText);
+  .map(panel.progressText);
 const waits = [];
 let pending = { queued: true, started: false };
 for (const [action, to] of [["start_generation", "generating"], ["reset", "idle"],
                             ["receive", "receiving"]]) {
-  pending = mod.pendingAfter(pending, action, to);
-  waits.push(mod.pendingText(pending));
+  pending = chat.pendingAfter(pending, action, to);
+  waits.push(chat.pendingText(pending));
 }
-const lateProgress = mod.compactingAfter(null, "compaction.event", "c9", "progress");
+const lateProgress = live.compactingAfter(null, "compaction.event", "c9", "progress");
 // Progress arriving after its own result, and a redelivery's start, are echoes.
-const echoes = [mod.compactingAfter(null, "compaction.event", "c9", "progress", "c9"),
-                mod.compactingAfter(null, "compaction.event", "c9", "started", "c9"),
-                mod.compactingAfter(null, "compaction.event", "c10", "started", "c9")];
+const echoes = [live.compactingAfter(null, "compaction.event", "c9", "progress", "c9"),
+                live.compactingAfter(null, "compaction.event", "c9", "started", "c9"),
+                live.compactingAfter(null, "compaction.event", "c10", "started", "c9")];
 console.log(JSON.stringify({
   progress, waits, lateProgress, echoes,
-  events: out, levels, fmt: mod.fmt(1234567), pct: mod.percent(1234, 3584),
-  types: mod.LIVE_EVENT_TYPES, banner, reload, gauge,
+  events: out, levels, fmt: shared.fmt(1234567), pct: shared.percent(1234, 3584),
+  types: live.LIVE_EVENT_TYPES, banner, reload, gauge,
   shown: [["idle", false], ["generating", true], ["idle", true], ["compacting", false]]
-    .map(([phase, compacting]) => mod.sessionState(phase, compacting)),
-  noSession: mod.sessionAfterCompaction(null, { status: "completed", tokens_after: 5 }),
-  divider: [mod.dividerText({ kind: "compaction", auto: true, level: "gentle",
+    .map(([phase, compacting]) => panel.sessionState(phase, compacting)),
+  noSession: panel.sessionAfterCompaction(null, { status: "completed", tokens_after: 5 }),
+  divider: [chat.dividerText({ kind: "compaction", auto: true, level: "gentle",
                               tokens_before: 1255, tokens_after: 1002,
                               at: "2026-01-02T14:02:30Z" }),
-            mod.dividerText({ kind: "compaction", auto: false, level: "emergency" })],
+            chat.dividerText({ kind: "compaction", auto: false, level: "emergency" })],
   // Six messages, a marker keeping the last two before it, one more message, a marker
   // keeping one, one message.
-  faded: [...mod.fadedIndexes(["m", "m", "m", "m", ["c", 2], "m", ["c", 1], "m"].map(
+  faded: [...chat.fadedIndexes(["m", "m", "m", "m", ["c", 2], "m", ["c", 1], "m"].map(
     (k) => (k === "m" ? { kind: "message" } : { kind: "compaction", kept_messages: k[1] })))],
-  noMarker: [...mod.fadedIndexes([{ kind: "message" }])],
+  noMarker: [...chat.fadedIndexes([{ kind: "message" }])],
   // A question, its answer (a tool call, its result, the text), a retry of it.
-  superseded: [...mod.supersededIndexes([
+  superseded: [...chat.supersededIndexes([
     { kind: "message", role: "user", query_id: "q1" },
     { kind: "message", role: "assistant", query_id: "q1" },
     { kind: "message", role: "tool", query_id: "q1" },
@@ -278,12 +293,13 @@ console.log(JSON.stringify({
 
 @pytest.mark.skipif(NODE is None, reason="node is not installed")
 def test_sse_parser_and_helpers_under_node(tmp_path: Path) -> None:
-    # Copied to .mjs so node of any version loads it as a module.
-    module = tmp_path / "app.mjs"
-    module.write_text(read("app.js"), encoding="utf-8")
+    # Copied beside a package.json that makes node load every .js as a module.
+    (tmp_path / "package.json").write_text('{"type": "module"}', encoding="utf-8")
+    for name in MODULES:
+        (tmp_path / f"{name}.js").write_text(read(f"{name}.js"), encoding="utf-8")
     assert NODE is not None
     done = subprocess.run(
-        [NODE, "--input-type=module", "-e", NODE_CHECK, module.as_uri()],
+        [NODE, "--input-type=module", "-e", NODE_CHECK, tmp_path.as_uri()],
         capture_output=True,
         env={**os.environ, "TZ": "UTC"},
         text=True,

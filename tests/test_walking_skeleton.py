@@ -111,6 +111,30 @@ def test_the_page_and_every_resource_it_references_are_served(client: httpx.Clie
         served = client.get(path)
         assert served.status_code == 200, f"{path}: {served.status_code}"
     assert client.get(str(icons[0]["href"])).headers["content-type"].startswith("image/")
+    scripts = [value for tag, _, value in parser.refs if tag == "script"]
+    assert scripts
+    for path in served_modules(client, scripts):
+        # A browser refuses to run a module served under any other type.
+        assert client.get(path).headers["content-type"].split(";")[0] in JAVASCRIPT_TYPES, path
+
+
+JAVASCRIPT_TYPES = ("text/javascript", "application/javascript")
+
+
+def served_modules(client: httpx.Client, entries: list[str]) -> set[str]:
+    """Every module the page's scripts import, followed through their imports."""
+    seen: set[str] = set()
+    todo = list(entries)
+    while todo:
+        path = todo.pop()
+        if path in seen:
+            continue
+        seen.add(path)
+        served = client.get(path)
+        assert served.status_code == 200, f"{path}: {served.status_code}"
+        base = path.rsplit("/", 1)[0]
+        todo += [f"{base}/{name[2:]}" for name in re.findall(r'from "(\./[^"]+)"', served.text)]
+    return seen
 
 
 def test_unknown_session_is_404_with_a_json_error(client: httpx.Client) -> None:

@@ -1,0 +1,82 @@
+// The API client: the gateway's URLs and the only place the page makes requests
+// (fetch, the live EventSource). JSON bodies go with Content-Type application/json.
+
+export const API = {
+  sessions: "/api/sessions",
+  session: (id) => `/api/sessions/${encodeURIComponent(id)}`,
+  messages: (id) => `/api/sessions/${encodeURIComponent(id)}/messages`,
+  compact: (id) => `/api/sessions/${encodeURIComponent(id)}/compact`,
+  transcript: (id, params) =>
+    `/api/sessions/${encodeURIComponent(id)}/transcript?${new URLSearchParams(params)}`,
+  exportAs: (id, format) => `/api/sessions/${encodeURIComponent(id)}/export?format=${format}`,
+  stop: (id) => `/api/sessions/${encodeURIComponent(id)}/stop`,
+  retry: (id) => `/api/sessions/${encodeURIComponent(id)}/retry`,
+  events: (id) => `/api/events?session_id=${encodeURIComponent(id)}`,
+};
+
+function errorText(err) {
+  if (!err || typeof err !== "object") return String(err ?? "unknown error");
+  const code = err.code ? `${err.code}: ` : "";
+  const field = err.field ? ` (field ${err.field})` : "";
+  return `${code}${err.message ?? "unknown error"}${field}`;
+}
+
+class ApiError extends Error {
+  constructor(status, error) {
+    super(errorText(error));
+    this.status = status;
+    this.error = error;
+  }
+}
+
+export async function readError(response) {
+  let error = { code: `http_${response.status}`, message: response.statusText || "request failed" };
+  try {
+    const body = await response.json();
+    if (body && typeof body.error === "object" && body.error) error = body.error;
+  } catch {
+    // not JSON: keep the status line
+  }
+  return new ApiError(response.status, error);
+}
+
+export async function requestJson(url, { method = "GET", body } = {}) {
+  const init = { method, headers: { Accept: "application/json" } };
+  if (body !== undefined) {
+    init.headers["Content-Type"] = "application/json";
+    init.body = JSON.stringify(body);
+  }
+  let response;
+  try {
+    response = await fetch(url, init);
+  } catch (err) {
+    throw new ApiError(0, { code: "network_error", message: `gateway unreachable: ${err.message}` });
+  }
+  if (!response.ok) throw await readError(response);
+  return response.status === 204 ? null : response.json();
+}
+
+// The session list as the server has it; a plain Response, the caller decides.
+export function listSessions() {
+  return fetch("/api/sessions?limit=50");
+}
+
+// Asks the generator to stop the answer being streamed: 202 when it was asked.
+export function postStop(id) {
+  return fetch(API.stop(id), { method: "POST" });
+}
+
+// A message (or a retry, `body` null) whose answer streams back as server-sent events.
+export function postTurn(url, body, signal) {
+  return fetch(url, {
+    method: "POST",
+    headers: { "Content-Type": "application/json", Accept: "text/event-stream" },
+    body: body === null ? undefined : JSON.stringify(body),
+    signal,
+  });
+}
+
+// The session's live events (GET /api/events), reconnected by the browser.
+export function openEvents(id) {
+  return new EventSource(API.events(id));
+}

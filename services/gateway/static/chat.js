@@ -1,0 +1,433 @@
+// The chat view: the transcript (pages, compaction dividers, faded and
+// superseded messages), the answer being streamed, and the composer (send, stop,
+// retry).
+
+import { API, postStop, postTurn, readError, requestJson } from "./api.js";
+import { app, el, fmt, show, showNotice, ui } from "./shared.js";
+import { SseParser } from "./live.js";
+import { renderGauge } from "./panel.js";
+import { loadSession, rememberSession } from "./sessions.js";
+
+const TRANSCRIPT_PAGE = 100;
+
+// What an answer not yet begun waits for, after a state change of its session
+// (action, to_state). Sent while the session answered an earlier message, it
+// is queued until that turn ends (reset); once its own turn runs and before
+// any token, it waits for the model (a free slot of the model server).
+export function pendingAfter(pending, action, toState) {
+  if (pending.queued) return action === "reset" ? { queued: false, started: false } : pending;
+  if (toState === "receiving" || toState === "generating") return { queued: false, started: true };
+  return pending;
+}
+
+export function pendingText(pending) {
+  if (pending.queued) return "queued: the session's earlier message is answered first…";
+  if (pending.started) return "waiting for the model…";
+  return "waiting for a generator…";
+}
+
+const QUIET_PHASES = ["idle", "unknown", "error"];
+
+// A compaction marker's one line: "compacted · automatic · 1,255 → 1,002 tokens · 14:02".
+export function dividerText(marker) {
+  const parts = ["compacted"];
+  if (marker.auto === true) parts.push("automatic");
+  if (marker.auto === false) parts.push("manual");
+  if (marker.level && marker.level !== "gentle") parts.push(marker.level);
+  if (Number.isFinite(marker.tokens_before) && Number.isFinite(marker.tokens_after)) {
+    parts.push(`${fmt(marker.tokens_before)} → ${fmt(marker.tokens_after)} tokens`);
+  }
+  const at = marker.at ? new Date(marker.at) : null;
+  if (at && !Number.isNaN(at.getTime())) {
+    const two = (n) => String(n).padStart(2, "0");
+    parts.push(`${two(at.getHours())}:${two(at.getMinutes())}`);
+  }
+  return parts.join(" · ");
+}
+
+// Indexes of the transcript items (oldest first) no longer in the model's context:
+// the messages before the latest compaction marker, except the ones it kept.
+export function fadedIndexes(items) {
+  const faded = new Set();
+  let last = -1;
+  items.forEach((item, i) => { if (item.kind === "compaction") last = i; });
+  if (last < 0) return faded;
+  let keep = Number(items[last].kept_messages) || 0;
+  for (let i = last - 1; i >= 0; i -= 1) {
+    if (items[i].kind !== "message") continue;
+    if (keep > 0) keep -= 1;
+    else faded.add(i);
+  }
+  return faded;
+}
+
+// Indexes of the answers a retry replaced: the messages of a query that a
+// later item `supersedes`. They stay in the transcript, out of the context.
+export function supersededIndexes(items) {
+  const replaced = new Set(items.map((item) => item.supersedes).filter(Boolean));
+  const indexes = new Set();
+  items.forEach((item, i) => {
+    if (item.kind === "message" && item.role !== "user" && replaced.has(item.query_id)) indexes.add(i);
+  });
+  return indexes;
+}
+
+const ROLE_LABEL = { user: "You", assistant: "Assistant", tool: "Tool result" };
+
+function renderToolCall(call) {
+  let args;
+  try {
+    args = JSON.stringify(call.arguments ?? {}, null, 2);
+  } catch {
+    args = String(call.arguments);
+  }
+  return el("div", { className: "tool-call" }, [
+    el("div", { className: "tool-call-head" }, [
+      el("span", { className: "tool-tag", text: "tool call" }),
+      el("span", { className: "tool-name", text: call.name ?? "?" }),
+    ]),
+    el("pre", { className: "tool-args", text: args }),
+  ]);
+}
+
+function messageItem(message) {
+  const role = ["user", "assistant", "tool"].includes(message.role) ? message.role : "other";
+  const item = el("li", { className: `msg msg-${role}` });
+  const head = el("div", { className: "msg-head" }, [
+    el("span", { className: "msg-role", text: ROLE_LABEL[role] ?? message.role }),
+  ]);
+  if (role === "tool" && message.tool_name) {
+    head.append(el("span", { className: "tool-name", text: message.tool_name }));
+  }
+  if (message.stopped) head.append(el("span", { className: "msg-tag", text: "stopped" }));
+  item.append(head);
+  if (role === "tool") {
+    item.append(el("pre", { className: "tool-result", text: message.content ?? "" }));
+  } else if (message.content) {
+    item.append(el("div", { className: "msg-text", text: message.content }));
+  }
+  for (const call of message.tool_calls ?? []) item.append(renderToolCall(call));
+  return item;
+}
+
+function dividerItem(marker) {
+  const details = el("details", { className: "divider-details" }, [
+    el("summary", { text: dividerText(marker) }),
+    el("p", { className: "pre-text", text: marker.summary ?? "(no summary: old tool output elided)" }),
+  ]);
+  return el("li", { className: "msg-divider", attrs: { role: "separator" } }, [details]);
+}
+
+// The whole transcript loaded so far; older pages come as the list scrolls up.
+function renderTranscript({ toEnd = false } = {}) {
+  const faded = fadedIndexes(app.items);
+  const superseded = supersededIndexes(app.items);
+  const nodes = app.items.map((item, i) => {
+    if (item.kind === "compaction") return dividerItem(item);
+    const node = messageItem(item);
+    if (faded.has(i)) {
+      node.classList.add("msg-compacted");
+      node.title = "Compacted: no longer in the model's context";
+    }
+    if (superseded.has(i)) markSuperseded(node);
+    return node;
+  });
+  const last = app.items.at(-1);
+  if (last?.kind === "message" && last.role === "assistant" && !last.tool_calls?.length) {
+    nodes.at(-1).append(el("div", { className: "msg-actions" }, [retryButton()]));
+  }
+  if (app.older) nodes.unshift(el("li", { className: "msg-more", text: "Scroll up for earlier messages…" }));
+  ui.messages.replaceChildren(...nodes);
+  show(ui.emptyHint, nodes.length === 0);
+  if (nodes.length === 0) ui.emptyHint.textContent = "No messages yet — say something.";
+  if (toEnd) scrollToEnd(true);
+}
+
+export async function loadNewer(id) {
+  const first = app.items.length === 0;
+  try {
+    if (first) {
+      const page = await requestJson(API.transcript(id, { before: "end", limit: TRANSCRIPT_PAGE }));
+      if (id !== app.sessionId) return;
+      app.items = page.items;
+      app.older = page.previous;
+    } else {
+      let after = app.items[app.items.length - 1].position;
+      while (after) {
+        const page = await requestJson(API.transcript(id, { after, limit: 1000 }));
+        if (id !== app.sessionId) return;
+        app.items.push(...page.items);
+        after = page.next;
+      }
+    }
+  } catch (err) {
+    if (id === app.sessionId) showNotice(`Could not load the transcript: ${err.message}`);
+    return;
+  }
+  renderTranscript({ toEnd: true });
+}
+
+export async function loadOlder() {
+  const id = app.sessionId;
+  if (!id || !app.older || app.loadingOlder || ui.messages.scrollTop > 40) return;
+  app.loadingOlder = true;
+  try {
+    const page = await requestJson(API.transcript(id, { before: app.older, limit: TRANSCRIPT_PAGE }));
+    if (id !== app.sessionId) return;
+    const height = ui.messages.scrollHeight;
+    app.items = [...page.items, ...app.items];
+    app.older = page.previous;
+    renderTranscript();
+    ui.messages.scrollTop += ui.messages.scrollHeight - height; // stay where the reader was
+  } catch (err) {
+    showNotice(`Could not load earlier messages: ${err.message}`);
+  } finally {
+    app.loadingOlder = false;
+  }
+}
+
+function nearBottom() {
+  const box = ui.messages;
+  return box.scrollHeight - box.scrollTop - box.clientHeight < 80;
+}
+
+function scrollToEnd(force = false) {
+  if (force || nearBottom()) ui.messages.scrollTop = ui.messages.scrollHeight;
+}
+
+// The assistant answer being streamed into the list.
+function pendingAnswer() {
+  const text = el("div", { className: "msg-text" });
+  let waiting = { queued: !QUIET_PHASES.includes(app.phase), started: false };
+  let writing = false;
+  const status = el("div", { className: "msg-status", text: pendingText(waiting) });
+  const item = el("li", { className: "msg msg-assistant msg-pending", attrs: { "aria-busy": "true" } }, [
+    el("div", { className: "msg-head" }, [el("span", { className: "msg-role", text: "Assistant" })]),
+    text,
+    status,
+  ]);
+  ui.messages.append(item);
+  scrollToEnd(true);
+  return {
+    stateChanged(action, toState) {
+      if (writing) return;
+      waiting = pendingAfter(waiting, action, toState);
+      status.textContent = pendingText(waiting);
+    },
+    stopping() {
+      status.textContent = "stopping…";
+    },
+    append(piece) {
+      const stick = nearBottom();
+      writing = true;
+      text.append(document.createTextNode(piece));
+      status.textContent = "writing…";
+      if (stick) scrollToEnd(true);
+    },
+    restart() {
+      // The generator died mid-answer and another one starts it over.
+      text.textContent = "";
+      status.textContent = "generating again…";
+    },
+    done(body) {
+      if (typeof body.reply === "string") text.textContent = body.reply;
+      if (typeof body.thinking === "string" && body.thinking) {
+        // Apart from the answer, folded: it is not part of the conversation.
+        text.before(el("details", { className: "msg-thinking" }, [
+          el("summary", { text: "thinking" }),
+          el("div", { className: "msg-text", text: body.thinking }),
+        ]));
+      }
+      const counts = `prompt ${fmt(body.prompt_tokens)} · completion ${fmt(body.completion_tokens)} tokens`;
+      status.textContent = body.stopped ? `stopped · ${counts}` : counts;
+      item.classList.remove("msg-pending");
+      item.removeAttribute("aria-busy");
+    },
+    fail(error) {
+      item.classList.remove("msg-pending");
+      item.classList.add("msg-failed");
+      item.removeAttribute("aria-busy");
+      status.remove();
+      item.append(el("div", { className: "msg-error", attrs: { role: "alert" } }, [
+        el("strong", { text: "Error " }),
+        el("code", { text: error?.code ?? "error" }),
+        ": ",
+        error?.message ?? "the answer failed",
+      ]));
+      scrollToEnd(true);
+    },
+  };
+}
+
+export function setComposerEnabled(enabled) {
+  ui.input.disabled = !enabled;
+  ui.sendButton.disabled = !enabled || app.busy;
+  ui.compactButton.disabled = !enabled;
+  if (!enabled) {
+    ui.emptyHint.textContent = "Create a session with “New session…” to start chatting.";
+    show(ui.emptyHint, true);
+  }
+}
+
+// While an answer streams, Stop takes the place of Send.
+export function setBusy(busy) {
+  app.busy = busy;
+  ui.sendButton.disabled = busy || !app.sessionId;
+  show(ui.sendButton, !busy);
+  show(ui.stopButton, busy);
+  ui.stopButton.disabled = !busy;
+  ui.composer.setAttribute("aria-busy", String(busy));
+  for (const button of ui.messages.querySelectorAll(".retry-button")) button.disabled = busy;
+}
+
+function retryButton() {
+  const button = el("button", { className: "retry-button", text: "Retry", attrs: { type: "button" } });
+  button.title = "Ask for a fresh answer to the last message";
+  button.disabled = app.busy;
+  button.addEventListener("click", retryAnswer);
+  return button;
+}
+
+export async function sendMessage(event) {
+  event?.preventDefault();
+  const id = app.sessionId;
+  const content = ui.input.value;
+  if (!id || app.busy || !content.trim()) return;
+  ui.input.value = "";
+  show(ui.emptyHint, false);
+  ui.messages.append(messageItem({ role: "user", content }));
+  rememberSession(id, content.slice(0, 40));
+  await runTurn(API.messages(id), { content });
+}
+
+// A fresh answer to the last message: the old one stays on screen, marked
+// superseded, until the new one is stored.
+async function retryAnswer() {
+  const id = app.sessionId;
+  if (!id || app.busy) return;
+  const last = ui.messages.lastElementChild;
+  if (last?.classList.contains("msg-assistant")) {
+    last.querySelector(".msg-actions")?.remove();
+    markSuperseded(last);
+  }
+  await runTurn(API.retry(id), null);
+}
+
+function markSuperseded(node) {
+  node.classList.add("msg-superseded");
+  node.title = "Superseded by a retry: no longer in the model's context";
+  node.querySelector(".msg-head")?.append(el("span", { className: "msg-tag", text: "superseded" }));
+}
+
+export async function stopAnswer() {
+  const id = app.sessionId;
+  if (!id || !app.busy) return;
+  ui.stopButton.disabled = true;
+  app.pending?.stopping();
+  const response = await postStop(id).catch(() => null);
+  if (response && response.status !== 202) {
+    const err = await readError(response);
+    showNotice(`Could not stop: ${err.error?.message ?? response.status}`);
+  } else if (!response) {
+    showNotice("Could not stop: the gateway is unreachable");
+  }
+}
+
+// Sends a message (or a retry) and streams its answer into a pending bubble.
+async function runTurn(url, body) {
+  const id = app.sessionId;
+  const answer = pendingAnswer();
+  app.pending = answer;
+  const controller = new AbortController();
+  app.abort = controller;
+  app.reloadAfterTurn = false;
+  setBusy(true);
+  let succeeded = false;
+  try {
+    succeeded = await readAnswer(await postTurn(url, body, controller.signal), answer);
+  } catch (err) {
+    if (err.name === "AbortError") answer.fail({ code: "cancelled", message: "stopped reading (switched session)" });
+    else answer.fail({ code: "network_error", message: String(err.message || err) });
+  } finally {
+    // Unless the page moved to another session meanwhile (which aborted this read).
+    if (app.abort === controller) {
+      app.abort = null;
+      app.pending = null;
+      setBusy(false);
+      // On success the stored history (with tool calls) replaces the streamed bubble;
+      // after an error the inline error stays and only the gauge and facts refresh
+      // (unless a compaction rewrote the history meanwhile).
+      loadSession({ messages: succeeded || app.reloadAfterTurn });
+      app.reloadAfterTurn = false;
+      if (document.activeElement === document.body) ui.input.focus();
+    }
+  }
+}
+
+// Reads the answer of a message's POST into the pending bubble; true when it completed.
+async function readAnswer(response, answer) {
+  if (!response.ok) {
+    const err = await readError(response);
+    answer.fail(err.error);
+    return false;
+  }
+  const type = response.headers.get("content-type") || "";
+  if (!type.includes("text/event-stream") || !response.body) {
+    const body = await response.json(); // a plain JSON answer
+    if (body.error) {
+      answer.fail(body.error);
+      return false;
+    }
+    answer.done(body);
+    return true;
+  }
+  return readAnswerStream(response.body, answer);
+}
+
+// Reads the POST's server-sent events; true when the answer completed.
+async function readAnswerStream(body, answer) {
+  const reader = body.getReader();
+  const decoder = new TextDecoder();
+  const parser = new SseParser();
+  let outcome = null;
+  const handle = (frame) => {
+    let data;
+    try {
+      data = JSON.parse(frame.data);
+    } catch {
+      return;
+    }
+    if (frame.event === "token") {
+      if (typeof data.text === "string") answer.append(data.text);
+    } else if (frame.event === "restart") {
+      answer.restart();
+    } else if (frame.event === "done") {
+      outcome = "done";
+      answer.done(data);
+      app.lastReply = data;
+      renderGauge();
+    } else if (frame.event === "error") {
+      outcome = "error";
+      answer.fail(data.error ?? { code: "error", message: "the answer failed" });
+    }
+  };
+  for (;;) {
+    const { value, done } = await reader.read();
+    const frames = done ? parser.finish(decoder.decode()) : parser.push(decoder.decode(value, { stream: true }));
+    for (const frame of frames) handle(frame);
+    if (done || outcome) break;
+  }
+  if (outcome) {
+    reader.cancel().catch(() => {});
+  } else {
+    answer.fail({ code: "stream_ended", message: "the answer stream ended without a result" });
+  }
+  return outcome === "done";
+}
+
+export function onComposerKey(event) {
+  if (event.key === "Enter" && !event.shiftKey && !event.isComposing && !event.altKey && !event.ctrlKey && !event.metaKey) {
+    event.preventDefault();
+    sendMessage();
+  }
+}

@@ -1,0 +1,230 @@
+// The live feed: the server-sent-events parser (also used for an answer's
+// stream) and the handling of the session's live events (GET /api/events).
+
+import { openEvents } from "./api.js";
+import { app, fmt, ui } from "./shared.js";
+import {
+  logLine,
+  renderCompacting,
+  renderGauge,
+  renderState,
+  sessionAfterCompaction,
+} from "./panel.js";
+import { loadSession, scheduleRefresh } from "./sessions.js";
+
+// The live feed names each server-sent event after the message type it carries.
+export const LIVE_EVENT_TYPES = [
+  "generator.state",
+  "response.generation",
+  "compaction.request",
+  "compaction.event",
+  "compaction.result",
+];
+
+// Parses a text/event-stream incrementally: push() decoded text as it arrives and get
+// back the complete events ({event, data}) it finished; finish() flushes the rest.
+export class SseParser {
+  constructor() {
+    this.buffer = "";
+  }
+
+  push(text) {
+    this.buffer = (this.buffer + text).replace(/\r\n/g, "\n");
+    const events = [];
+    let end;
+    while ((end = this.buffer.indexOf("\n\n")) !== -1) {
+      const block = this.buffer.slice(0, end);
+      this.buffer = this.buffer.slice(end + 2);
+      const event = parseSseBlock(block);
+      if (event) events.push(event);
+    }
+    return events;
+  }
+
+  finish(text = "") {
+    const events = this.push(text);
+    const rest = this.buffer;
+    this.buffer = "";
+    const event = rest.trim() ? parseSseBlock(rest) : null;
+    if (event) events.push(event);
+    return events;
+  }
+}
+
+export function parseSseBlock(block) {
+  let event = "message";
+  const data = [];
+  for (const raw of block.split("\n")) {
+    const line = raw.endsWith("\r") ? raw.slice(0, -1) : raw;
+    if (line === "" || line.startsWith(":")) continue; // blank or comment (keep-alive)
+    const colon = line.indexOf(":");
+    const field = colon === -1 ? line : line.slice(0, colon);
+    let value = colon === -1 ? "" : line.slice(colon + 1);
+    if (value.startsWith(" ")) value = value.slice(1);
+    if (field === "event") event = value || "message";
+    else if (field === "data") data.push(value);
+  }
+  if (data.length === 0) return null;
+  return { event, data: data.join("\n") };
+}
+
+// The compaction the "compacting" banner stands for (its correlation id), after
+// a live event. Only that compaction's own result ends it: a second request,
+// skipped because one already runs, must not hide the banner. One known only
+// from a read of the session ("unknown") ends with any result. Events of the
+// compaction whose result came last (`ended`) are late or a redelivery's
+// echo, and do not bring the banner back.
+export function compactingAfter(current, type, correlationId, event, ended = null) {
+  const echo = correlationId != null && correlationId === ended;
+  if (type === "compaction.event" && event === "started" && !echo) return correlationId ?? "unknown";
+  // Progress of a compaction whose start this page did not see (it was loaded later).
+  if (type === "compaction.event" && event === "progress" && current === null && !echo) {
+    return correlationId ?? "unknown";
+  }
+  if (type === "compaction.result" &&
+      (correlationId == null || correlationId === current || current === "unknown")) {
+    return null;
+  }
+  return current;
+}
+
+// The banner after a read of the session, sent as load `readSeq`, given the
+// loads current when this page last saw a compaction start and a result end
+// one. A read races the live events: one sent before a result was seen may
+// still say "compacting" and must not bring the banner back; one sent after a
+// start was seen that says anything else means the compaction ended, its
+// result perhaps missed while live events were down.
+export function compactingAfterRead(current, state, readSeq, startSeenAtSeq, endSeenAtSeq) {
+  if (state === "compacting") return readSeq > endSeenAtSeq ? current ?? "unknown" : current;
+  return readSeq > startSeenAtSeq ? null : current;
+}
+
+function setLive(status) {
+  ui.liveStatus.dataset.live = status;
+  ui.liveStatus.textContent = `live: ${status}`;
+}
+
+export function disconnectEvents() {
+  if (app.events) app.events.close();
+  app.events = null;
+  setLive("off");
+}
+
+export function connectEvents(id) {
+  disconnectEvents();
+  setLive("connecting");
+  const source = openEvents(id);
+  app.events = source;
+  let wasDown = false;
+  source.onopen = () => {
+    if (app.events !== source) return;
+    setLive("connected");
+    if (wasDown) {
+      logLine("live", "reconnected; reloading the session");
+      scheduleRefresh();
+    }
+    wasDown = false;
+  };
+  source.onerror = () => {
+    if (app.events !== source) return;
+    wasDown = true;
+    setLive(source.readyState === EventSource.CLOSED ? "closed" : "reconnecting");
+  };
+  for (const type of LIVE_EVENT_TYPES) {
+    source.addEventListener(type, (event) => {
+      if (app.events === source) onLiveEvent(type, event.data);
+    });
+  }
+}
+
+function onLiveEvent(type, raw) {
+  let envelope;
+  try {
+    envelope = JSON.parse(raw);
+  } catch {
+    return;
+  }
+  if (!envelope || typeof envelope !== "object") return;
+  if (envelope.session_id && envelope.session_id !== app.sessionId) return;
+  const p = envelope.payload && typeof envelope.payload === "object" ? envelope.payload : {};
+  const handle = LIVE_HANDLERS.get(type);
+  if (handle) handle(p, envelope.timestamp, envelope.correlation_id);
+  else logLine(type, "event", envelope.timestamp);
+}
+
+// One handler per live event type: (payload, timestamp, correlation id).
+const LIVE_HANDLERS = new Map([
+  ["generator.state", onStateChange],
+  ["response.generation", onGeneration],
+  ["compaction.request", onCompactionRequest],
+  ["compaction.event", onCompactionEvent],
+  ["compaction.result", onCompactionResult],
+]);
+
+function onStateChange(p, ts) {
+  app.phase = p.to_state ?? "unknown";
+  app.pending?.stateChanged(p.action, p.to_state);
+  renderState(p.action ? `after ${p.action}` : "");
+  renderCompacting();
+  logLine("generator.state",
+    `${p.from_state ?? "?"} → ${p.to_state ?? "?"}${p.action ? ` (${p.action})` : ""}`, ts);
+}
+
+function onGeneration(p, ts) {
+  app.lastGeneration = p;
+  renderGauge();
+  logLine("response.generation", `prompt ${fmt(p.prompt_tokens)} · completion ${fmt(p.completion_tokens)} tokens · ` +
+    `${fmt(p.sent_chars)} chars sent · ${fmt(p.duration_ms)} ms`, ts);
+  scheduleRefresh();
+}
+
+function onCompactionRequest(p, ts) {
+  logLine("compaction.request", `${p.auto ? "automatic" : "manual"} compaction requested (${p.level ?? "gentle"})` +
+    `${p.reason ? `: ${p.reason}` : ""}`, ts);
+}
+
+function onCompactionEvent(p, ts, correlationId) {
+  const type = "compaction.event";
+  app.compacting = compactingAfter(app.compacting, type, correlationId, p.event,
+    app.compactionEnded);
+  if (p.event === "started") app.compactingSeenAt = app.loadSeq;
+  app.compactionProgress = p.event === "progress" ? p : null;
+  renderState();
+  renderCompacting();
+  if (p.event === "progress") {
+    logLine(type, `compaction progress: ${fmt(p.pieces_done)} of ${fmt(p.pieces_total)} pieces written`, ts);
+    return;
+  }
+  logLine(type, `compaction ${p.event ?? "?"} (${p.level ?? "?"}, ${p.auto ? "auto" : "manual"})` +
+    `${typeof p.tokens_before === "number" ? ` at ${fmt(p.tokens_before)} tokens` : ""}` +
+    `${p.reason ? `: ${p.reason}` : ""}`, ts);
+}
+
+function onCompactionResult(p, ts, correlationId) {
+  const type = "compaction.result";
+  app.compacting = compactingAfter(app.compacting, type, correlationId);
+  app.compactionEndSeenAt = app.loadSeq;
+  app.compactionEnded = correlationId ?? null;
+  if (app.compacting === null) app.compactionProgress = null;
+  renderState();
+  renderCompacting();
+  const status = p.status ?? "completed";
+  const text = compactionResultText(status, p);
+  logLine(type, text, ts);
+  ui.compactStatus.dataset.kind = status === "failed" ? "error" : "info";
+  ui.compactStatus.textContent = text.charAt(0).toUpperCase() + text.slice(1);
+  if (status === "completed") {
+    app.session = sessionAfterCompaction(app.session, p);
+    renderGauge();
+    if (app.busy) app.reloadAfterTurn = true; // the turn's end reloads
+    else loadSession();
+  }
+}
+
+function compactionResultText(status, p) {
+  if (status === "completed") {
+    return `compaction completed: ${fmt(p.tokens_before)} → ${fmt(p.tokens_after)} tokens`;
+  }
+  if (status === "skipped") return `compaction skipped${p.error ? `: ${p.error}` : ""}`;
+  return `compaction failed: ${p.error ?? "unknown error"}`;
+}

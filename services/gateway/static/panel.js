@@ -1,0 +1,187 @@
+// The generator panel: the state badge, the compacting banner, the context
+// gauge, the session's facts, the compaction form, the event log and the
+// compaction timeline.
+
+import { API, requestJson } from "./api.js";
+import { app, clockTime, el, fmt, percent, show, ui } from "./shared.js";
+
+export const STATES = [
+  "idle", "receiving", "generating", "dispatching_tool", "waiting_for_tool",
+  "publishing", "compacting", "error",
+];
+
+const MAX_LOG_LINES = 50;
+
+const WARN_AT = 0.8;
+
+const DANGER_AT = 0.95;
+
+// "ok" below 80 % of the budget, "warn" from 80 %, "danger" from 95 %.
+export function gaugeLevel(tokens, budget) {
+  if (typeof tokens !== "number" || typeof budget !== "number" || budget <= 0) return "ok";
+  const ratio = tokens / budget;
+  if (ratio >= DANGER_AT) return "danger";
+  if (ratio >= WARN_AT) return "warn";
+  return "ok";
+}
+
+// The session as the gauge shows it once a compaction completed: its result's
+// `tokens_after` is the same count as the session's `token_count` (tools
+// included), so the gauge moves to it at once, even while a turn defers the reload.
+export function sessionAfterCompaction(session, result) {
+  if (!session || result?.status !== "completed" || typeof result.tokens_after !== "number") {
+    return session;
+  }
+  return { ...session, token_count: result.tokens_after };
+}
+
+// The banner's text for a compaction's progress event (pieces of its summary).
+export function progressText(progress) {
+  const done = progress?.pieces_done;
+  const total = progress?.pieces_total;
+  if (typeof done !== "number" || typeof total !== "number" || total < 1) {
+    return "Compacting the conversation…";
+  }
+  if (done >= total) return `Compacting… all ${total} piece${total === 1 ? "" : "s"} written`;
+  return `Compacting… piece ${done + 1} of ${total}`;
+}
+
+// The session's state as the server computes it (services/core/state_machine.py):
+// a running compaction, whichever generator runs it, else the turn's phase.
+export function sessionState(phase, compacting) {
+  return compacting ? "compacting" : phase;
+}
+
+export async function loadTimeline(id) {
+  let page;
+  try {
+    page = await requestJson(API.transcript(id, { kind: "compaction", limit: 1000 }));
+  } catch {
+    return; // the chat shows the error, if any
+  }
+  if (id !== app.sessionId) return;
+  const rows = page.items.map((m) => el("li", { className: "timeline-row" }, [
+    el("span", { className: "timeline-when", text: m.at ? clockTime(m.at) : "—" }),
+    el("span", { text: m.auto === false ? "manual" : "automatic" }),
+    el("span", { text: m.level ?? "" }),
+    el("span", { text: Number.isFinite(m.tokens_before)
+      ? `${fmt(m.tokens_before)} → ${fmt(m.tokens_after)}` : "" }),
+  ]));
+  ui.timeline.replaceChildren(...rows);
+  show(ui.timelineEmpty, rows.length === 0);
+}
+
+export function setState(stateName, detail = "") {
+  const known = STATES.includes(stateName) ? stateName : "unknown";
+  ui.stateBadge.dataset.state = known;
+  ui.stateBadge.textContent = (stateName || "unknown").replace(/_/g, " ");
+  ui.stateDetail.textContent = detail;
+}
+
+// The badge says what the session does: compacting while a compaction runs,
+// with the turn answered meanwhile, if any, in the detail.
+export function renderState(detail = "") {
+  const compacting = app.compacting !== null;
+  const turn = compacting && app.phase !== "idle" && app.phase !== "unknown"
+    ? `answering meanwhile: ${app.phase.replace(/_/g, " ")}` : "";
+  setState(sessionState(app.phase, compacting), compacting ? turn : detail);
+}
+
+export function renderCompacting() {
+  const visible = app.compacting !== null || app.phase === "compacting";
+  show(ui.compactingBanner, visible);
+  ui.compactingBanner.textContent = progressText(app.compactionProgress);
+  document.body.classList.toggle("is-compacting", visible);
+}
+
+function fillBar(bar, fill, fraction, level) {
+  const pct = Math.max(0, Math.min(100, fraction * 100));
+  fill.style.width = `${pct}%`;
+  bar.dataset.level = level;
+  bar.setAttribute("aria-valuenow", String(Math.round(pct)));
+}
+
+export function renderGauge() {
+  const s = app.session;
+  if (s && typeof s.token_count === "number" && s.num_ctx > 0) {
+    const level = gaugeLevel(s.token_count, s.budget);
+    fillBar(ui.gauge, ui.gaugeFill, s.token_count / s.num_ctx, level);
+    ui.gaugeBudget.style.left = `${Math.min(100, (s.budget / s.num_ctx) * 100)}%`;
+    show(ui.gaugeBudget, true);
+    ui.gaugeText.textContent =
+      `${fmt(s.token_count)} / ${fmt(s.budget)} tokens (${percent(s.token_count, s.budget)}%) · window ${fmt(s.num_ctx)}`;
+    ui.gauge.setAttribute("aria-valuetext", ui.gaugeText.textContent);
+  } else {
+    fillBar(ui.gauge, ui.gaugeFill, 0, "ok");
+    show(ui.gaugeBudget, false);
+    ui.gaugeText.textContent = "—";
+  }
+
+  const g = app.lastGeneration;
+  const numCtx = g?.num_ctx ?? s?.num_ctx;
+  const budget = s?.budget ?? numCtx;
+  const promptTokens = typeof g?.prompt_tokens === "number" ? g.prompt_tokens : app.lastReply?.prompt_tokens;
+  if (typeof promptTokens === "number" && numCtx > 0) {
+    fillBar(ui.gaugeLast, ui.gaugeLastFill, promptTokens / numCtx, gaugeLevel(promptTokens, budget));
+    const parts = [`${fmt(promptTokens)} / ${fmt(numCtx)} tokens (${percent(promptTokens, numCtx)}% of the window)`];
+    if (g) {
+      if (typeof g.completion_tokens === "number") parts.push(`${fmt(g.completion_tokens)} generated`);
+      if (typeof g.duration_ms === "number") parts.push(`${fmt(g.duration_ms)} ms`);
+    }
+    ui.gaugeLastText.textContent = parts.join(" · ");
+    ui.gaugeLast.setAttribute("aria-valuetext", parts[0]);
+  } else {
+    fillBar(ui.gaugeLast, ui.gaugeLastFill, 0, "ok");
+    ui.gaugeLastText.textContent = g ? "The model did not report prompt tokens for the last call." : "No generation yet.";
+  }
+  if (g && (typeof g.next_prompt_chars === "number" || typeof g.compactable_chars === "number")) {
+    ui.gaugeLastText.append(el("br"), el("span", {
+      className: "hint",
+      text: `next prompt ≈ ${fmt(g.next_prompt_chars)} chars · compactable ${fmt(g.compactable_chars)} chars`,
+    }));
+  }
+}
+
+// `s` null clears the facts (while another session loads).
+export function renderSessionFacts(s) {
+  ui.factModel.textContent = s?.model ?? "—";
+  ui.factAuto.textContent = s ? (s.auto_compact ? "on" : "off") : "—";
+  ui.factCompactions.textContent = s ? String(s.compactions ?? 0) : "—";
+  ui.factMessages.textContent = s ? String((s.messages ?? []).length) : "—";
+  ui.summaryText.textContent = s?.summary ?? "";
+  show(ui.summaryBox, Boolean(s?.summary));
+  ui.systemText.textContent = s?.system ?? "";
+  show(ui.systemBox, Boolean(s?.system));
+}
+
+export async function requestCompaction(event) {
+  event.preventDefault();
+  const id = app.sessionId;
+  if (!id) return;
+  const instructions = ui.compactInstructions.value.trim();
+  ui.compactButton.disabled = true;
+  ui.compactStatus.dataset.kind = "info";
+  ui.compactStatus.textContent = "Requesting compaction…";
+  try {
+    await requestJson(API.compact(id), { method: "POST", body: instructions ? { instructions } : {} });
+    if (app.sessionId !== id) return; // the user moved to another session meanwhile
+    ui.compactStatus.textContent = "Compaction requested — progress shows in the events below.";
+    ui.compactInstructions.value = "";
+  } catch (err) {
+    if (app.sessionId !== id) return;
+    ui.compactStatus.dataset.kind = "error";
+    ui.compactStatus.textContent = `Compaction not requested: ${err.message}`;
+  } finally {
+    ui.compactButton.disabled = !app.sessionId;
+  }
+}
+
+export function logLine(kind, text, timestamp) {
+  const item = el("li", { className: `log-line log-${kind.replace(/[^a-z]/gi, "-")}` }, [
+    el("time", { className: "log-time", text: clockTime(timestamp) }),
+    el("span", { className: "log-kind", text: kind }),
+    el("span", { className: "log-text", text }),
+  ]);
+  ui.log.prepend(item);
+  while (ui.log.children.length > MAX_LOG_LINES) ui.log.lastElementChild.remove();
+}

@@ -1,0 +1,277 @@
+// The session picker: sessions this browser knows (localStorage) and the
+// server lists, the #session= hash, switching to a session and reading it,
+// creating, opening and deleting one.
+
+import { API, listSessions, requestJson } from "./api.js";
+import { app, el, isValidSessionId, show, showNotice, ui } from "./shared.js";
+import { compactingAfterRead, connectEvents, disconnectEvents } from "./live.js";
+import { loadNewer, setBusy, setComposerEnabled } from "./chat.js";
+import {
+  loadTimeline,
+  renderCompacting,
+  renderGauge,
+  renderSessionFacts,
+  renderState,
+  setState,
+} from "./panel.js";
+
+const STORE_KNOWN = "chat.sessions";
+
+export const STORE_CURRENT = "chat.currentSession";
+
+const MAX_KNOWN_SESSIONS = 50;
+
+function knownSessions() {
+  try {
+    const list = JSON.parse(localStorage.getItem(STORE_KNOWN) || "[]");
+    return Array.isArray(list) ? list.filter((s) => s && isValidSessionId(s.id)) : [];
+  } catch {
+    return [];
+  }
+}
+
+function saveKnownSessions(list) {
+  try {
+    localStorage.setItem(STORE_KNOWN, JSON.stringify(list.slice(0, MAX_KNOWN_SESSIONS)));
+  } catch {
+    // storage full or disabled: the picker just forgets
+  }
+}
+
+export function rememberSession(id, label) {
+  const list = knownSessions();
+  const existing = list.find((s) => s.id === id);
+  if (existing) {
+    if (!label || existing.label) return; // nothing new
+    existing.label = label;
+  } else {
+    list.unshift({ id, label: label || "", created: new Date().toISOString() });
+  }
+  saveKnownSessions(list);
+  renderSessionPicker();
+}
+
+// Sessions created elsewhere (another browser, the API) join the picker.
+export async function mergeServerSessions() {
+  let body;
+  try {
+    const response = await listSessions();
+    if (!response.ok) return;
+    body = await response.json();
+  } catch {
+    return; // the picker keeps what this browser knows
+  }
+  const list = knownSessions();
+  let added = false;
+  for (const s of body.sessions ?? []) {
+    if (!isValidSessionId(s.session_id) || list.some((k) => k.id === s.session_id)) continue;
+    list.push({ id: s.session_id, label: "", created: s.created_at });
+    added = true;
+  }
+  if (!added) return;
+  saveKnownSessions(list);
+  renderSessionPicker();
+}
+
+function forgetSession(id) {
+  saveKnownSessions(knownSessions().filter((s) => s.id !== id));
+  renderSessionPicker();
+}
+
+function sessionLabel(entry) {
+  const name = entry.label ? entry.label : `session ${entry.id.slice(0, 8)}`;
+  const when = entry.created ? new Date(entry.created) : null;
+  const date = when && !Number.isNaN(when.getTime()) ? ` · ${when.toLocaleDateString()}` : "";
+  return `${name}${date}`;
+}
+
+export function renderSessionPicker() {
+  const select = ui.sessionSelect;
+  const list = knownSessions();
+  const options = [el("option", { text: list.length ? "(choose a session)" : "(no session)", attrs: { value: "" } })];
+  for (const entry of list) {
+    options.push(el("option", { text: sessionLabel(entry), attrs: { value: entry.id, title: entry.id } }));
+  }
+  select.replaceChildren(...options);
+  select.value = app.sessionId && list.some((s) => s.id === app.sessionId) ? app.sessionId : "";
+}
+
+export function sessionFromHash() {
+  const match = /(?:^#|&)session=([^&]*)/.exec(window.location.hash);
+  if (!match) return null;
+  let id;
+  try {
+    id = decodeURIComponent(match[1]);
+  } catch {
+    return null;
+  }
+  return isValidSessionId(id) ? id : null;
+}
+
+export function selectSession(id, { updateHash = true } = {}) {
+  if (!isValidSessionId(id)) return;
+  if (app.sessionId === id && app.events) return;
+  if (app.abort) {
+    app.abort.abort(); // stop reading the other session's answer
+    app.abort = null;
+  }
+  setBusy(false);
+  app.sessionId = id;
+  app.session = null;
+  app.lastGeneration = null;
+  app.lastReply = null;
+  app.compacting = null;
+  app.phase = "unknown";
+  app.items = [];
+  app.older = null;
+  try {
+    localStorage.setItem(STORE_CURRENT, id);
+  } catch {
+    // ignore
+  }
+  if (updateHash && sessionFromHash() !== id) {
+    history.replaceState(null, "", `#session=${encodeURIComponent(id)}`);
+  }
+  rememberSession(id);
+  showNotice("");
+  ui.messages.replaceChildren();
+  ui.log.replaceChildren();
+  renderSessionFacts(null);
+  setState("unknown");
+  renderGauge();
+  renderCompacting();
+  ui.compactStatus.textContent = "";
+  setComposerEnabled(true);
+  setExportLinks(id);
+  ui.timeline.replaceChildren();
+  connectEvents(id);
+  loadSession();
+}
+
+export async function loadSession({ messages = true } = {}) {
+  const id = app.sessionId;
+  if (!id) return;
+  const seq = ++app.loadSeq;
+  let session;
+  try {
+    session = await requestJson(API.session(id));
+  } catch (err) {
+    if (seq !== app.loadSeq || id !== app.sessionId) return;
+    if (err.status === 404) {
+      showNotice(`Session ${id} does not exist (any more). It was removed from the list; create a new one.`);
+      forgetSession(id);
+      disconnectEvents();
+      setComposerEnabled(false);
+    } else {
+      showNotice(`Could not load the session: ${err.message}`);
+    }
+    return;
+  }
+  const current = () => seq === app.loadSeq && id === app.sessionId;
+  if (!current()) return; // a newer load or another session
+  app.session = session;
+  showNotice("");
+  if (messages && !app.busy) await loadNewer(id);
+  if (!current()) return; // overtaken while the messages loaded
+  loadTimeline(id);
+  if (messages && app.busy) app.reloadAfterTurn = true; // the end of the turn reloads them
+  renderSessionFacts(session);
+  renderGauge();
+  const wasCompacting = app.compacting;
+  app.compacting = compactingAfterRead(app.compacting, session.state, seq,
+    app.compactingSeenAt, app.compactionEndSeenAt);
+  // During a turn its phase follows the live events, which a read may trail.
+  if (session.state && !app.busy) {
+    app.phase = session.phase ?? session.state;
+    renderState();
+  } else if (app.compacting !== wasCompacting) {
+    renderState();
+  }
+  renderCompacting();
+  const firstUser = (session.messages || []).find((m) => m.role === "user");
+  if (firstUser) rememberSession(id, firstUser.content.slice(0, 40));
+}
+
+// Coalesces refreshes asked for by a burst of live events.
+export function scheduleRefresh() {
+  clearTimeout(app.refreshTimer);
+  app.refreshTimer = setTimeout(() => loadSession({ messages: !app.busy }), 250);
+}
+
+export async function createSession(event) {
+  event.preventDefault();
+  const body = { auto_compact: ui.newAutoCompact.checked };
+  const system = ui.newSystem.value;
+  const model = ui.newModel.value.trim();
+  if (system.trim()) body.system = system;
+  if (model) body.model = model;
+  ui.newSessionCreate.disabled = true;
+  show(ui.newSessionError, false);
+  try {
+    const created = await requestJson(API.sessions, { method: "POST", body });
+    ui.newSessionDialog.close();
+    ui.newSystem.value = "";
+    ui.newModel.value = "";
+    selectSession(created.session_id);
+    ui.input.focus();
+  } catch (err) {
+    ui.newSessionError.textContent = `Could not create the session: ${err.message}`;
+    show(ui.newSessionError, true);
+  } finally {
+    ui.newSessionCreate.disabled = false;
+  }
+}
+
+export function openSessionById(event) {
+  event.preventDefault();
+  const id = ui.openSessionId.value.trim();
+  if (!isValidSessionId(id)) {
+    ui.newSessionError.textContent = "A session id is 1-64 letters, digits, '-' or '_'.";
+    show(ui.newSessionError, true);
+    return;
+  }
+  ui.newSessionDialog.close();
+  ui.openSessionId.value = "";
+  selectSession(id);
+}
+
+export async function deleteSession() {
+  const id = app.sessionId;
+  if (!id) return;
+  const ok = window.confirm("Delete this session for good? Its whole transcript, summary and "
+    + "queued messages are removed; this cannot be undone.");
+  if (!ok) return;
+  try {
+    await requestJson(API.session(id), { method: "DELETE" });
+  } catch (err) {
+    if (err.status !== 404) {
+      showNotice(`Could not delete the session: ${err.message}`);
+      return;
+    }
+  }
+  forgetSession(id);
+  disconnectEvents();
+  app.sessionId = null;
+  app.items = [];
+  app.older = null;
+  ui.messages.replaceChildren();
+  ui.timeline.replaceChildren();
+  renderSessionFacts(null);
+  setComposerEnabled(false);
+  history.replaceState(null, "", "#");
+  showNotice(`Session ${id} was deleted.`);
+}
+
+function setExportLinks(id) {
+  for (const [link, format] of [[ui.exportMarkdown, "markdown"], [ui.exportJson, "json"]]) {
+    if (id) link.setAttribute("href", API.exportAs(id, format));
+    else link.removeAttribute("href");
+  }
+}
+
+export function openNewSessionDialog() {
+  show(ui.newSessionError, false);
+  if (typeof ui.newSessionDialog.showModal === "function") ui.newSessionDialog.showModal();
+  else ui.newSessionDialog.setAttribute("open", "");
+  ui.newSystem.focus();
+}

@@ -1,0 +1,81 @@
+// What every part of the page shares: its state (`app`), the elements it binds
+// (`ui`, filled by bindUi() in app.js), number and time formatting, and the DOM
+// helpers. Data is put into the page as text only (textContent / createTextNode).
+
+const SESSION_ID = /^[A-Za-z0-9_-]{1,64}$/;
+
+
+const numberFormat = new Intl.NumberFormat("en-US");
+
+export function fmt(n) {
+  return typeof n === "number" && Number.isFinite(n) ? numberFormat.format(Math.round(n)) : "?";
+}
+
+export function percent(part, whole) {
+  if (typeof part !== "number" || typeof whole !== "number" || whole <= 0) return 0;
+  return Math.round((part / whole) * 100);
+}
+
+export function clockTime(timestamp) {
+  const date = timestamp ? new Date(timestamp) : new Date();
+  const valid = Number.isNaN(date.getTime()) ? new Date() : date;
+  return valid.toLocaleTimeString([], { hour12: false });
+}
+
+export function isValidSessionId(id) {
+  return typeof id === "string" && SESSION_ID.test(id);
+}
+
+export function byId(id) {
+  const node = document.getElementById(id);
+  if (!node) throw new Error(`page is missing #${id}`);
+  return node;
+}
+
+// Builds an element. `text` is always set as text; children may be nodes or strings
+// (strings become text nodes). No markup is ever parsed.
+export function el(tag, { className, text, attrs } = {}, children = []) {
+  const node = document.createElement(tag);
+  if (className) node.className = className;
+  if (attrs) for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, String(v));
+  if (text !== undefined && text !== null) node.textContent = String(text);
+  for (const child of children) {
+    if (child === null || child === undefined) continue;
+    node.append(typeof child === "string" ? document.createTextNode(child) : child);
+  }
+  return node;
+}
+
+export function show(node, visible) {
+  node.hidden = !visible;
+}
+
+export const app = {
+  sessionId: null,
+  session: null, // last GET /api/sessions/{id}
+  busy: false, // a message is being answered
+  abort: null, // AbortController of the answer being read
+  events: null, // EventSource
+  lastGeneration: null, // payload of the latest response.generation
+  lastReply: null, // prompt/completion tokens of the latest done event
+  reloadAfterTurn: false, // a reload was asked for while an answer was streaming
+  loadSeq: 0,
+  refreshTimer: null,
+  phase: "unknown", // the turn's phase, from generator.state events and reads
+  compacting: null, // correlation id of the compaction running, if one is
+  compactingSeenAt: 0, // loadSeq when that compaction's start arrived
+  compactionEndSeenAt: 0, // loadSeq when the last compaction result arrived
+  compactionEnded: null, // that result's correlation id
+  items: [], // the transcript items shown, oldest first
+  older: null, // cursor of the page before them; null at the start
+  loadingOlder: false,
+  pending: null, // the answer being waited for, while one is (see pendingAnswer)
+  compactionProgress: null, // the running compaction's last progress event
+};
+
+export const ui = {};
+
+export function showNotice(message) {
+  ui.notice.textContent = message;
+  show(ui.notice, Boolean(message));
+}
