@@ -776,14 +776,14 @@ def _stop_while_a_request_hangs(process: subprocess.Popen[str], url: str) -> Non
     deadline = time.monotonic() + 5
     while stats(url)["requests"] == 0 and time.monotonic() < deadline:
         time.sleep(0.02)
-    started = time.monotonic()
     process.send_signal(signal.SIGTERM)
     process.wait(timeout=5)
     requester.join(timeout=5)
-    # The hanging request is released at once rather than after uvicorn's 2 s backstop.
-    assert time.monotonic() - started < 1.5
+    # The hanging request is released by the exit itself, so it is answered
+    # (503, "hang ended"), rather than cut unanswered by uvicorn's backstop.
     assert len(outcome) == 1
-    assert isinstance(outcome[0], httpx.HTTPError | ollama.ResponseError)
+    assert isinstance(outcome[0], ollama.ResponseError), repr(outcome[0])
+    assert outcome[0].status_code == 503 and "hang ended" in outcome[0].error
 
 
 @pytest.mark.asyncio
