@@ -31,6 +31,7 @@ from scripts.ollama_stub import (
 )
 
 # Like scripts.ollama_stub, this needs the repo root on sys.path (python -m pytest does it).
+from tests.events import eventually
 from tests.stub_server import REPO_ROOT, running_stub
 
 DEFAULT_CONFIG: dict[str, Any] = {
@@ -524,7 +525,7 @@ async def test_hang_quirk_times_out_without_blocking_the_server(stub_url: str) -
     ):
         hanging = asyncio.ensure_future(client.chat(model=MODEL, messages=[user("hello")]))
         # While the request hangs, the server keeps answering other requests.
-        await asyncio.sleep(0.1)
+        await eventually(lambda: stats(stub_url)["requests"] == 1, "the request hanging")
         assert (await http.get("/api/version")).status_code == 200
         with pytest.raises(httpx.TimeoutException):
             await hanging
@@ -539,11 +540,7 @@ async def test_a_held_model_answers_once_let_go_and_others_meanwhile(stub_url: s
     async with ollama.AsyncClient(host=stub_url, timeout=30) as client:
         held = asyncio.ensure_future(client.chat(model="held-model:latest",
                                                  messages=[user("hello")]))
-        for _ in range(500):  # until the held request has arrived
-            if stats(stub_url)["requests"] == 1:
-                break
-            await asyncio.sleep(0.01)
-        assert stats(stub_url)["requests"] == 1
+        await eventually(lambda: stats(stub_url)["requests"] == 1, "the held request arrived")
         other = await client.chat(model=MODEL, messages=[user("other")])
         assert other.message.content == "Echo: other (turn 1)"
         assert not held.done()
