@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from schemas.envelope import utc_now
 
 MAX_SYSTEM_PROMPT_CHARS = 200_000
+# Fields stored records may still carry from an earlier version. `compactions`
+# counted a session's compactions, which the history's snapshot counts itself.
+RETIRED_FIELDS = frozenset({"compactions"})
 
 
 class SessionRecord(BaseModel):
@@ -23,10 +27,19 @@ class SessionRecord(BaseModel):
     created_at: datetime = Field(default_factory=utc_now)
     # The provider's own tokens-per-character from its last usable report.
     tokens_per_char: float | None = Field(default=None, gt=0)
-    compactions: int = Field(default=0, ge=0)
     # The window the session's model was trained for, as the generator last
     # read it from the model server; a smaller NUM_CTX wins. None: not known.
     context_length: int | None = Field(default=None, gt=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _without_retired_fields(cls, data: Any) -> Any:
+        """Records written before a field was retired still load: the field is
+        dropped on read, and so never written again. Any other unknown field
+        is still refused."""
+        if isinstance(data, dict) and RETIRED_FIELDS & data.keys():
+            return {k: v for k, v in data.items() if k not in RETIRED_FIELDS}
+        return data
 
     def window(self, num_ctx: int) -> int:
         """The window to use with this session's model: `num_ctx`, or the

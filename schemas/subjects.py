@@ -33,6 +33,10 @@ TOOL_PREFIX = "tool.call"
 TOOL_LIST = "tool.list"
 # Malformed input on event subjects is reported here (requests get a reply).
 ERROR_SUBJECT = "system.error"
+# All of the above, as few wildcards as cover them: what a tail of the bus
+# (scripts/watch.py) listens to. Not the streams' own `history.*` writes.
+SYSTEM_SUBJECTS = ("chat.>", f"{STATE_PREFIX}.>", RESPONSE_GENERATION, "compaction.>",
+                   "tool.>", ERROR_SUBJECT)
 
 # JetStream streams.
 QUERIES_STREAM = "QUERIES"

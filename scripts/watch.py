@@ -24,12 +24,11 @@ from nats.aio.msg import Msg
 from rich.console import Console
 from rich.text import Text
 
+from schemas.subjects import SYSTEM_SUBJECTS
 from services.shared.bus import connect
 from services.shared.runner import main as run_main
 from services.shared.settings import ServiceSettings
 
-SYSTEM_SUBJECTS = ("chat.>", "generator.state.>", "response.generation", "compaction.>",
-                   "tool.>", "system.error")
 STYLES = {"chat": "cyan", "generator": "magenta", "response": "green",
           "compaction": "yellow", "tool": "blue", "system": "bold red"}
 Payload = dict[str, Any]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -106,3 +107,15 @@ async def eventually(check: Callable[[], bool | Awaitable[bool]], what: str = "t
                 await asyncio.sleep(0.02)
     except TimeoutError:
         raise AssertionError(f"never happened within {timeout_s:g} s: {what}") from None
+
+
+def until(check: Callable[[], bool], what: str = "the condition",
+          timeout_s: float = 20.0) -> None:
+    """`eventually` for a test without an event loop: `check` is asked again
+    every 50 ms, up to `timeout_s`. A check may raise to end the wait early
+    (a process that exited, say)."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"never happened within {timeout_s:g} s: {what}")
+        time.sleep(0.05)

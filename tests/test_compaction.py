@@ -204,11 +204,15 @@ async def test_the_session_keeps_answering_while_its_summary_is_written(
     sid = await create(http)
     await chat(http, sid, 5, filler=100)
     async with watching(private_nats.url, *EVENTS) as watcher:
+        # The summary is held until the three turns are answered: they are
+        # answered during it by construction, not by outrunning it.
+        await configure_stub(stub, held_models=["summariser"])
         await http.post(f"/api/sessions/{sid}/compact")
         await watcher.wait_for(lambda e: e.get("message_type") == "compaction.event")
         assert (await session(http, sid))["state"] == "compacting"
         during = await chat(http, sid, 3, filler=10, start=20)
         answered_while_compacting = not results(watcher, sid)
+        await configure_stub(stub, held_models=[])
         result = await next_result(watcher, sid)
     assert answered_while_compacting
     assert all(r.status_code == 200 for r in during)
@@ -227,9 +231,11 @@ async def test_blocking_mode_refuses_queries_during_a_compaction(
     sid = await create(http)
     await chat(http, sid, 5, filler=100)
     async with watching(private_nats.url, *EVENTS) as watcher:
+        await configure_stub(stub, held_models=["summariser"])  # until the query is refused
         await http.post(f"/api/sessions/{sid}/compact")
         await watcher.wait_for(lambda e: e.get("message_type") == "compaction.event")
         refused = await http.post(f"/api/sessions/{sid}/messages", json={"content": "now?"})
+        await configure_stub(stub, held_models=[])
         result = await next_result(watcher, sid)
     assert refused.status_code == 409
     assert refused.json()["error"]["code"] == "compacting"

@@ -17,6 +17,7 @@ from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, RetentionPolicy, StreamConfig
 
 from services.shared.consumer import Credits, Delivery, PullLoop, ensure_consumer
+from tests.events import eventually
 from tests.nats_server import NatsServer
 
 # --------------------------------------------------------------------------- the ledger
@@ -105,6 +106,10 @@ def stream_of(name: str) -> str:
     return f"{STREAM}_{name}"
 
 
+async def nothing_standing(nc: NATS, stream: str) -> bool:
+    return (await nc.jetstream().consumer_info(stream, "worker")).num_waiting == 0
+
+
 async def fresh_stream(nc: NATS, name: str) -> str:
     js = nc.jetstream()
     subject = f"pulltest.{name}"
@@ -161,7 +166,10 @@ async def test_never_more_in_hand_than_room_and_every_message_once(nc: NATS) -> 
         for index in range(10):
             await nc.jetstream().publish(subject, str(index).encode())
         await holder.wait_for(3)
-        await asyncio.sleep(0.3)  # a loop that over-asks would hand out more by now
+        # With no pull request standing nothing more can come: a loop that
+        # over-asks would have had more handed out.
+        await eventually(lambda: nothing_standing(nc, stream_of("room")),
+                         "no pull request standing")
         assert len(holder.seen) == 3
         while len(holder.seen) < 10:
             for msg in holder.held:
@@ -174,8 +182,10 @@ async def test_never_more_in_hand_than_room_and_every_message_once(nc: NATS) -> 
 
 async def test_the_loop_keeps_pulling_after_its_requests_expire(nc: NATS) -> None:
     holder = Holder(room=2)
+    requests = await nc.subscribe(f"$JS.API.CONSUMER.MSG.NEXT.{stream_of('expiry')}.worker")
     async with pulling(nc, "expiry", holder, expires_s=0.3) as (subject, _):
-        await asyncio.sleep(1.2)  # several requests end unfilled
+        for _ in range(3):  # each asked for once the one before ended unfilled
+            await requests.next_msg(timeout=10)
         await nc.jetstream().publish(subject, b"late")
         await holder.wait_for(1, timeout_s=3.0)
         assert holder.seen == [b"late"]
@@ -235,9 +245,13 @@ async def test_stopping_hands_over_what_has_already_arrived(nc: NATS) -> None:
     await loop.start()
     for data in (b"first", b"second"):
         await nc.jetstream().publish(subject, data)
-    await asyncio.sleep(0.3)  # both delivered: one in the handler, one waiting
+    async def both_delivered() -> bool:  # one in the handler, one waiting
+        info = await nc.jetstream().consumer_info(stream_of("stop"), "worker")
+        return info.num_ack_pending == 2
+
+    await eventually(both_delivered, "both messages delivered")
     stopping = asyncio.create_task(loop.stop())
-    await asyncio.sleep(0.1)
+    await asyncio.sleep(0)  # the stop begins (its drain is under way) before the handler ends
     gate.set()
     await stopping
     assert seen == [b"first", b"second"]

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import nats
 from nats.aio.msg import Msg
+from nats.js import JetStreamContext
 
 from schemas import subjects
 from schemas.history import ChatMessage, Snapshot
@@ -22,13 +23,14 @@ from schemas.messages import Query, Reply
 from schemas.session import SessionRecord
 from services.generator.models import ModelFacts
 from services.generator.provider import ChatRequest, ChatResult, OnToken, ProviderError
-from services.generator.service import MAX_CRASHES, Generator
+from services.generator.service import MAX_CRASHES, QUERY_CONSUMER, Generator
 from services.generator.session_lock import SessionLocks
 from services.generator.settings import GeneratorSettings
 from services.shared.bus import Bus, decode
 from services.shared.history_store import HistoryStore
 from services.shared.jetstream import ensure_layout, locks_bucket, sessions_bucket
 from services.shared.sessions import SessionStore
+from tests.events import eventually
 from tests.nats_server import NatsServer, running_nats
 
 SID = "crashing"
@@ -143,6 +145,13 @@ async def test_a_query_whose_turn_was_compacted_is_not_answered_again(
         assert (await history.read(SID)).conversation.messages == tuple(later)
 
 
+async def deliveries(js: JetStreamContext, at_least: int) -> bool:
+    """Whether the generator's consumer has made `at_least` deliveries (one
+    query here, so each after the first is the query coming back)."""
+    info = await js.consumer_info(subjects.QUERIES_STREAM, QUERY_CONSUMER)
+    return info.delivered.consumer_seq >= at_least
+
+
 async def test_waiting_for_the_lock_does_not_use_up_the_retries(
         private_nats: NatsServer) -> None:
     """The query is handed back twice while the lock is held elsewhere (it is
@@ -155,7 +164,8 @@ async def test_waiting_for_the_lock_does_not_use_up_the_retries(
         async with elsewhere.hold(SID, "query"):
             await rig.bus.js_publish(subjects.query(SID), Query(session_id=SID, content="hi"),
                                      session_id=SID)
-            await asyncio.sleep(2.0)  # two lock timeouts, each handing the query back
+            await eventually(lambda: deliveries(rig.bus.js, 3),
+                             "two lock timeouts, each handing the query back")
             assert rig.model.calls == 0
         reply = await asyncio.wait_for(rig.replies.get(), 15)
         assert reply.error_code == "internal_error"

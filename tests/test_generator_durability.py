@@ -110,11 +110,16 @@ async def history(http: httpx.AsyncClient, sid: str) -> list[tuple[str, str]]:
 async def test_one_process_answers_many_sessions_at_once(
     system: System, stub: str, http: httpx.AsyncClient, private_nats: NatsServer
 ) -> None:
-    await configure_stub(stub, model_latency={"stub-model": 400})
+    # The model is held: no answer can end before eight have begun, however
+    # slowly the queries come in, so eight at once is forced, not raced for.
+    await configure_stub(stub, held_models=["stub-model"])
     launch(system, "gen-a")
     sids = [await create(http) for _ in range(16)]
     async with watching(private_nats.url, STATES) as watcher:
-        replies = await asyncio.gather(*(say(http, sid, "hello") for sid in sids))
+        asked = [asyncio.create_task(say(http, sid, "hello")) for sid in sids]
+        await watcher.wait_until(lambda: max_concurrent_generations(watcher) >= 8, 30)
+        await configure_stub(stub, held_models=[])
+        replies = await asyncio.gather(*asked)
     assert all(r.json()["reply"] == "Echo: hello (turn 1)" for r in replies)
     assert max_concurrent_generations(watcher) >= 8
 
@@ -157,12 +162,17 @@ async def test_two_generator_processes_share_sessions_and_never_interleave_one(
 
 
 async def test_a_query_accepted_while_no_generator_runs_is_answered_when_one_starts(
-    system: System, http: httpx.AsyncClient
+    system: System, http: httpx.AsyncClient, private_nats: NatsServer
 ) -> None:
     system.start()  # gateway only
     sid = await create(http)
-    pending = asyncio.create_task(say(http, sid, "anyone?"))
-    await asyncio.sleep(1.0)
+    nc = await nats.connect(private_nats.url)
+    try:
+        queued = await nc.subscribe(subjects.query(sid))
+        pending = asyncio.create_task(say(http, sid, "anyone?"))
+        await queued.next_msg(timeout=10)  # accepted: in the stream, with nobody to answer
+    finally:
+        await nc.close()
     assert not pending.done()
     add_generator(system, "gen-late")
     reply = await asyncio.wait_for(pending, 30)
@@ -196,7 +206,8 @@ async def test_a_generator_killed_mid_answer_loses_nothing_and_doubles_nothing(
 async def test_a_frozen_holder_past_its_lease_cannot_write(
     system: System, stub: str, http: httpx.AsyncClient, private_nats: NatsServer
 ) -> None:
-    await configure_stub(stub, model_latency={"stub-model": 1500})
+    # Held until the holder is frozen: it is frozen mid-answer, never after.
+    await configure_stub(stub, held_models=["stub-model"])
     launch(system, "gen-a", "gen-b")
     sid = await create(http)
     async with watching(private_nats.url, STATES) as watcher:
@@ -205,6 +216,7 @@ async def test_a_frozen_holder_past_its_lease_cannot_write(
     frozen_name = started["payload"]["generator_id"]
     frozen = system[frozen_name]
     frozen.signal(signal.SIGSTOP)
+    await configure_stub(stub, held_models=[])
     try:
         reply = (await asyncio.wait_for(pending, 60)).json()
     finally:
@@ -230,8 +242,11 @@ async def test_a_retried_publish_of_a_query_is_stored_and_answered_once(
     _, second = await bus.js_publish(subjects.query(sid), query, message_id="fixed-id")
     assert not first.duplicate and second.duplicate
     await replies.next_msg(timeout=15)
-    with pytest.raises(nats.errors.TimeoutError):
-        await replies.next_msg(timeout=1.5)
+    # Every delivery of the query settled, each reply published before its
+    # acknowledgement: a second answer would be here by now.
+    await consumer_caught_up(private_nats.url, subjects.QUERIES_STREAM, "generator")
+    await nc.flush()
+    assert replies.pending_msgs == 0
     await nc.drain()
     assert await history(http, sid) == [("user", "only once"),
                                         ("assistant", "Echo: only once (turn 1)")]

@@ -19,7 +19,7 @@ from services.shared.bus import Bus
 from services.shared.history_store import HistoryStore
 from services.shared.jetstream import ensure_layout, sessions_bucket
 from services.shared.sessions import SessionStore
-from tests.events import watching
+from tests.events import eventually, watching
 from tests.nats_server import NatsServer
 from tests.stub_server import running_stub
 
@@ -155,12 +155,8 @@ async def test_one_sessions_backlog_leaves_room_for_other_sessions(
             # Well within the first slow answer (30 s).
             assert await asyncio.wait_for(answered.get(), 25) == subjects.reply("other")
             # The backlog in hand takes one slot; the other one is free again.
-            for _ in range(500):  # its slot is given back a moment after its reply
-                if generator.status()["free_slots"] == 1:
-                    break
-                await asyncio.sleep(0.01)
-            else:
-                raise AssertionError(f"slots free: {generator.status()['free_slots']}")
+            # Its slot is given back a moment after its reply.
+            await eventually(lambda: generator.status()["free_slots"] == 1, "one slot free")
         finally:
             await generator.stop()
             await nc.close()

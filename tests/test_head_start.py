@@ -9,6 +9,7 @@ as it stands once the lock is ours."""
 from __future__ import annotations
 
 import asyncio
+import signal
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -22,13 +23,15 @@ from schemas.session import SessionRecord
 from scripts.bench import head_start_counts
 from services.generator.head_start import HeadStart, HeadStartCount, still_good
 from services.generator.provider import ChatResult
+from services.generator.service import QUERY_CONSUMER
 from services.generator.session_lock import SessionLocks
 from services.shared.history_store import HistoryStore, HistoryView
 from services.shared.jetstream import locks_bucket
-from tests.events import Watcher, server_sent_events, watching
+from tests.events import Watcher, eventually, server_sent_events, watching
 from tests.nats_server import NatsServer
 from tests.stub_server import running_stub
 from tests.system import System
+from tests.test_session_state import no_pull_request_standing
 
 LEASE_S = 2.0  # the System's LOCK_LEASE_S
 
@@ -207,10 +210,10 @@ async def test_a_head_start_for_a_session_held_elsewhere_is_dropped_unseen(
     try:
         async with elsewhere.hold(sid, "query"):
             asking = asyncio.create_task(streamed(http, sid, "two"))
-            for _ in range(500):  # until the generator has given its head start up
-                if (await head_starts(private_nats.url))["abandoned"]:
-                    break
-                await asyncio.sleep(0.01)
+            async def given_up() -> bool:
+                return bool((await head_starts(private_nats.url))["abandoned"])
+
+            await eventually(given_up, "the generator gave its head start up")
             # Meanwhile the holder answers a query of its own.
             store = HistoryStore(nc.jetstream())
             await store.append(sid, await store.read(sid), [
@@ -244,27 +247,40 @@ async def test_a_session_back_on_a_generator_finds_its_history_current(
     private_nats: NatsServer, stub: str,
 ) -> None:
     """Each generator follows the history, so after the other one answered a
-    session its view already holds that turn: its head start is kept."""
+    session its view already holds that turn: its head start is kept.
+
+    The session is sent from one generator to the other and back by freezing
+    the one that is not to answer (once its pull requests have ended, no
+    query can reach it), so the return is forced, not left to chance."""
     system = System(private_nats.url, stub, services=("gateway",)).start()
-    for name in ("gen-a", "gen-b"):
-        system.add(name, "services.generator", {"GENERATOR_ID": name}).start()
+    gen_a = system.add("gen-a", "services.generator", {"GENERATOR_ID": "gen-a"}).start()
     try:
         async with (httpx.AsyncClient(base_url=system.base_url, timeout=30) as http,
                     watching(private_nats.url, f"{subjects.STATE_PREFIX}.*") as watcher):
-            sids = [str((await http.post("/api/sessions", json={})).json()["session_id"])
-                    for _ in range(8)]
+            sid = str((await http.post("/api/sessions", json={})).json()["session_id"])
 
-            async def talk(sid: str) -> None:
-                for turn in range(1, 7):
-                    answer = await http.post(f"/api/sessions/{sid}/messages",
-                                             json={"content": f"q{turn}"})
-                    assert answer.json()["reply"] == f"Echo: q{turn} (turn {turn})"
+            async def ask(turn: int) -> None:
+                answer = await http.post(f"/api/sessions/{sid}/messages",
+                                         json={"content": f"q{turn}"})
+                assert answer.json()["reply"] == f"Echo: q{turn} (turn {turn})"
 
-            await asyncio.gather(*(talk(sid) for sid in sids))
-            taken_back = sum(returns(watcher, sid) for sid in sids)
-        counts = await all_head_starts(private_nats.url, 2)
+            await ask(1)  # on gen-a
+            gen_a.signal(signal.SIGSTOP)
+            await no_pull_request_standing(private_nats.url, subjects.QUERIES_STREAM,
+                                           QUERY_CONSUMER)
+            gen_b = system.add("gen-b", "services.generator", {"GENERATOR_ID": "gen-b"}).start()
+            await ask(2)  # on gen-b, the only one taking queries
+            assert await asyncio.to_thread(gen_b.stop) == 0
+            await no_pull_request_standing(private_nats.url, subjects.QUERIES_STREAM,
+                                           QUERY_CONSUMER)
+            # gen-b's write reached gen-a while it was frozen; it reads that
+            # before any query it asks for after it wakes.
+            gen_a.signal(signal.SIGCONT)
+            await ask(3)  # back on gen-a
+            taken_back = returns(watcher, sid)
+        counts = await all_head_starts(private_nats.url, 1)
     finally:
-        system.stop()
+        system.stop()  # which wakes a frozen one first
     kept = sum(c["kept"] for c in counts.values())
     abandoned = sum(c["abandoned"] for c in counts.values())
     assert taken_back >= 1, "no session went back to a generator: nothing was shown"

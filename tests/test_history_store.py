@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import signal
 import uuid
-from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 
 import nats
@@ -18,6 +17,7 @@ from schemas.history import ChatMessage, HistoryEntry, Snapshot
 from services.shared.history_store import HistoryConflict, HistoryStore, HistoryView
 from services.shared.jetstream import ensure_layout
 from services.shared.transcript import every_item, trim
+from tests.events import eventually
 from tests.nats_server import NatsServer
 
 
@@ -132,13 +132,6 @@ async def test_a_caller_that_knows_its_view_is_current_skips_the_server(
     with pytest.raises(HistoryConflict):
         await store.append(sid, mine, turn(3))
     assert len((await store.read(sid)).conversation.messages) == 4
-
-
-async def eventually(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not condition():
-        assert asyncio.get_running_loop().time() < deadline, "condition never held"
-        await asyncio.sleep(0.01)
 
 
 async def test_a_followed_view_takes_in_what_other_processes_write(nc: NATS) -> None:
@@ -273,12 +266,10 @@ async def test_a_write_left_unanswered_leaves_no_view_to_trust(
         finally:
             private_nats.signal(signal.SIGCONT)
         assert store.cached(sid) is None
-        for _ in range(100):  # stored after all, once the server woke
-            if (await store.read(sid, current=True)).conversation.messages:
-                break
-            await asyncio.sleep(0.05)
-        else:
-            pytest.fail("the append was never stored")
+        async def stored() -> bool:
+            return bool((await store.read(sid, current=True)).conversation.messages)
+
+        await eventually(stored, "the append stored after all, once the server woke")
     finally:
         await client.close()
 

@@ -8,7 +8,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import httpx
 import pytest
 
 from scripts.run import answers, check_models, ollama_url, page_url, pulled_models
+from tests.events import until
 from tests.nats_server import free_port
 from tests.processes import REPO_ROOT
 from tests.stub_server import running_stub
@@ -27,13 +27,13 @@ def wait_until_announced(log: Path, proc: subprocess.Popen[bytes], timeout_s: fl
     """Until the launcher says the chat is ready. The gateway's health alone is not
     that: the launcher polls it too, and a stop sent between the two polls lands
     while the launcher is still starting, so it never announces anything."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    def announced() -> bool:
         if READY_LINE in log.read_text(errors="replace"):
-            return
+            return True
         assert proc.poll() is None, "the launcher exited early"
-        time.sleep(0.05)
-    raise TimeoutError(f"the launcher never said '{READY_LINE}'")
+        return False
+
+    until(announced, f"the launcher said '{READY_LINE}'", timeout_s)
 
 
 @dataclass
@@ -59,14 +59,16 @@ def launch(tmp_path: Path, ports: Ports, **extra: str) -> subprocess.Popen[bytes
 def scraped(url: str, timeout_s: float = 30) -> str:
     """The metrics at `url`, once its service listens (the launcher waits for
     the gateway only)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            return httpx.get(url).text
-        except httpx.TransportError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
+    until(lambda: answers_http(url), f"{url} answered", timeout_s)
+    return httpx.get(url).text
+
+
+def answers_http(url: str) -> bool:
+    try:
+        httpx.get(url)
+    except httpx.TransportError:
+        return False
+    return True
 
 
 def listening(port: int) -> bool:

@@ -31,6 +31,7 @@ from scripts.ollama_stub import (
 )
 
 # Like scripts.ollama_stub, this needs the repo root on sys.path (python -m pytest does it).
+from tests.events import eventually
 from tests.stub_server import REPO_ROOT, running_stub
 
 DEFAULT_CONFIG: dict[str, Any] = {
@@ -524,7 +525,7 @@ async def test_hang_quirk_times_out_without_blocking_the_server(stub_url: str) -
     ):
         hanging = asyncio.ensure_future(client.chat(model=MODEL, messages=[user("hello")]))
         # While the request hangs, the server keeps answering other requests.
-        await asyncio.sleep(0.1)
+        await eventually(lambda: stats(stub_url)["requests"] == 1, "the request hanging")
         assert (await http.get("/api/version")).status_code == 200
         with pytest.raises(httpx.TimeoutException):
             await hanging
@@ -539,11 +540,7 @@ async def test_a_held_model_answers_once_let_go_and_others_meanwhile(stub_url: s
     async with ollama.AsyncClient(host=stub_url, timeout=30) as client:
         held = asyncio.ensure_future(client.chat(model="held-model:latest",
                                                  messages=[user("hello")]))
-        for _ in range(500):  # until the held request has arrived
-            if stats(stub_url)["requests"] == 1:
-                break
-            await asyncio.sleep(0.01)
-        assert stats(stub_url)["requests"] == 1
+        await eventually(lambda: stats(stub_url)["requests"] == 1, "the held request arrived")
         other = await client.chat(model=MODEL, messages=[user("other")])
         assert other.message.content == "Echo: other (turn 1)"
         assert not held.done()
@@ -776,14 +773,14 @@ def _stop_while_a_request_hangs(process: subprocess.Popen[str], url: str) -> Non
     deadline = time.monotonic() + 5
     while stats(url)["requests"] == 0 and time.monotonic() < deadline:
         time.sleep(0.02)
-    started = time.monotonic()
     process.send_signal(signal.SIGTERM)
     process.wait(timeout=5)
     requester.join(timeout=5)
-    # The hanging request is released at once rather than after uvicorn's 2 s backstop.
-    assert time.monotonic() - started < 1.5
+    # The hanging request is released by the exit itself, so it is answered
+    # (503, "hang ended"), rather than cut unanswered by uvicorn's backstop.
     assert len(outcome) == 1
-    assert isinstance(outcome[0], httpx.HTTPError | ollama.ResponseError)
+    assert isinstance(outcome[0], ollama.ResponseError), repr(outcome[0])
+    assert outcome[0].status_code == 503 and "hang ended" in outcome[0].error
 
 
 @pytest.mark.asyncio

@@ -16,22 +16,20 @@ from nats.js.errors import NotFoundError
 
 from schemas import subjects
 from services.shared.runner import SHUTDOWN_TIMEOUT_S
-from tests.events import server_sent_events, watching
+from tests.events import eventually, server_sent_events, until, watching
 from tests.nats_server import NatsServer
 from tests.stub_server import running_stub
 from tests.system import ask, new_session, running_system
 
 
 def wait_for_status(client: httpx.Client, path: str, status: int, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    def answered() -> bool:
         try:
-            if client.get(path).status_code == status:
-                return
+            return client.get(path).status_code == status
         except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    raise AssertionError(f"{path} never answered {status} within {timeout_s} s")
+            return False
+
+    until(answered, f"{path} answered {status}", timeout_s)
 
 
 def test_services_reconnect_after_nats_restarts(private_nats: NatsServer, stub_url: str) -> None:
@@ -80,10 +78,10 @@ async def test_sigterm_while_nats_is_away_mid_turn_exits_within_the_bound(
             sid = (await http.post("/api/sessions", json={"model": "slow"})).json()["session_id"]
             asking = asyncio.create_task(
                 http.post(f"/api/sessions/{sid}/messages", json={"content": "hello"}))
-            deadline = time.monotonic() + 10
-            while (await http.get(f"{stub}/_stub/stats")).json()["requests"] < 1:
-                assert time.monotonic() < deadline, "the model was never called"
-                await asyncio.sleep(0.05)
+            async def called() -> bool:
+                return bool((await http.get(f"{stub}/_stub/stats")).json()["requests"])
+
+            await eventually(called, "the model called", timeout_s=10)
             private_nats.stop()  # while the model answers
             generator = system["generator"]
             generator.wait_for("nats_disconnected", 10)

@@ -93,9 +93,10 @@ async def test_the_first_runs_in_the_callers_own_task() -> None:
 
 
 async def test_cancelling_the_caller_cancels_the_second() -> None:
-    second_cancelled = asyncio.Event()
+    second_started, second_cancelled = asyncio.Event(), asyncio.Event()
 
     async def wait_forever() -> None:
+        second_started.set()
         try:
             await asyncio.Event().wait()
         except asyncio.CancelledError:
@@ -103,7 +104,7 @@ async def test_cancelling_the_caller_cancels_the_second() -> None:
             raise
 
     caller = asyncio.create_task(together(asyncio.Event().wait(), wait_forever()))
-    await asyncio.sleep(0.01)
+    await second_started.wait()
     caller.cancel()
     with pytest.raises(asyncio.CancelledError):
         await caller

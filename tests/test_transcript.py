@@ -20,6 +20,7 @@ from schemas import subjects
 from services.tools.recall import run_recall
 from tests.events import watching
 from tests.nats_server import NatsServer
+from tests.stub_server import configure_stub
 from tests.system import System
 from tests.test_compaction import EVENTS, create, next_result, publish_request, session
 from tests.test_compaction import stub as stub  # the summariser takes 1.5 s
@@ -163,7 +164,7 @@ async def test_paging_returns_every_item_exactly_once(
 
 
 async def test_a_generator_killed_during_a_compaction_loses_nothing_from_either_view(
-    private_nats: NatsServer, start: Start
+    private_nats: NatsServer, stub: str, start: Start
 ) -> None:
     system, http = start("gateway")
     system.add("gen-a", "services.generator", {"GENERATOR_ID": "gen-a"}).start()
@@ -172,11 +173,13 @@ async def test_a_generator_killed_during_a_compaction_loses_nothing_from_either_
     before = await transcript(http, sid)
     context_before = (await session(http, sid))["messages"]
     async with watching(private_nats.url, *EVENTS) as watcher:
+        await configure_stub(stub, held_models=["summariser"])  # it is writing when killed
         await http.post(f"/api/sessions/{sid}/compact")
         await watcher.wait_for(lambda e: e["payload"].get("event") == "started")
-        system["gen-a"].kill()  # the summariser takes 1.5 s: it is writing now
+        system["gen-a"].kill()
         assert (await session(http, sid))["messages"] == context_before
         assert await transcript(http, sid) == before
+        await configure_stub(stub, held_models=[])
         system.add("gen-b", "services.generator", {"GENERATOR_ID": "gen-b"}).start()
         result = await next_result(watcher, sid)
     assert result["status"] == "completed", result

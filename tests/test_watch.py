@@ -13,6 +13,7 @@ from contextlib import asynccontextmanager
 import pytest
 from nats.aio.client import Client as NATS
 
+from schemas import subjects
 from scripts.watch import describe
 from tests.processes import REPO_ROOT
 
@@ -45,6 +46,29 @@ def test_each_kind_of_message_shows_its_key_fields(subject: str, data: bytes,
     line = describe(subject, data)
     assert wanted in line.detail
     assert (line.time, line.sender, line.session) == ("03:04:05.678", "generator", "abcdef12")
+
+
+def covered(subject: str, pattern: str) -> bool:
+    """NATS matching: `*` one token, `>` the rest (one token at least)."""
+    tokens, wanted = subject.split("."), pattern.split(".")
+    for i, token in enumerate(wanted):
+        if token == ">":
+            return len(tokens) > i
+        if i >= len(tokens) or token not in ("*", tokens[i]):
+            return False
+    return len(tokens) == len(wanted)
+
+
+def test_the_watched_subjects_cover_every_subject_the_services_talk_on() -> None:
+    spoken = [subjects.RESPONSE_GENERATION, subjects.COMPACTION_REQUEST,
+              subjects.COMPACTION_RESULT, subjects.COMPACTION_EVENT, subjects.query("s"),
+              subjects.reply("s"), subjects.token("s"), subjects.stop("s"),
+              subjects.state("s"), subjects.tool("word_count"), subjects.TOOL_LIST,
+              subjects.ERROR_SUBJECT]
+    missed = [s for s in spoken if not any(covered(s, p) for p in subjects.SYSTEM_SUBJECTS)]
+    assert not missed
+    # The history stream's own writes are state, not talk: left out.
+    assert not any(covered(subjects.history("s"), p) for p in subjects.SYSTEM_SUBJECTS)
 
 
 def test_what_is_not_an_envelope_is_shown_raw() -> None:

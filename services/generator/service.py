@@ -373,10 +373,7 @@ class Generator:
             log.warning("query_answered_again", error_code=answered.error_code)
             await self._send_reply(delivery, env, answered)
             return None
-        # Blocking mode: a query meeting a compaction waits only so long, then
-        # gets an error instead of the answer.
-        blocked = self._compactor.blocking and (
-            self._compactor.running(sid) or await self._locks.purpose_of(sid) == "compaction")
+        blocked = await self._meets_compaction(sid)
         wait = self._settings.blocking_query_wait_s if blocked else None
         # The model call starts now, unless this is a redelivery (the answer
         # may be stored already) or the session is to wait for a compaction.
@@ -396,17 +393,29 @@ class Generator:
                 metrics.generator().lock_wait.observe(asked.elapsed())
                 return await self._answer(delivery, env, lease, head)
         except LockTimeout:
-            if blocked:
-                await self._send_reply(delivery, env, self._error_reply(env, TurnError(
-                    "compacting", "the session is being compacted (blocking mode); "
-                    "try again when it is done")))
-                return None
-            log.warning("session_lock_timeout")
-            await delivery.nak(1.0)
+            await self._lock_timed_out(delivery, env, blocked)
             return None
         finally:
             if head is not None:
                 head.abandon()  # nothing once the turn has used it
+
+    async def _meets_compaction(self, sid: str) -> bool:
+        """Blocking mode: a query meeting a compaction waits only so long, then
+        gets an error instead of the answer."""
+        return self._compactor.blocking and (
+            self._compactor.running(sid) or await self._locks.purpose_of(sid) == "compaction")
+
+    async def _lock_timed_out(self, delivery: Delivery, env: Envelope[Query],
+                              blocked: bool) -> None:
+        """A query that met a compaction in blocking mode is told so; any
+        other goes back to the stream, to try again in a second."""
+        if blocked:
+            await self._send_reply(delivery, env, self._error_reply(env, TurnError(
+                "compacting", "the session is being compacted (blocking mode); "
+                "try again when it is done")))
+            return
+        log.warning("session_lock_timeout")
+        await delivery.nak(1.0)
 
     async def _first_try(self, sid: str, msg: Msg) -> tuple[int | None, Lease | None]:
         """The stream sequence of an earlier query of the session still

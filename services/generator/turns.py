@@ -193,15 +193,9 @@ class TurnRunner:
             # Asked afresh only for an empty history: a session deleted while
             # this process kept its record must not be written again.
             raise SessionNotFound(sid)
-        done = previous_answer(view.conversation, query_id)
-        if done is not None:
-            log.info("query_already_answered")
-            return Reply(session_id=sid, query_id=query_id, reply=done), None
-        if query_id in view.conversation.compacted_query_ids:
-            log.warning("query_answered_before_compaction")
-            return Reply(session_id=sid, query_id=query_id, error_code="already_answered",
-                         error="this query was answered before, and a compaction has "
-                               "since folded its answer into the summary"), None
+        answered = _answered_before(view, sid, query_id)
+        if answered is not None:
+            return answered, None
         record = await self._with_window(record)
         turn, supersedes = self._new_turn(env, record, view)
         started = time.monotonic()
@@ -484,3 +478,18 @@ def _heard_by(switch: StopSwitch, stream: TokenStream) -> OnToken:
 
 def _question(env: Envelope[Query]) -> ChatMessage:
     return ChatMessage(role="user", content=env.payload.content, query_id=env.message_id)
+
+
+def _answered_before(view: HistoryView, sid: str, query_id: str) -> Reply | None:
+    """The reply for a query the history shows answered already (a
+    redelivery whose acknowledgement was lost), or None for a new one."""
+    done = previous_answer(view.conversation, query_id)
+    if done is not None:
+        log.info("query_already_answered")
+        return Reply(session_id=sid, query_id=query_id, reply=done)
+    if query_id in view.conversation.compacted_query_ids:
+        log.warning("query_answered_before_compaction")
+        return Reply(session_id=sid, query_id=query_id, error_code="already_answered",
+                     error="this query was answered before, and a compaction has "
+                           "since folded its answer into the summary")
+    return None

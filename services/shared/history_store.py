@@ -146,15 +146,7 @@ class HistoryStore:
         subject = subjects.history(sid)
         kept = self._cache.get(sid)
         cached = kept.view if kept is not None else EMPTY
-        # Asked together: whether anything changed, and the first of what did.
-        # Catching up on one turn then takes one round trip, not three; when
-        # nothing changed, the second request was not needed.
-        last_msg, first_new = await together(
-            self._last_msg(subject), self._entry_after(subject, cached.last_seq))
-        if isinstance(last_msg, Exception):
-            raise last_msg
-        if isinstance(first_new, Exception):
-            raise first_new
+        last_msg, first_new = await self._last_and_next(subject, cached.last_seq)
         last = int(last_msg.seq or 0) if last_msg is not None else 0
         if last == cached.last_seq:
             if kept is not None:
@@ -175,6 +167,21 @@ class HistoryStore:
         view = await self._read_up_to(subject, last, cached, first_new)
         self._remember(sid, view)
         return view
+
+    async def _last_and_next(self, subject: str, seen: int
+                             ) -> tuple[RawStreamMsg | None, RawStreamMsg | None]:
+        """The subject's last entry, and the first after `seen`.
+
+        Asked together: whether anything changed, and the first of what did.
+        Catching up on one turn then takes one round trip, not three; when
+        nothing changed, the second request was not needed."""
+        last_msg, first_new = await together(
+            self._last_msg(subject), self._entry_after(subject, seen))
+        if isinstance(last_msg, Exception):
+            raise last_msg
+        if isinstance(first_new, Exception):
+            raise first_new
+        return last_msg, first_new
 
     async def append(
         self, sid: str, view: HistoryView, messages: Sequence[ChatMessage],

@@ -12,7 +12,7 @@ series without end.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from datetime import datetime
 from functools import cache
@@ -54,32 +54,32 @@ def error_label(code: str | None) -> str:
     return code if code in KNOWN_ERROR_CODES else "other"
 
 
+def seconds(name: str, documentation: str, labels: Sequence[str] = ()) -> Histogram:
+    """A histogram of durations, all on the same buckets so they compare."""
+    return Histogram(name, documentation, labels, buckets=TIME_BUCKETS)
+
+
 class GeneratorMetrics:
     def __init__(self) -> None:
         self.turns = Counter("generator_turns", "Queries answered, by outcome and error code",
                              ["outcome", "error_code"])
-        self.queue_wait = Histogram("generator_queue_wait_seconds",
-                                    "From a query's publish to its delivery here",
-                                    buckets=TIME_BUCKETS)
-        self.lock_wait = Histogram("generator_lock_wait_seconds",
-                                   "From asking for a session's lock to holding it",
-                                   buckets=TIME_BUCKETS)
-        self.model_time = Histogram("generator_model_seconds", "One model call, whole",
-                                    ["purpose"], buckets=TIME_BUCKETS)
-        self.first_token = Histogram("generator_time_to_first_token_seconds",
-                                     "From a streamed model call to its first token",
-                                     buckets=TIME_BUCKETS)
-        self.turn_time = Histogram("generator_turn_seconds",
-                                   "From a query's publish to its reply (end to end)",
-                                   buckets=TIME_BUCKETS)
+        self.queue_wait = seconds("generator_queue_wait_seconds",
+                                  "From a query's publish to its delivery here")
+        self.lock_wait = seconds("generator_lock_wait_seconds",
+                                 "From asking for a session's lock to holding it")
+        self.model_time = seconds("generator_model_seconds", "One model call, whole",
+                                  ["purpose"])
+        self.first_token = seconds("generator_time_to_first_token_seconds",
+                                   "From a streamed model call to its first token")
+        self.turn_time = seconds("generator_turn_seconds",
+                                 "From a query's publish to its reply (end to end)")
         self.compactions = Counter("generator_compactions",
                                    "Compaction results, by outcome, level and trigger",
                                    ["status", "level", "trigger"])
         self.tokens_freed = Counter("generator_compaction_tokens_freed",
                                     "Tokens a completed compaction took off the context")
-        self.summary_time = Histogram("generator_summary_seconds",
-                                      "Writing one compaction's summary (all its pieces)",
-                                      buckets=TIME_BUCKETS)
+        self.summary_time = seconds("generator_summary_seconds",
+                                    "Writing one compaction's summary (all its pieces)")
         self.lock_takeovers = Counter("generator_lock_takeovers",
                                       "Session locks taken over from another holder's marker")
         self.head_starts = Counter("generator_head_starts", "Head starts, kept or abandoned",
@@ -177,14 +177,18 @@ _connection_watched: set[int] = set()
 def watch_connection(nc: NATS, service: str) -> None:
     """NATS connection state as gauges read at each scrape."""
     if _connection_watched:
-        return  # one connection per process
+        return  # one connection per process (and a metric registers only once)
     _connection_watched.add(id(nc))
-    Gauge("nats_connected", "1 while connected to NATS", ["service"]).labels(
-        service).set_function(lambda: 1.0 if nc.is_connected else 0.0)
-    Gauge("nats_reconnecting", "1 while reconnecting to NATS", ["service"]).labels(
-        service).set_function(lambda: 1.0 if nc.is_reconnecting else 0.0)
-    Gauge("nats_reconnects", "Reconnections since start", ["service"]).labels(
-        service).set_function(lambda: float(nc.stats.get("reconnects", 0)))
+    readings: dict[str, tuple[str, Callable[[], float]]] = {
+        "nats_connected": ("1 while connected to NATS",
+                           lambda: 1.0 if nc.is_connected else 0.0),
+        "nats_reconnecting": ("1 while reconnecting to NATS",
+                              lambda: 1.0 if nc.is_reconnecting else 0.0),
+        "nats_reconnects": ("Reconnections since start",
+                            lambda: float(nc.stats.get("reconnects", 0))),
+    }
+    for name, (documentation, read) in readings.items():
+        Gauge(name, documentation, ["service"]).labels(service).set_function(read)
 
 
 def serve_on(port: int | None, host: str) -> None:

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import structlog
 from nats.micro.request import Request
 
 from schemas import subjects
+from schemas.envelope import Envelope
 from schemas.messages import ErrorReport, ToolInvocation, ToolOutcome
 from services.shared.bus import BadMessage, Bus, decode
 from services.shared.runner import Endpoint
@@ -19,6 +21,10 @@ from services.tools import recall
 from services.tools.catalogue import TOOLS, Tool, ToolFailure
 
 log = structlog.get_logger()
+
+# A tool's work once its call is read, and the endpoint handler built around it.
+Run = Callable[[Envelope[ToolInvocation]], Awaitable[ToolOutcome]]
+Handler = Callable[[Request], Awaitable[None]]
 
 
 class ToolsService:
@@ -40,32 +46,27 @@ class ToolsService:
 
     def endpoints(self) -> list[Endpoint]:
         listing = Endpoint("list", subjects.TOOL_LIST, self._list)
-        calls = [Endpoint(name, subjects.tool(name), self._caller(tool))
+        calls = [Endpoint(name, subjects.tool(name), self._answering(in_thread(tool)))
                  for name, tool in TOOLS.items()]
-        recalling = Endpoint(recall.NAME, subjects.tool(recall.NAME), self._recall)
+        recalling = Endpoint(recall.NAME, subjects.tool(recall.NAME),
+                             self._answering(self._recall))
         return [listing, *calls, recalling]
 
     async def _list(self, request: Request) -> None:
         definitions = [*(t.definition() for t in TOOLS.values()), recall.DEFINITION]
         await request.respond(json.dumps(definitions).encode())
 
-    async def _recall(self, request: Request) -> None:
-        self._calls += 1
+    async def _recall(self, env: Envelope[ToolInvocation]) -> ToolOutcome:
         try:
-            env = decode(request.data, ToolInvocation, request.subject)
-        except BadMessage as err:
-            await request.respond(self._wrap(request.subject, err.report))
-            return
-        try:
-            outcome = await recall.run_recall(self._bus.js, env.session_id, env.payload.arguments)
+            return await recall.run_recall(self._bus.js, env.session_id, env.payload.arguments)
         except Exception as err:  # NATS away, a broken entry: text for the model
             log.exception("recall_failed")
-            outcome = ToolOutcome(name=recall.NAME, error=f"{type(err).__name__}: {err}")
-        await request.respond(self._bus.envelope(
-            request.subject, outcome, correlation_id=env.correlation_id,
-            session_id=env.session_id).model_dump_json().encode())
+            return ToolOutcome(name=recall.NAME, error=f"{type(err).__name__}: {err}")
 
-    def _caller(self, tool: Tool) -> Any:
+    def _answering(self, run: Run) -> Handler:
+        """One handler for every tool: a call that cannot be read is answered
+        with a structured error, any other with the tool's outcome, under the
+        caller's correlation and session ids."""
         async def handle(request: Request) -> None:
             self._calls += 1
             try:
@@ -73,14 +74,21 @@ class ToolsService:
             except BadMessage as err:
                 await request.respond(self._wrap(request.subject, err.report))
                 return
-            outcome = await asyncio.to_thread(run_tool, tool, env.payload.arguments)
+            outcome = await run(env)
             await request.respond(self._bus.envelope(
-                request.subject, outcome, correlation_id=env.correlation_id
-            ).model_dump_json().encode())
+                request.subject, outcome, correlation_id=env.correlation_id,
+                session_id=env.session_id).model_dump_json().encode())
         return handle
 
     def _wrap(self, subject: str, report: ErrorReport) -> bytes:
         return self._bus.envelope(subject, report).model_dump_json().encode()
+
+
+def in_thread(tool: Tool) -> Run:
+    """A catalogue tool is plain code, some of it slow: it runs off the loop."""
+    async def run(env: Envelope[ToolInvocation]) -> ToolOutcome:
+        return await asyncio.to_thread(run_tool, tool, env.payload.arguments)
+    return run
 
 
 def run_tool(tool: Tool, arguments: dict[str, Any]) -> ToolOutcome:
