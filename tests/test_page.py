@@ -264,8 +264,11 @@ const lateProgress = live.compactingAfter(null, "compaction.event", "c9", "progr
 const echoes = [live.compactingAfter(null, "compaction.event", "c9", "progress", "c9"),
                 live.compactingAfter(null, "compaction.event", "c9", "started", "c9"),
                 live.compactingAfter(null, "compaction.event", "c10", "started", "c9")];
+// Two reads that both brought the newest answer show it once.
+const newer = chat.withNewer([{ position: "1" }, { position: "2" }],
+                             [{ position: "2" }, { position: "3" }]).map((i) => i.position);
 console.log(JSON.stringify({
-  progress, waits, lateProgress, echoes,
+  progress, waits, lateProgress, echoes, newer,
   events: out, levels, fmt: shared.fmt(1234567), pct: shared.percent(1234, 3584),
   types: live.LIVE_EVENT_TYPES, banner, reload, gauge,
   shown: [["idle", false], ["generating", true], ["idle", true], ["compacting", false]]
@@ -335,3 +338,4 @@ def test_sse_parser_and_helpers_under_node(tmp_path: Path) -> None:
                                "waiting for a generator…", "waiting for the model…"]
     assert result["lateProgress"] == "c9"
     assert result["echoes"] == [None, None, "c10"]
+    assert result["newer"] == ["1", "2", "3"]

@@ -143,7 +143,25 @@ function renderTranscript({ toEnd = false } = {}) {
   if (toEnd) scrollToEnd(true);
 }
 
-export async function loadNewer(id) {
+// The transcript with a page of newer items added: an item already shown (by
+// position) is not added twice, whichever read brought it first.
+export function withNewer(items, newer) {
+  const shown = new Set(items.map((item) => item.position));
+  return [...items, ...newer.filter((item) => !shown.has(item.position))];
+}
+
+// Reads of newer items run one after another: a reload at a turn's end and one
+// asked for by its live events would otherwise read from the same position.
+let newerReads = Promise.resolve();
+
+export function loadNewer(id) {
+  const read = newerReads.then(() => readNewer(id));
+  newerReads = read.catch(() => {});
+  return read;
+}
+
+async function readNewer(id) {
+  if (id !== app.sessionId) return;
   const first = app.items.length === 0;
   try {
     if (first) {
@@ -156,7 +174,7 @@ export async function loadNewer(id) {
       while (after) {
         const page = await requestJson(API.transcript(id, { after, limit: 1000 }));
         if (id !== app.sessionId) return;
-        app.items.push(...page.items);
+        app.items = withNewer(app.items, page.items);
         after = page.next;
       }
     }
