@@ -334,7 +334,9 @@ class Http:
             return Answer(response.status, await response.text())
 
     async def post(self, path: str, json: Any = None) -> Answer:
-        async with self._session.post(path, json=json) as response:
+        # The gateway refuses a write without a JSON content type, body or not.
+        async with self._session.post(path, json=json,
+                                      headers={"Content-Type": "application/json"}) as response:
             return Answer(response.status, await response.text())
 
 

@@ -226,10 +226,17 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def auth_headers() -> dict[str, str]:
+    """The gateway's token, when it has one (`auto` is known to make run only)."""
+    token = os.environ.get("GATEWAY_TOKEN", "")
+    return {"Authorization": f"Bearer {token}"} if token and token != "auto" else {}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     console = Console(highlight=False, soft_wrap=True)
-    with httpx.Client(base_url=args.url.rstrip("/"), timeout=httpx.Timeout(30, read=330)) as c:
+    with httpx.Client(base_url=args.url.rstrip("/"), headers=auth_headers(),
+                      timeout=httpx.Timeout(30, read=330)) as c:
         chat = Chat(c, console)
         try:
             chat.open(args.session)

@@ -19,6 +19,17 @@ SERVICE_MODULES = {
 }
 
 
+# The gateway refuses a write without this header, body or not (a cross-site
+# form cannot send it), so every test client sends it on every request.
+JSON_WRITES = {"Content-Type": "application/json"}
+
+
+def gateway_client(base_url: str, timeout: float = 30.0,
+                   headers: dict[str, str] | None = None) -> httpx.AsyncClient:
+    return httpx.AsyncClient(base_url=base_url, timeout=timeout,
+                             headers={**JSON_WRITES, **(headers or {})})
+
+
 class System:
     def __init__(self, nats_url: str, ollama_url: str, env: dict[str, str] | None = None,
                  services: tuple[str, ...] = ("generator", "decider", "gateway")) -> None:
@@ -58,7 +69,10 @@ class System:
         return process
 
     def client(self, timeout_s: float = 30.0) -> httpx.Client:
-        return httpx.Client(base_url=self.base_url, timeout=timeout_s)
+        return httpx.Client(base_url=self.base_url, timeout=timeout_s, headers=JSON_WRITES)
+
+    def http(self, timeout: float = 30.0) -> httpx.AsyncClient:
+        return gateway_client(self.base_url, timeout)
 
     def logs(self) -> str:
         return "\n".join(f"--- {n}\n{p.log()[-3000:]}" for n, p in self.processes.items())

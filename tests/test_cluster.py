@@ -172,7 +172,7 @@ async def test_the_history_leader_killed_mid_load_loses_no_acknowledged_turn(
         system.add("second generator", "services.generator")
         system.start()
         try:
-            async with httpx.AsyncClient(base_url=system.base_url, timeout=60) as http:
+            async with system.http(timeout=60) as http:
                 await run_and_check(cluster, system, http)
         finally:
             system.stop()

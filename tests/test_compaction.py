@@ -49,7 +49,7 @@ async def start(private_nats: NatsServer, stub: str
                 **env: str) -> httpx.AsyncClient:
         systems.append(System(private_nats.url, stub, {**SMALL_WINDOW, **env},
                               services=services).start())
-        clients.append(httpx.AsyncClient(base_url=systems[-1].base_url, timeout=60))
+        clients.append(systems[-1].http(timeout=60))
         return clients[-1]
 
     yield starter

@@ -25,6 +25,7 @@ from tests.compose_stack import Stack, prepare_images, why_docker_cannot_run
 from tests.events import server_sent_events
 from tests.nats_server import free_port, nats_server_binary, wait_for_port
 from tests.stub_server import configure_stub
+from tests.system import gateway_client
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "compose.yaml"
@@ -126,7 +127,7 @@ async def until(check: Any, timeout_s: float = 60) -> None:
 async def test_the_stack_runs_heals_and_keeps_its_history(stack: Stack) -> None:
     stack.compose("up", "-d", "--scale", "generator=2")
     stack.wait_healthy()
-    async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as http:
+    async with gateway_client(stack.base_url, timeout=60) as http:
         sid = await converse_with_streaming(http)
         await compact_automatically_and_by_hand(http)
         killed = await kill_a_generator_mid_answer(stack, http, sid)
@@ -143,7 +144,7 @@ async def test_the_stack_runs_heals_and_keeps_its_history(stack: Stack) -> None:
     stack.compose("down")
     stack.compose("up", "-d")
     stack.wait_healthy()
-    async with httpx.AsyncClient(base_url=stack.base_url, timeout=60) as http:
+    async with gateway_client(stack.base_url, timeout=60) as http:
         kept = await session(http, sid)
         assert [m["content"] for m in kept["messages"]][-2:-1] == ["after the NATS restart"]
     stack.compose("down", "-v")

@@ -37,7 +37,7 @@ def system(own_nats: NatsServer, stub_url: str) -> Iterator[System]:
 
 @pytest.fixture
 async def http(system: System) -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(base_url=system.base_url, timeout=30) as client:
+    async with system.http(timeout=30) as client:
         yield client
 
 
@@ -122,7 +122,7 @@ async def test_a_tool_list_nested_too_deep_leaves_the_turn_answered(
     try:
         with running_system(private_nats.url, stub_url,
                             services=("generator", "gateway")) as system:
-            async with httpx.AsyncClient(base_url=system.base_url, timeout=30) as http:
+            async with system.http(timeout=30) as http:
                 sid = await create(http)
                 answer = await http.post(f"/api/sessions/{sid}/messages",
                                          json={"content": "tools?"})

@@ -48,7 +48,7 @@ def system(nats_url: str, stub: str) -> Iterator[System]:
 
 @pytest.fixture
 async def http(system: System, stub: str) -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(base_url=system.base_url, timeout=30) as client:
+    async with system.http(timeout=30) as client:
         yield client
     await configure_stub(stub, quirks=[])
 
@@ -290,7 +290,7 @@ async def test_bookkeeping_after_a_reply_does_not_hold_the_sessions_slot(
     env = {"MAX_CONCURRENT_SESSIONS": "1"}
     services = ("generator", "gateway")
     with running_system(private_nats.url, stub_url, env, services=services) as system:
-        async with httpx.AsyncClient(base_url=system.base_url, timeout=30) as http:
+        async with system.http(timeout=30) as http:
             sid = await create(http)
             await nc.jetstream().delete_stream(subjects.GENERATIONS_STREAM)
             reports = await nc.subscribe(subjects.RESPONSE_GENERATION)  # never answers

@@ -141,7 +141,7 @@ def system(private_nats: NatsServer, stub: str) -> Iterator[System]:
 
 @pytest.fixture
 async def http(system: System) -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(base_url=system.base_url, timeout=30) as client:
+    async with system.http(timeout=30) as client:
         yield client
 
 
@@ -255,7 +255,7 @@ async def test_a_session_back_on_a_generator_finds_its_history_current(
     system = System(private_nats.url, stub, services=("gateway",)).start()
     gen_a = system.add("gen-a", "services.generator", {"GENERATOR_ID": "gen-a"}).start()
     try:
-        async with (httpx.AsyncClient(base_url=system.base_url, timeout=30) as http,
+        async with (system.http(timeout=30) as http,
                     watching(private_nats.url, f"{subjects.STATE_PREFIX}.*") as watcher):
             sid = str((await http.post("/api/sessions", json={})).json()["session_id"])
 

@@ -46,7 +46,7 @@ def system(nats_url: str, stub: str) -> Iterator[System]:
 
 @pytest.fixture
 async def http(system: System) -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(base_url=system.base_url, timeout=60) as client:
+    async with system.http(timeout=60) as client:
         yield client
 
 

@@ -74,7 +74,7 @@ async def test_sigterm_while_nats_is_away_mid_turn_exits_within_the_bound(
         private_nats: NatsServer) -> None:
     with running_stub("--model-latency", "slow=1500") as stub, running_system(
             private_nats.url, stub, services=("generator", "gateway")) as system:
-        async with httpx.AsyncClient(base_url=system.base_url, timeout=30) as http:
+        async with system.http(timeout=30) as http:
             sid = (await http.post("/api/sessions", json={"model": "slow"})).json()["session_id"]
             asking = asyncio.create_task(
                 http.post(f"/api/sessions/{sid}/messages", json={"content": "hello"}))
@@ -193,7 +193,7 @@ async def test_nats_restarted_on_its_store_leaves_every_endpoint_answering(
         private_nats: NatsServer, stub_url: str) -> None:
     env = {"COMPACTION_TAIL_TURNS": "1", "COMPACTION_THRESHOLD": "0"}
     with running_system(private_nats.url, stub_url, env) as system:
-        async with httpx.AsyncClient(base_url=system.base_url, timeout=30) as http:
+        async with system.http(timeout=30) as http:
             sid = (await http.post("/api/sessions", json={})).json()["session_id"]
             for content in ("one !long 100", "two !long 100"):
                 answer = await http.post(f"/api/sessions/{sid}/messages",
@@ -236,7 +236,7 @@ async def test_nats_restarted_without_its_store_works_again(
     env = {"NUM_CTX": "2048", "COMPACTION_TAIL_TURNS": "1", "COMPACTION_COOLDOWN_S": "1",
            "COMPACTION_THRESHOLD": "0"}
     with running_system(private_nats.url, stub_url, env) as system:
-        async with httpx.AsyncClient(base_url=system.base_url, timeout=30) as http:
+        async with system.http(timeout=30) as http:
             lost = (await http.post("/api/sessions", json={})).json()["session_id"]
             assert (await http.post(f"/api/sessions/{lost}/messages",
                                     json={"content": "before"})).status_code == 200
@@ -302,7 +302,7 @@ async def test_a_missing_stream_reads_as_nothing_yet(private_nats: NatsServer,
     (the state stream, in memory, is always gone): reads find nothing yet, a
     write is refused as worth trying again, and nothing answers 500."""
     with running_system(private_nats.url, stub_url, services=("gateway",)) as system:
-        async with httpx.AsyncClient(base_url=system.base_url, timeout=30) as http:
+        async with system.http(timeout=30) as http:
             sid = (await http.post("/api/sessions", json={})).json()["session_id"]
             nc = await nats.connect(private_nats.url)
             js = nc.jetstream()
@@ -342,7 +342,7 @@ async def test_a_decider_back_after_the_store_was_lost_reads_the_reports_sent_me
     env = {"NUM_CTX": "2048", "COMPACTION_TAIL_TURNS": "1", "COMPACTION_COOLDOWN_S": "1",
            "COMPACTION_THRESHOLD": "0.1"}
     with running_system(private_nats.url, stub_url, env) as system:
-        async with httpx.AsyncClient(base_url=system.base_url, timeout=30) as http:
+        async with system.http(timeout=30) as http:
             system["decider"].signal(signal.SIGSTOP)  # back only once the turns are over
             private_nats.stop()
             private_nats.lose_store()

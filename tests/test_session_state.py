@@ -76,7 +76,7 @@ async def test_a_compaction_on_one_generator_stays_the_state_while_another_answe
 ) -> None:
     compacting = system.add("generator-a", "services.generator", {"GENERATOR_ID": "gen-a"})
     compacting.start()
-    async with httpx.AsyncClient(base_url=system.base_url, timeout=60) as http:
+    async with system.http(timeout=60) as http:
         sid = (await http.post("/api/sessions", json={})).json()["session_id"]
         for n in range(3):
             answer = await http.post(f"/api/sessions/{sid}/messages",
@@ -120,7 +120,7 @@ async def test_a_session_reads_as_not_compacting_when_the_record_of_compactions_
 ) -> None:
     """The bucket lives in memory: a NATS restart loses it until a service makes
     it again. Meanwhile nothing is known to run, and the read still answers."""
-    async with httpx.AsyncClient(base_url=system.base_url, timeout=30) as http:
+    async with system.http(timeout=30) as http:
         sid = (await http.post("/api/sessions", json={})).json()["session_id"]
         assert await state_of(http, sid) == ("idle", "idle")  # the bucket, found
         nc = await nats.connect(private_nats.url)

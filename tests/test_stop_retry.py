@@ -40,7 +40,7 @@ def system(nats_url: str, stub: str) -> Iterator[System]:
 
 @pytest.fixture
 async def http(system: System) -> AsyncIterator[httpx.AsyncClient]:
-    async with httpx.AsyncClient(base_url=system.base_url, timeout=60) as client:
+    async with system.http(timeout=60) as client:
         yield client
 
 
@@ -234,7 +234,7 @@ async def test_a_stop_reaches_whichever_generator_runs_the_answer(
     for name in ("gen-a", "gen-b"):
         system.add(name, "services.generator", {"GENERATOR_ID": name}).start()
     try:
-        async with (httpx.AsyncClient(base_url=system.base_url, timeout=60) as http,
+        async with (system.http(timeout=60) as http,
                     watching(private_nats.url, f"{subjects.STATE_PREFIX}.*") as states):
             holders = set()
             for _ in range(4):  # enough sessions that each generator runs some, mostly

@@ -38,7 +38,7 @@ async def start(private_nats: NatsServer, stub: str) -> AsyncIterator[Start]:
     def starter(*services: str, **env: str) -> tuple[System, httpx.AsyncClient]:
         systems.append(System(private_nats.url, stub, {**ROOMY, **env},
                               services=services).start())
-        clients.append(httpx.AsyncClient(base_url=systems[-1].base_url, timeout=60))
+        clients.append(systems[-1].http(timeout=60))
         return systems[-1], clients[-1]
 
     yield starter

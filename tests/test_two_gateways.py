@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from tests.nats_server import NatsServer, free_port
-from tests.system import System
+from tests.system import System, gateway_client
 
 
 @pytest.fixture
@@ -23,9 +23,8 @@ async def gateways(private_nats: NatsServer, stub_url: str
     system.add("second gateway", "services.gateway", {"GATEWAY_PORT": str(second_port)})
     system.start()
     try:
-        async with httpx.AsyncClient(base_url=system.base_url, timeout=30) as first, \
-                httpx.AsyncClient(base_url=f"http://127.0.0.1:{second_port}",
-                                  timeout=30) as second:
+        async with system.http(timeout=30) as first, \
+                gateway_client(f"http://127.0.0.1:{second_port}", timeout=30) as second:
             yield first, second
     finally:
         system.stop()

@@ -72,7 +72,7 @@ async def test_each_generation_is_reported_with_the_providers_count(
         await reports.put(Envelope[GenerationReport].model_validate_json(msg.data))
 
     await nc.subscribe(subjects.RESPONSE_GENERATION, cb=collect)
-    async with httpx.AsyncClient(base_url=system.base_url, timeout=30) as http:
+    async with system.http(timeout=30) as http:
         sid = (await http.post("/api/sessions", json={})).json()["session_id"]
         reply = (await http.post(f"/api/sessions/{sid}/messages",
                                  json={"content": "count me"})).json()
@@ -81,7 +81,7 @@ async def test_each_generation_is_reported_with_the_providers_count(
     await nc.drain()
     # The page's gauge shows the next prompt as the generator and the decider
     # count it, the offered tools included.
-    async with httpx.AsyncClient(base_url=system.base_url, timeout=30) as http:
+    async with system.http(timeout=30) as http:
         shown = (await http.get(f"/api/sessions/{sid}")).json()["token_count"]
     assert shown == estimate_tokens(report.payload.next_prompt_chars or 0,
                                     Calibration(record.tokens_per_char),

@@ -32,7 +32,7 @@ from services.core.context import next_prompt_tokens
 from services.core.state_machine import Phase, session_state
 from services.core.tokens import Calibration, prompt_budget
 from services.gateway.controls import Controls
-from services.gateway.live import LiveFeed
+from services.gateway.live import ListenerLimit, LiveFeed
 from services.gateway.replies import ReplyRouter, events_until_reply
 from services.gateway.settings import GatewaySettings
 from services.gateway.transcript import TranscriptRoutes
@@ -138,6 +138,7 @@ class Api:
         self._tools = ToolCatalogue(bus.nc)
         self._replies = replies
         self._live = live
+        self._listeners = ListenerLimit(settings.max_event_streams_per_client)
         self._known: set[str] = set()
         self._compactions: KeyValue | None = None
         self._transcript = TranscriptRoutes(bus, sessions, self._history, self._existing,
@@ -273,7 +274,13 @@ class Api:
         sid = request.query_params.get("session_id") or None  # empty: every session
         if sid is not None and not subjects.is_valid_session_id(sid):
             return error(400, "invalid_session_id", "invalid session_id parameter")
-        return StreamingResponse(self._live.stream(sid), media_type="text/event-stream")
+        client = request.client.host if request.client else ""
+        stream = self._listeners.admit(client, self._live.stream(sid))
+        if stream is None:
+            return error(429, "too_many_streams", "this client has "
+                         f"{self._settings.max_event_streams_per_client} event streams open "
+                         "already (MAX_EVENT_STREAMS_PER_CLIENT)")
+        return StreamingResponse(stream, media_type="text/event-stream")
 
     def _reply_response(self, reply: Reply) -> JSONResponse:
         body = self._reply_body(reply)

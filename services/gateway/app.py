@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,6 +19,8 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from services.gateway.access import AccessGuard
+from services.gateway.access_rules import Policy, host_names, origins
 from services.gateway.api import NATS_AWAY, Api, HttpError, error, nats_away
 from services.gateway.live import LiveFeed
 from services.gateway.replies import ReplyRouter
@@ -33,7 +36,7 @@ log = structlog.get_logger()
 HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 
 
-def build_app(api: Api) -> Starlette:
+def build_app(api: Api, policy: Policy) -> Starlette:
     async def on_http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HttpError)
         return exc.response
@@ -55,7 +58,8 @@ def build_app(api: Api) -> Starlette:
 
     return Starlette(
         routes=[*api.routes(), Route("/metrics", serve_metrics)],
-        middleware=[Middleware(CountResponses)],
+        # Counted first, so refusals show in the metrics too.
+        middleware=[Middleware(CountResponses), Middleware(AccessGuard, policy=policy)],
         exception_handlers={HttpError: on_http_error, HTTPException: on_no_route,
                             **dict.fromkeys(NATS_AWAY, on_nats_away),
                             Exception: on_unexpected},
@@ -100,7 +104,7 @@ class Gateway:
         self._api = api
         self._replies = replies
         self._live = live
-        config = uvicorn.Config(build_app(api), host=settings.gateway_host,
+        config = uvicorn.Config(build_app(api, policy_of(settings)), host=settings.gateway_host,
                                 port=settings.gateway_port, log_config=None,
                                 access_log=False, lifespan="off")
         self._server = _Server(config)
@@ -135,7 +139,25 @@ class Gateway:
         return {"http": f"{self._settings.gateway_host}:{self._settings.gateway_port}"}
 
 
+def policy_of(settings: GatewaySettings) -> Policy:
+    return Policy(allowed_hosts=host_names(settings.gateway_allowed_hosts, settings.gateway_host),
+                  allowed_origins=origins(settings.gateway_allowed_origins),
+                  token=settings.gateway_token, max_body_bytes=settings.max_body_bytes)
+
+
+def with_token(settings: GatewaySettings) -> GatewaySettings:
+    """`GATEWAY_TOKEN=auto`: a token made up for this run, and the page's
+    address with it in the log, since nobody else knows it."""
+    if settings.gateway_token != "auto":
+        return settings
+    token = secrets.token_urlsafe(32)
+    log.warning("gateway_token_made", page=f"http://{settings.gateway_host}:"
+                f"{settings.gateway_port}/?token={token}")
+    return settings.model_copy(update={"gateway_token": token})
+
+
 async def build(bus: Bus, settings: GatewaySettings) -> Gateway:
+    settings = with_token(settings)
     # Uncached: the page shows the generator's latest calibration.
     sessions = SessionStore(await sessions_bucket(bus.js), cached=False)
     replies = ReplyRouter(bus)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+from collections import Counter
 from collections.abc import AsyncIterator
 
 from nats.aio.client import Client as NATS
@@ -101,3 +102,29 @@ class LiveFeed:
                 task = asyncio.create_task(self._unsubscribe())
                 self._cleanups.add(task)
                 task.add_done_callback(self._cleanups.discard)
+
+
+class ListenerLimit:
+    """Open event streams per client address: each costs a queue of up to
+    QUEUE_LIMIT events, so one client must not open them without end."""
+
+    def __init__(self, per_client: int) -> None:
+        self._per_client = per_client
+        self._open: Counter[str] = Counter()
+
+    def admit(self, client: str, stream: AsyncIterator[str]) -> AsyncIterator[str] | None:
+        """The stream, counted against the client while it runs; None when
+        the client already holds its share."""
+        if self._open[client] >= self._per_client:
+            return None
+        self._open[client] += 1
+        return self._counted(client, stream)
+
+    async def _counted(self, client: str, stream: AsyncIterator[str]) -> AsyncIterator[str]:
+        try:
+            async for chunk in stream:
+                yield chunk
+        finally:
+            self._open[client] -= 1
+            if not self._open[client]:
+                del self._open[client]

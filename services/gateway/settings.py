@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from services.shared.settings import ServiceSettings
 
 
 class GatewaySettings(ServiceSettings):
-    # Loopback unless told otherwise: the API has no authentication.
+    # Loopback unless told otherwise: without a token the API is open to
+    # whoever reaches the port.
     gateway_host: str = "127.0.0.1"
     gateway_port: int = Field(default=8080, ge=0, le=65535)
     # The window and budget of the page's gauge for the next prompt. (The gauge
@@ -18,3 +19,20 @@ class GatewaySettings(ServiceSettings):
     model: str = "llama3.2"
     # How long an HTTP caller waits for an answer before getting 504.
     reply_timeout_s: float = Field(default=300.0, gt=0)
+    # Host names the gateway answers to, comma-separated ("*": any). Empty:
+    # localhost, 127.0.0.1, [::1] and the bound address if it is not a wildcard.
+    gateway_allowed_hosts: str = ""
+    # Origins besides the gateway's own whose pages may write or listen.
+    gateway_allowed_origins: str = ""
+    # Required on every request but /healthz when set; "auto" makes one up.
+    gateway_token: str | None = None
+    # Over the largest valid message (1,000,000 characters of up to 4 bytes
+    # in UTF-8) and at NATS's max_payload, which no larger query could cross.
+    max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
+    # Open /api/events streams per client address (a tab holds one).
+    max_event_streams_per_client: int = Field(default=16, ge=1)
+
+    @field_validator("gateway_token")
+    @classmethod
+    def _empty_is_none(cls, token: str | None) -> str | None:
+        return token or None

@@ -27,6 +27,7 @@ from nats.aio.msg import Msg
 from schemas.envelope import Envelope
 from schemas.registry import PAYLOADS
 from tests.contract.conftest import Target
+from tests.system import gateway_client
 
 WAIT_S = 30.0
 PAYLOAD_OF = {p.MESSAGE_TYPE: p for p in PAYLOADS}
@@ -95,7 +96,7 @@ async def ask(client: httpx.AsyncClient, sid: str, content: str) -> Event:
 
 
 def gateway(target: Target) -> httpx.AsyncClient:
-    return httpx.AsyncClient(base_url=target.gateway_url, timeout=WAIT_S)
+    return gateway_client(target.gateway_url, timeout=WAIT_S)
 
 
 def of_session(sid: str) -> Callable[[str, Event], bool]:

@@ -1,5 +1,6 @@
 // The API client: the gateway's URLs and the only place the page makes requests
-// (fetch, the live EventSource). JSON bodies go with Content-Type application/json.
+// (fetch, the live EventSource). Every write says Content-Type application/json,
+// body or not: the gateway refuses any other, as a cross-site form could send one.
 
 export const API = {
   sessions: "/api/sessions",
@@ -42,10 +43,8 @@ export async function readError(response) {
 
 export async function requestJson(url, { method = "GET", body } = {}) {
   const init = { method, headers: { Accept: "application/json" } };
-  if (body !== undefined) {
-    init.headers["Content-Type"] = "application/json";
-    init.body = JSON.stringify(body);
-  }
+  if (method !== "GET") init.headers["Content-Type"] = "application/json";
+  if (body !== undefined) init.body = JSON.stringify(body);
   let response;
   try {
     response = await fetch(url, init);
@@ -63,7 +62,7 @@ export function listSessions() {
 
 // Asks the generator to stop the answer being streamed: 202 when it was asked.
 export function postStop(id) {
-  return fetch(API.stop(id), { method: "POST" });
+  return fetch(API.stop(id), { method: "POST", headers: { "Content-Type": "application/json" } });
 }
 
 // A message (or a retry, `body` null) whose answer streams back as server-sent events.

@@ -1,0 +1,121 @@
+"""The ASGI shell around `access_rules`: reads the facts of each request,
+answers a refusal as JSON, serves CORS preflights for listed origins, turns
+the page's `?token=` into a cookie, and holds a body to its size limit as it
+is read (a missing or false Content-Length must not let it grow)."""
+
+from __future__ import annotations
+
+from starlette.datastructures import Headers
+from starlette.requests import Request
+from starlette.responses import JSONResponse, RedirectResponse, Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from services.gateway.access_rules import (
+    TOKEN_COOKIE,
+    Facts,
+    Policy,
+    Refusal,
+    bearer,
+    body_too_large,
+    judge,
+    preflight_allowed,
+)
+from services.gateway.api import HttpError, error
+
+PREFLIGHT_MAX_AGE_S = 600
+
+
+class BodyTooLarge(HttpError):
+    def __init__(self, limit: int) -> None:
+        super().__init__(refused(body_too_large(limit)))
+
+
+def refused(refusal: Refusal) -> JSONResponse:
+    return error(refusal.status, refusal.code, refusal.message)
+
+
+class AccessGuard:
+    def __init__(self, app: ASGIApp, policy: Policy) -> None:
+        self._app = app
+        self._policy = policy
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self._app(scope, receive, send)
+            return
+        request = Request(scope)
+        headers = request.headers
+        if request.method == "OPTIONS" and "access-control-request-method" in headers:
+            await self._preflight(headers)(scope, receive, send)
+            return
+        page_token = request.query_params.get("token") if request.url.path == "/" else None
+        refusal = judge(facts_of(request, page_token), self._policy)
+        if refusal:
+            await refused(refusal)(scope, receive, send)
+        elif page_token is not None:
+            await token_cookie(page_token)(scope, receive, send)
+        else:
+            await self._app(scope, self._limited(receive), self._with_cors(headers, send))
+
+    def _preflight(self, headers: Headers) -> Response:
+        origin = headers.get("origin")
+        if not preflight_allowed(origin, self._policy):
+            return refused(Refusal(403, "origin_not_allowed",
+                                   f"no cross-origin requests from {origin!r}; "
+                                   "GATEWAY_ALLOWED_ORIGINS lists the allowed ones"))
+        return Response(status_code=204, headers={
+            "access-control-allow-origin": str(origin),
+            "access-control-allow-methods": "GET, POST, DELETE",
+            "access-control-allow-headers": "authorization, content-type, accept",
+            "access-control-max-age": str(PREFLIGHT_MAX_AGE_S),
+            "vary": "Origin",
+        })
+
+    def _with_cors(self, headers: Headers, send: Send) -> Send:
+        origin = headers.get("origin")
+        if not preflight_allowed(origin, self._policy):
+            return send
+
+        async def send_with_cors(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []),
+                                      (b"access-control-allow-origin", str(origin).encode()),
+                                      (b"vary", b"Origin")]
+            await send(message)
+        return send_with_cors
+
+    def _limited(self, receive: Receive) -> Receive:
+        limit = self._policy.max_body_bytes
+        read = 0
+
+        async def receive_limited() -> Message:
+            nonlocal read
+            message = await receive()
+            read += len(message.get("body", b""))
+            if read > limit:
+                raise BodyTooLarge(limit)
+            return message
+        return receive_limited
+
+
+def facts_of(request: Request, page_token: str | None) -> Facts:
+    headers = request.headers
+    length = headers.get("content-length", "")
+    return Facts(
+        method=request.method, path=request.url.path, scheme=request.url.scheme,
+        host=headers.get("host", ""), origin=headers.get("origin"),
+        content_type=headers.get("content-type"),
+        content_length=int(length) if length.isascii() and length.isdigit() else None,
+        token=bearer(headers.get("authorization")) or page_token
+        or request.cookies.get(TOKEN_COOKIE),
+    )
+
+
+def token_cookie(token: str) -> Response:
+    """The page's first visit, `/?token=…`: the token moves into a cookie
+    scripts cannot read and other sites cannot send, and out of the address
+    bar (and the browser's history)."""
+    response = RedirectResponse("/", status_code=303)
+    response.set_cookie(TOKEN_COOKIE, token, httponly=True, samesite="strict", path="/")
+    return response
+
