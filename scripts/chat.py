@@ -7,7 +7,8 @@
 Type a message and Enter. Commands: `/compact [instructions]`, `/state`,
 `/transcript`, `/help`, `/quit` (or Ctrl-D). After each answer a context line
 shows how full the window is. On a terminal the input line has history and
-editing (prompt_toolkit); from a pipe, lines are read as they come.
+editing (prompt_toolkit); from a pipe, lines are read as they come. A gateway
+with a token is opened with GATEWAY_TOKEN set to it in the environment.
 """
 
 from __future__ import annotations

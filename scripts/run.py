@@ -9,7 +9,9 @@ SIGTERM, or the terminal closing).
   the deterministic stand-in, announced loudly. A real one is asked whether
   it has MODEL (and COMPACTION_MODEL): if not, the launcher says how to pull
   it, and with PULL=1 (`make run PULL=1`) pulls it, showing its progress.
-- The gateway, generator, compaction-decider and tools services.
+- The gateway, generator, compaction-decider and tools services. With
+  GATEWAY_TOKEN=auto the gateway gets a token (made once, kept in .data/),
+  and the address printed carries it for the page's first visit.
 
 NATS and the stand-in run in sessions of their own, so a Ctrl-C reaches only
 the launcher and the services: the services drain while NATS is still up, and
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -62,8 +65,10 @@ def main() -> int:
         env["OLLAMA_HOST"] = ollama_or_stand_in(env.get("OLLAMA_HOST"), children)
         if env["OLLAMA_HOST"] != STAND_IN:  # the stand-in serves any name
             check_models(env["OLLAMA_HOST"], env)
+        env["GATEWAY_TOKEN"] = gateway_token(env.get("GATEWAY_TOKEN", ""))
         url = start_services(env, children)
-        print(f"\n  Chat is ready: {url}   (Ctrl-C stops everything)\n", flush=True)
+        page = f"{url}?token={env['GATEWAY_TOKEN']}" if env["GATEWAY_TOKEN"] else url
+        print(f"\n  Chat is ready: {page}   (Ctrl-C stops everything)\n", flush=True)
         while all(child.poll() is None for child in children):
             time.sleep(0.5)
         print("a process exited; stopping the rest", file=sys.stderr)
@@ -72,6 +77,20 @@ def main() -> int:
         return 0
     finally:
         stop(children)
+
+
+def gateway_token(wanted: str) -> str:
+    """GATEWAY_TOKEN as given, or for `auto` the one made on the first such
+    run and kept under DATA_DIR (mode 0600), so the page's cookie and the
+    printed address stay good across runs."""
+    if wanted != "auto":
+        return wanted
+    kept = DATA / "gateway-token"
+    if not kept.exists():
+        DATA.mkdir(parents=True, exist_ok=True)
+        kept.touch(mode=0o600)
+        kept.write_text(secrets.token_urlsafe(32))
+    return kept.read_text().strip()
 
 
 # Each starter adds what it starts to `children` before waiting for it, so

@@ -210,3 +210,16 @@ async def test_event_streams_per_client_are_bounded(locked_gateway: System) -> N
             async with client.stream("GET", "/api/events") as again:
                 return again.status_code == 200
         await eventually(admitted_again, "a closed stream's place given back")
+
+
+def test_an_auto_token_is_made_and_its_page_address_logged(nats_url: str,
+                                                           stub_url: str) -> None:
+    with running_system(nats_url, stub_url, {"GATEWAY_TOKEN": "auto"},
+                        services=("gateway",)) as system:
+        log = system["gateway"].log()
+        line = next(line for line in log.splitlines() if "gateway_token_made" in line)
+        token = line.split("?token=")[1].split()[0].strip("\"',}")
+        with system.client() as client:
+            assert client.get("/api/sessions").status_code == 401
+            headers = {"Authorization": f"Bearer {token}"}
+            assert client.get("/api/sessions", headers=headers).status_code == 200

@@ -169,3 +169,32 @@ def test_the_launcher_pulls_model_at_start_when_asked(tmp_path: Path) -> None:
                 os.killpg(proc.pid, signal.SIGKILL)
     output = (tmp_path / "run.log").read_text()
     assert "pulling wanted" in output and "DETERMINISTIC STAND-IN" not in output
+
+
+def test_an_auto_token_is_made_once_kept_private_and_printed_in_the_address(
+        tmp_path: Path) -> None:
+    ports = Ports()
+    proc = launch(tmp_path, ports, GATEWAY_TOKEN="auto")
+    try:
+        wait_until_announced(tmp_path / "run.log", proc, 60)
+        kept = tmp_path / "gateway-token"
+        token = kept.read_text().strip()
+        assert len(token) >= 32 and kept.stat().st_mode & 0o777 == 0o600
+        base = f"http://127.0.0.1:{ports.gateway}"
+        assert f"{READY_LINE}{base}/?token={token}" in (tmp_path / "run.log").read_text()
+        assert httpx.get(f"{base}/api/sessions").status_code == 401
+        with httpx.Client(base_url=base, follow_redirects=True) as browser:  # as a browser
+            assert browser.get(f"/?token={token}").status_code == 200  # redirected to /
+            assert browser.get("/api/sessions").status_code == 200
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    again = launch(tmp_path, Ports(), GATEWAY_TOKEN="auto")
+    try:
+        wait_until_announced(tmp_path / "run.log", again, 60)
+        assert (tmp_path / "gateway-token").read_text().strip() == token
+    finally:
+        os.killpg(again.pid, signal.SIGINT)
+        again.wait(30)

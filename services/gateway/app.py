@@ -20,7 +20,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.gateway.access import AccessGuard
-from services.gateway.access_rules import Policy, host_names, origins
+from services.gateway.access_rules import WILDCARD_BINDS, Policy, host_names, origins
 from services.gateway.api import NATS_AWAY, Api, HttpError, error, nats_away
 from services.gateway.live import LiveFeed
 from services.gateway.replies import ReplyRouter
@@ -151,8 +151,8 @@ def with_token(settings: GatewaySettings) -> GatewaySettings:
     if settings.gateway_token != "auto":
         return settings
     token = secrets.token_urlsafe(32)
-    log.warning("gateway_token_made", page=f"http://{settings.gateway_host}:"
-                f"{settings.gateway_port}/?token={token}")
+    host = "127.0.0.1" if settings.gateway_host in WILDCARD_BINDS else settings.gateway_host
+    log.warning("gateway_token_made", page=f"http://{host}:{settings.gateway_port}/?token={token}")
     return settings.model_copy(update={"gateway_token": token})
 
 
