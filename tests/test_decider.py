@@ -14,7 +14,7 @@ import nats
 from schemas import subjects
 from schemas.envelope import Envelope
 from schemas.messages import CompactionRequest, CompactionResult, GenerationReport
-from services.compaction_decider.service import Decider
+from services.compaction_decider.service import RESULTS_CONSUMER, Decider
 from services.compaction_decider.settings import DeciderSettings
 from services.core.context import context_tokens
 from services.core.text_size import Size
@@ -194,6 +194,11 @@ async def test_a_result_published_while_the_decider_was_cut_off_still_counts(
         [first] = await stored_requests(generator)
         await link.cut()
         await asyncio.wait_for(down.wait(), 10)
+        # The server must have seen the connection go: until then it may hand
+        # the result to a pull request standing on the dead connection, and
+        # only the ack wait (30 s) would bring it back.
+        await eventually(lambda: no_pull_standing(generator, RESULTS_CONSUMER),
+                         "the server dropped the decider's pull requests")
         await generator.js_publish(subjects.COMPACTION_RESULT,
                                    CompactionResult(session_id=sid, tokens_after=100),
                                    correlation_id=first.correlation_id, session_id=sid)
@@ -208,6 +213,11 @@ async def test_a_result_published_while_the_decider_was_cut_off_still_counts(
         await cut_off.close()
         await direct.close()
         await link.cut()
+async def no_pull_standing(bus: Bus, durable: str) -> bool:
+    info = await bus.js.consumer_info(subjects.RESULTS_STREAM, durable)
+    return not info.num_waiting
+
+
 def at_85_percent(sid: str, compactable_chars: int) -> GenerationReport:
     """A report of a session at 85% of an 8,192 window with 3,300 characters of notes,
     counted at the session's own ratio of 0.25 (this call gave no count of its own)."""
