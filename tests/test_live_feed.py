@@ -4,9 +4,12 @@ listens, so turns nobody watches cost the gateway nothing."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 
+import nats
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 
 from schemas import subjects
 from services.gateway.live import LiveFeed
@@ -46,3 +49,30 @@ async def test_a_second_listener_keeps_the_subscription(nc: NATS) -> None:
     await second.aclose()
     await feed.stop()
     assert not feed.subscribed
+
+
+async def test_a_listener_gone_while_subscribing_leaves_the_connection_working(
+        nats_url: str) -> None:
+    """A page closed the moment it opened: its stream is cancelled while the
+    feed makes sure its subscriptions reached the server. nats-py's flush,
+    cancelled there, left a cancelled future for the server's PONG, and
+    setting its result killed the connection's read loop: every request of
+    the gateway timed out from then on."""
+    nc = await nats.connect(nats_url)
+    try:
+        feed = LiveFeed(nc)
+        listening = asyncio.create_task(anext(feed.stream(None)))
+        while not feed.subscribed:  # noqa: ASYNC110 - step by step, to cancel at its next await
+            await asyncio.sleep(0)
+        listening.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await listening
+        async def echo(msg: Msg) -> None:
+            await msg.respond(b"ok")
+
+        answers = await nc.subscribe("feed.echo", cb=echo)
+        assert (await nc.request("feed.echo", b"", timeout=5)).data == b"ok"
+        await answers.unsubscribe()
+        await feed.stop()
+    finally:
+        await nc.close()

@@ -17,7 +17,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from schemas import subjects
-from services.shared.bus import parse_json
+from services.shared.bus import parse_json, round_trip
 
 WATCHED = (
     f"{subjects.STATE_PREFIX}.*",
@@ -56,7 +56,7 @@ class LiveFeed:
             if not self._subs:
                 self._subs = [await self._nc.subscribe(subject, cb=self._on_message)
                               for subject in WATCHED]
-                await self._nc.flush()  # events from here on reach the listener
+                await round_trip(self._nc)  # events from here on reach the listener
 
     async def _unsubscribe(self) -> None:
         async with self._subscribing:

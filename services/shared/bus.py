@@ -10,6 +10,7 @@ correlation id.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import secrets
 from collections.abc import Awaitable, Callable
@@ -105,6 +106,24 @@ async def connect(url: str, name: str, timeout_s: float = 2.0,
             log.warning("nats_connect_failed", url=url, error=str(err), retry_in_s=delay)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 5.0)
+
+
+async def round_trip(nc: NATS, timeout_s: float = 5.0) -> None:
+    """Returns once what this connection sent before has reached the server:
+    a message to ourselves comes back only after it.
+
+    Not `nc.flush()`: a flush cancelled (its caller gone) or timed out while
+    its PONG is on the way leaves a cancelled future in nats-py's queue, and
+    setting its result when the PONG comes ends the connection's read loop
+    for good (nats-py 2.16)."""
+    inbox = nc.new_inbox()
+    echo = await nc.subscribe(inbox, max_msgs=1)
+    try:
+        await nc.publish(inbox, b"")
+        await echo.next_msg(timeout=timeout_s)
+    finally:
+        with contextlib.suppress(Exception):
+            await echo.unsubscribe()
 
 
 async def _on_error(err: Exception) -> None:
