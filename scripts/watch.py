@@ -174,7 +174,8 @@ class Printer:
 async def watch(args: argparse.Namespace) -> None:
     settings = ServiceSettings()
     console = Console(no_color=args.no_color, highlight=False)
-    nc = await connect(settings.nats_url, "watch", settings.nats_connect_timeout_s)
+    nc = await connect(settings.nats_url, "watch", settings.nats_connect_timeout_s,
+                       options=settings.nats_options())
     printer = Printer(console, args.session, args.json)
     for subject in args.subject or SYSTEM_SUBJECTS:
         await nc.subscribe(subject, cb=printer.on_message)

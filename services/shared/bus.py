@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import json
 import secrets
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
 import nats
@@ -84,7 +84,8 @@ def traceparent(correlation_id: str) -> str | None:
 
 
 async def connect(url: str, name: str, timeout_s: float = 2.0,
-                  on_reconnect: Callable[[], Awaitable[None]] | None = None) -> NATS:
+                  on_reconnect: Callable[[], Awaitable[None]] | None = None,
+                  options: Mapping[str, Any] | None = None) -> NATS:
     """Connect, retrying until NATS answers; afterwards nats-py reconnects
     forever, to any server `url` lists (comma-separated) or the cluster
     announces, and calls `on_reconnect` each time it has."""
@@ -101,6 +102,7 @@ async def connect(url: str, name: str, timeout_s: float = 2.0,
                 error_cb=_on_error,
                 disconnected_cb=_on_disconnect,
                 reconnected_cb=on_reconnect or _on_reconnect,
+                **(options or {}),  # credentials (nats_auth)
             )
         except (OSError, TimeoutError, nats.errors.NoServersError) as err:
             log.warning("nats_connect_failed", url=url, error=str(err), retry_in_s=delay)

@@ -18,6 +18,8 @@ import sys
 import nats
 from nats.aio.msg import Msg
 
+from services.shared.nats_auth import connect_options
+
 TIMEOUT_S = 3.0
 
 
@@ -25,7 +27,7 @@ async def answers_here(name: str, url: str, host: str) -> bool:
     servers = [part.strip() for part in url.split(",") if part.strip()]
     nc = await nats.connect(servers, connect_timeout=TIMEOUT_S,
                             allow_reconnect=False, max_reconnect_attempts=0,
-                            error_cb=_quiet)
+                            error_cb=_quiet, **connect_options(os.environ))
     try:
         found = asyncio.get_running_loop().create_future()
 

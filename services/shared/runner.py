@@ -75,7 +75,8 @@ async def serve(
     stop = _stop_on_signals()
     reconnects = Reconnects()
     connecting = asyncio.create_task(connect(
-        settings.nats_url, name, settings.nats_connect_timeout_s, reconnects.on_reconnect))
+        settings.nats_url, name, settings.nats_connect_timeout_s, reconnects.on_reconnect,
+        settings.nats_options()))
     stopping = asyncio.create_task(stop.wait())
     await asyncio.wait({connecting, stopping}, return_when=asyncio.FIRST_COMPLETED)
     if not connecting.done():  # asked to stop before NATS ever answered

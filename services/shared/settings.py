@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import Field, field_validator
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import (
     BaseSettings,
     InitSettingsSource,
@@ -22,6 +22,7 @@ from pydantic_settings import (
 )
 
 from services.shared.logging import LogFormat
+from services.shared.nats_auth import connect_options
 
 
 class ServiceSettings(BaseSettings):
@@ -39,6 +40,24 @@ class ServiceSettings(BaseSettings):
     # them on its HTTP port): off when no port is given.
     metrics_port: int | None = Field(default=None, ge=0, le=65535)
     metrics_host: str = "127.0.0.1"
+    # Credentials for NATS (see services/shared/nats_auth.py); all optional.
+    nats_user: str | None = None
+    nats_password: SecretStr | None = None
+    nats_token: SecretStr | None = None
+    nats_creds: str | None = None  # a .creds file (JWT and NKey seed)
+    nats_tls_ca: str | None = None
+    nats_tls_cert: str | None = None
+    nats_tls_key: str | None = None
+
+    def nats_options(self) -> dict[str, Any]:
+        """nats-py connect options for the credentials above."""
+        secret = {"NATS_PASSWORD": self.nats_password, "NATS_TOKEN": self.nats_token}
+        return connect_options({
+            "NATS_USER": self.nats_user, "NATS_CREDS": self.nats_creds,
+            "NATS_TLS_CA": self.nats_tls_ca, "NATS_TLS_CERT": self.nats_tls_cert,
+            "NATS_TLS_KEY": self.nats_tls_key,
+            **{name: value.get_secret_value() if value else None
+               for name, value in secret.items()}})
 
     @field_validator("nats_url")
     @classmethod
