@@ -26,26 +26,43 @@ def nats_server_binary() -> str:
     return found
 
 
+_GIVEN: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A port nothing listens on, and never one handed out before in this
+    process: the kernel may offer a just-released port again, and two servers
+    of one test told the same port would collide."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = int(sock.getsockname()[1])
+        if port not in _GIVEN:
+            _GIVEN.add(port)
+            return port
 
 
 class NatsServer:
     """Start, stop, kill and restart one server; the store survives restarts."""
 
-    def __init__(self, store_dir: str, port: int | None = None, extra_config: str = "") -> None:
+    def __init__(self, store_dir: str, port: int | None = None, extra_config: str = "",
+                 env: dict[str, str] | None = None, shipped_config: Path | None = None) -> None:
         self.port = port or free_port()
         self.store_dir = store_dir
         self.extra_config = extra_config  # e.g. an `authorization` block
+        self.env = env or {}  # variables the configuration reads, e.g. passwords
+        # The repository's nats.conf, run as `make run` runs it, instead of ours.
+        self.shipped_config = shipped_config
+        self.log_path = Path(store_dir) / "server.log"
         self.url = f"nats://127.0.0.1:{self.port}"
         self._proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
         self._proc = subprocess.Popen(
-            [nats_server_binary(), "-c", str(self._write_config())],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            [nats_server_binary(), *self._arguments()], stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            cwd=self.shipped_config.parent if self.shipped_config else None,
+            env={**os.environ, "NATS_STORE_DIR": self.store_dir, **self.env},
         )
         wait_for_port(self.port, 10.0)
 
@@ -58,6 +75,16 @@ class NatsServer:
                 self._proc.kill()
                 self._proc.wait()
         self._proc = None
+
+    def _arguments(self) -> list[str]:
+        if self.shipped_config is None:
+            return ["-c", str(self._write_config())]
+        return ["-c", str(self.shipped_config), "-a", "127.0.0.1", "-p", str(self.port),
+                "-m", "0", "-l", str(self.log_path)]
+
+    def log(self) -> str:
+        """What a server on the shipped configuration logged."""
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
     def _write_config(self) -> Path:
         config = Path(self.store_dir) / "nats.conf"

@@ -26,15 +26,16 @@ class ServiceProcess:
         self.log_path = Path(path)
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def start(self, wait_s: float = 20.0) -> ServiceProcess:
+    def start(self, wait_s: float = 20.0, ready: str = READY_MARK) -> ServiceProcess:
+        """Start and wait for the line `ready` (by default, that it serves)."""
         # Restarts append to the same log: wait for one more ready line than before.
-        before = self.log().count(READY_MARK)
+        before = self.log().count(ready)
         full_env = {**os.environ, "LOG_FORMAT": "json", "PYTHONUNBUFFERED": "1", **self.env}
         with self.log_path.open("ab") as log:  # the child keeps its own copy
             self.proc = subprocess.Popen([sys.executable, "-m", self.module], cwd=REPO_ROOT,
                                          env=full_env, stdout=log, stderr=subprocess.STDOUT)
         try:
-            self.wait_for(READY_MARK, wait_s, since=before)
+            self.wait_for(ready, wait_s, since=before)
         except BaseException:
             self.kill()  # never left running by a start that failed
             raise
