@@ -32,6 +32,10 @@ lint: $(STAMP)
 schemas: $(STAMP)
 	$(BIN)/python scripts/export_schemas.py
 
+# The NATS users' passwords for compose, made once (mode 0600, never committed).
+.env: $(STAMP)
+	$(BIN)/python scripts/nats_passwords.py .env
+
 bench: $(STAMP)
 	$(BIN)/python scripts/bench.py
 

@@ -1,9 +1,11 @@
 """`make run`: the whole system on one workstation, stopped with Ctrl-C (or
 SIGTERM, or the terminal closing).
 
-- NATS: the one at NATS_URL if given, else an embedded nats-server with
-  JetStream storing under .data/nats (fsync on every write: history is the
-  product's memory; see ARCHITECTURE.md).
+- NATS: the one at NATS_URL if given (with the credentials the environment
+  names), else an embedded nats-server with JetStream storing under
+  .data/nats (fsync on every write: history is the product's memory; see
+  ARCHITECTURE.md), on nats.conf's users: each service connects as its own,
+  with passwords made on the first run and kept in .data/nats-passwords.env.
 - Ollama: the one at OLLAMA_HOST (default http://127.0.0.1:11434; the short
   forms Ollama accepts, such as `127.0.0.1:11434`, too) if it answers, else
   the deterministic stand-in, announced loudly. A real one is asked whether
@@ -37,11 +39,14 @@ from typing import Any
 from ollama._client import _parse_host as ollama_url  # the client's own reading
 from tqdm import tqdm
 
+from scripts.nats_passwords import kept_passwords, service_credentials
+
 ROOT = Path(__file__).resolve().parent.parent
 DATA = Path(os.environ.get("DATA_DIR", ROOT / ".data"))
 SERVICES = ("services.generator", "services.compaction_decider", "services.tools",
             "services.gateway")
 NATS_CONFIG = ROOT / "nats.conf"
+NATS_PASSWORDS = DATA / "nats-passwords.env"
 STUB_PORT = int(os.environ.get("OLLAMA_STUB_PORT", "11435"))
 # /metrics of the services without an HTTP port of their own, in the order of
 # SERVICES (generator, decider, tools); the gateway serves its own at /metrics.
@@ -60,13 +65,15 @@ def main() -> int:
     env = dict(os.environ)
     children: list[subprocess.Popen[bytes]] = []
     try:
+        passwords = None  # a NATS_URL given comes with the credentials env names
         if not env.get("NATS_URL"):
-            env["NATS_URL"] = embedded_nats(children)
+            passwords = kept_passwords(NATS_PASSWORDS)
+            env["NATS_URL"] = embedded_nats(children, passwords)
         env["OLLAMA_HOST"] = ollama_or_stand_in(env.get("OLLAMA_HOST"), children)
         if env["OLLAMA_HOST"] != STAND_IN:  # the stand-in serves any name
             check_models(env["OLLAMA_HOST"], env)
         env["GATEWAY_TOKEN"] = gateway_token(env.get("GATEWAY_TOKEN", ""))
-        url = start_services(env, children)
+        url = start_services(env, children, passwords)
         page = f"{url}?token={env['GATEWAY_TOKEN']}" if env["GATEWAY_TOKEN"] else url
         print(f"\n  Chat is ready: {page}   (Ctrl-C stops everything)\n", flush=True)
         while all(child.poll() is None for child in children):
@@ -96,11 +103,13 @@ def gateway_token(wanted: str) -> str:
 # Each starter adds what it starts to `children` before waiting for it, so
 # that a start that times out still stops it.
 
-def embedded_nats(children: list[subprocess.Popen[bytes]]) -> str:
+def embedded_nats(children: list[subprocess.Popen[bytes]], passwords: dict[str, str]) -> str:
     port = int(os.environ.get("NATS_PORT", "4222"))
     ensure_free(port, "NATS", "set NATS_URL to use that server, or NATS_PORT")
-    children.append(start_nats(port))
+    children.append(start_nats(port, passwords))
     wait_for_port(port, 10, children[-1])
+    print(f"  NATS at nats://127.0.0.1:{port}; its users' passwords are in {NATS_PASSWORDS}"
+          f" (`nats sub` as user admin)", flush=True)
     return f"nats://127.0.0.1:{port}"
 
 
@@ -193,13 +202,14 @@ def pull_progress(ollama: str, model: str) -> Iterator[dict[str, Any]]:
         yield json.loads(err.read() or b"{}") or {"error": f"HTTP {err.code}"}
 
 
-def start_services(env: dict[str, str], children: list[subprocess.Popen[bytes]]) -> str:
+def start_services(env: dict[str, str], children: list[subprocess.Popen[bytes]],
+                   passwords: dict[str, str] | None) -> str:
     """Start the four services; returns the page's address once it answers."""
     port = env.get("GATEWAY_PORT", "8080")
     ensure_free(int(port), "the gateway", "set GATEWAY_PORT to another")
     for metrics_port in METRICS_PORTS:
         ensure_free(metrics_port, "metrics", "set METRICS_PORTS to three others")
-    for module, service_env in zip(SERVICES, metrics_envs(env), strict=True):
+    for module, service_env in zip(SERVICES, service_envs(env, passwords), strict=True):
         children.append(subprocess.Popen([sys.executable, "-m", module], cwd=ROOT,
                                          env=service_env))
     url = page_url(env.get("GATEWAY_HOST", "127.0.0.1"), port)
@@ -208,11 +218,20 @@ def start_services(env: dict[str, str], children: list[subprocess.Popen[bytes]])
     return url
 
 
-def metrics_envs(env: dict[str, str]) -> list[dict[str, str]]:
-    """Each service's environment: its own METRICS_PORT, the gateway none."""
+def service_envs(env: dict[str, str], passwords: dict[str, str] | None
+                 ) -> list[dict[str, str]]:
+    """Each service's environment: its own METRICS_PORT (the gateway none) and,
+    on the embedded server, its own NATS user."""
     ports = dict(zip(SERVICES, METRICS_PORTS, strict=False))
-    return [{**env, "METRICS_PORT": str(ports[module])} if module in ports else env
-            for module in SERVICES]
+    envs = []
+    for module in SERVICES:
+        service_env = dict(env)
+        if module in ports:
+            service_env["METRICS_PORT"] = str(ports[module])
+        if passwords:
+            service_env.update(service_credentials(module, passwords))
+        envs.append(service_env)
+    return envs
 
 
 def print_metrics_addresses(page: str) -> None:
@@ -222,7 +241,7 @@ def print_metrics_addresses(page: str) -> None:
     print("\n  Prometheus metrics:\n" + "\n".join(lines), flush=True)
 
 
-def start_nats(port: int) -> subprocess.Popen[bytes]:
+def start_nats(port: int, passwords: dict[str, str]) -> subprocess.Popen[bytes]:
     """nats-server on the repository's nats.conf, as compose runs it, but on
     loopback, on `port`, storing under DATA, without the monitoring port."""
     store = DATA / "nats"
@@ -230,7 +249,8 @@ def start_nats(port: int) -> subprocess.Popen[bytes]:
     server = Path(sys.executable).parent / "nats-server"
     return subprocess.Popen([str(server), "-c", str(NATS_CONFIG), "-a", "127.0.0.1",
                              "-p", str(port), "-m", "0"], cwd=ROOT,
-                            env={**os.environ, "NATS_STORE_DIR": str(store)},
+                            env={**os.environ, "NATS_STORE_DIR": str(store),
+                                 **passwords},
                             start_new_session=True)
 
 

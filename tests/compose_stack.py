@@ -14,6 +14,7 @@ import time
 import uuid
 from pathlib import Path
 
+from scripts.nats_passwords import PASSWORD_VARIABLES, new_password
 from tests.nats_server import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,10 +60,14 @@ class Stack:
             "NATS_PUBLISHED_PORT": str(self.nats_port),
             "NATS_MONITOR_PUBLISHED_PORT": str(free_port()),
             "STAND_IN_PUBLISHED_PORT": str(self.stand_in_port),
+            # What `make .env` writes, made afresh for this project.
+            **{variable: new_password() for variable in PASSWORD_VARIABLES.values()},
             **env,
         }
         self.base_url = f"http://127.0.0.1:{self.gateway_port}"
-        self.nats_url = f"nats://127.0.0.1:{self.nats_port}"
+        # As the operator: the tests look into streams and buckets.
+        admin = self.env["NATS_ADMIN_PASSWORD"]
+        self.nats_url = f"nats://admin:{admin}@127.0.0.1:{self.nats_port}"
         self.stand_in_url = f"http://127.0.0.1:{self.stand_in_port}"
 
     def compose(self, *args: str, timeout_s: float = 300) -> str:

@@ -208,7 +208,7 @@ async def test_a_layout_made_with_one_replica_is_moved_to_three(cluster: NatsClu
     try:
         await ensure_layout(nc.jetstream())  # as a single-server deployment left it
         await assert_replicated(cluster.url, 1)
-        await ensure_layout(nc.jetstream(), replicas=3)
+        await ensure_layout(nc.jetstream(), replicas=3, move_replicas=True)
     finally:
         await nc.close()
     await assert_replicated(cluster.url, 3)
@@ -220,7 +220,7 @@ async def test_more_replicas_than_the_servers_is_reported_by_stream(
     try:
         await ensure_layout(nc.jetstream())
         with pytest.raises(ReplicasMismatch, match="JETSTREAM_REPLICAS is 3"):
-            await ensure_layout(nc.jetstream(), replicas=3)
+            await ensure_layout(nc.jetstream(), replicas=3, move_replicas=True)
     finally:
         await nc.close()
 

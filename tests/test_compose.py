@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,10 +19,12 @@ import pytest
 import yaml
 
 from schemas import subjects
+from scripts.nats_passwords import kept_passwords
 from services.shared.jetstream import MAX_MESSAGE_BYTES, ensure_layout
+from services.shared.nats_auth import inbox_prefix
 from tests.compose_stack import Stack, prepare_images, why_docker_cannot_run
 from tests.events import server_sent_events
-from tests.nats_server import free_port, nats_server_binary, wait_for_port
+from tests.nats_server import NatsServer
 from tests.stub_server import configure_stub
 from tests.system import gateway_client
 
@@ -39,6 +40,7 @@ def compose() -> dict[str, Any]:
 def test_the_nats_service_runs_the_repository_configuration_read_only() -> None:
     nats_service = compose()["services"]["nats"]
     assert "./nats.conf:/etc/nats/nats.conf:ro" in nats_service["volumes"]
+    assert "./nats-users.conf:/etc/nats/nats-users.conf:ro" in nats_service["volumes"]
     assert nats_service["command"] == ["nats-server", "-c", "/etc/nats/nats.conf"]
     assert "configs" not in compose()  # docker-compose 1.29 rejects inline configs
 
@@ -48,30 +50,20 @@ def test_every_service_waits_for_a_healthy_nats_and_has_a_healthcheck() -> None:
     for name in ("gateway", "generator", "compaction-decider", "tools"):
         assert services[name]["depends_on"] == {"nats": {"condition": "service_healthy"}}
         assert services[name]["healthcheck"]["test"], name
+        assert services[name]["environment"]["NATS_USER"] in ("gateway", "generator",
+                                                             "compaction-decider", "tools")
     for service in services.values():
         for port in service.get("ports", []):
             assert port.startswith("127.0.0.1:"), port  # loopback only
 
 
-@contextlib.contextmanager
-def serving(store: Path) -> Iterator[int]:
-    """nats-server on nats.conf, moved to a free port, as `make run` starts it."""
-    port = free_port()
-    server = subprocess.Popen(
-        [nats_server_binary(), "-c", str(NATS_CONFIG), "-a", "127.0.0.1", "-p", str(port),
-         "-m", "0"], env={**os.environ, "NATS_STORE_DIR": str(store)},
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_for_port(port, 10)
-        yield port
-    finally:
-        server.terminate()
-        server.wait(10)
-
-
 async def test_the_nats_configuration_takes_the_largest_history_entry(tmp_path: Path) -> None:
-    with serving(tmp_path) as port:
-        nc = await nats.connect(f"nats://127.0.0.1:{port}")
+    passwords = kept_passwords(tmp_path / "passwords.env")
+    server = NatsServer(str(tmp_path), env=passwords, shipped_config=NATS_CONFIG)
+    server.start()  # as `make run` starts it
+    try:
+        nc = await nats.connect(f"nats://generator:{passwords['NATS_GENERATOR_PASSWORD']}"
+                                f"@127.0.0.1:{server.port}", inbox_prefix=inbox_prefix("generator"))
         try:
             assert nc.max_payload >= MAX_MESSAGE_BYTES
             js = nc.jetstream()
@@ -81,6 +73,8 @@ async def test_the_nats_configuration_takes_the_largest_history_entry(tmp_path: 
             assert ack.stream == subjects.HISTORY_STREAM
         finally:
             await nc.close()
+    finally:
+        server.stop()
     assert (tmp_path / "jetstream").is_dir()  # on the store the configuration names
 
 

@@ -13,7 +13,8 @@ async def _run() -> None:
         return await build(bus, settings)
 
     await serve("generator", settings, _build,
-                "Answers chat queries and executes compactions", settings.lock_lease_s)
+                "Answers chat queries and executes compactions", settings.lock_lease_s,
+                layout="owner")
 
 
 if __name__ == "__main__":

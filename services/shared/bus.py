@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import secrets
+import ssl
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
@@ -27,6 +29,7 @@ from pydantic import ValidationError
 from schemas import subjects
 from schemas.envelope import Envelope, enveloped, new_id
 from schemas.messages import ErrorReport, Payload
+from services.shared.nats_auth import inbox_prefix
 from services.shared.settings import nats_servers
 
 P = TypeVar("P", bound=Payload)
@@ -95,6 +98,7 @@ async def connect(url: str, name: str, timeout_s: float = 2.0,
             return await nats.connect(
                 nats_servers(url),
                 name=name,
+                inbox_prefix=inbox_prefix(name),
                 connect_timeout=timeout_s,
                 allow_reconnect=True,
                 max_reconnect_attempts=-1,
@@ -128,8 +132,25 @@ async def round_trip(nc: NATS, timeout_s: float = 5.0) -> None:
             await echo.unsubscribe()
 
 
+_REFUSED = "authorization violation"
+_CREDENTIAL_SETTINGS = "NATS_URL, NATS_USER/NATS_PASSWORD, NATS_TOKEN or NATS_CREDS"
+_TLS_SETTINGS = "NATS_TLS_CA, NATS_TLS_CERT, NATS_TLS_KEY"
+# How nats-py passes on the server's refusal (lower-cased, subject quoted).
+_DENIED = re.compile(r'permissions violation for (publish|subscription) to "([^"]*)"')
+
+
 async def _on_error(err: Exception) -> None:
-    log.warning("nats_error", error=str(err))
+    """Refusals are errors naming what to fix; the client goes on trying
+    meanwhile, since the server's users may be fixed without a restart here."""
+    denied = _DENIED.search(str(err))
+    if denied:  # this service's NATS user lacks a right it needs (nats-users.conf)
+        log.error("nats_permission_denied", operation=denied[1], subject=denied[2])
+    elif isinstance(err, nats.errors.AuthorizationError) or _REFUSED in str(err).lower():
+        log.error("nats_credentials_refused", error=str(err), settings=_CREDENTIAL_SETTINGS)
+    elif isinstance(err, ssl.SSLError):
+        log.error("nats_tls_failed", error=str(err), settings=_TLS_SETTINGS)
+    else:
+        log.warning("nats_error", error=str(err))
 
 
 async def _on_disconnect() -> None:

@@ -18,14 +18,14 @@ import sys
 import nats
 from nats.aio.msg import Msg
 
-from services.shared.nats_auth import connect_options
+from services.shared.nats_auth import connect_options, inbox_prefix
 
 TIMEOUT_S = 3.0
 
 
 async def answers_here(name: str, url: str, host: str) -> bool:
     servers = [part.strip() for part in url.split(",") if part.strip()]
-    nc = await nats.connect(servers, connect_timeout=TIMEOUT_S,
+    nc = await nats.connect(servers, connect_timeout=TIMEOUT_S, inbox_prefix=inbox_prefix(name),
                             allow_reconnect=False, max_reconnect_attempts=0,
                             error_cb=_quiet, **connect_options(os.environ))
     try:

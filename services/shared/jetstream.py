@@ -1,13 +1,14 @@
 """The JetStream layout: every stream and bucket the services rely on.
 
-Each service calls `ensure_layout` at start and again each time NATS comes
-back (a memory stream never survives a restart, a lost store keeps nothing);
-creating what exists already is a no-op, so any service can start first.
+The services but the tools (which only read history) call `ensure_layout`
+at start and again each time NATS comes back (a memory stream never
+survives a restart, a lost store keeps nothing); creating what exists
+already is a no-op, so any of them can start first.
 Nothing is ever recreated or purged here: an operator's changes to a stream's
 limits survive restarts. The one exception is the number of replicas
-(`JETSTREAM_REPLICAS`): every stream of the layout and every bucket is moved
-to it, since a cluster grown from one node to three should not keep its
-history on one of them.
+(`JETSTREAM_REPLICAS`): the generator moves every stream of the layout and
+every bucket to it, since a cluster grown from one node to three should not
+keep its history on one of them.
 
 A stream that is missing holds nothing yet: readers take it so (`missing`)
 rather than fail, until the layout is made again.
@@ -108,11 +109,11 @@ class ReplicasMismatch(RuntimeError):
 
 
 async def ensure_layout(js: JetStreamContext, lock_lease_s: float | None = None,
-                        replicas: int | None = None) -> None:
-    """Make what is missing, then give every stream and bucket `replicas`
-    copies (the services pass `JETSTREAM_REPLICAS`; None leaves them as they
-    are). Only the generator, which holds the locks, passes its lease; the
-    others leave the lock bucket's lease as they find it."""
+                        replicas: int | None = None, move_replicas: bool = False) -> None:
+    """Make what is missing with `replicas` copies (the services pass
+    `JETSTREAM_REPLICAS`), and with `move_replicas` give every stream and
+    bucket that many. Only the generator, the layout's owner, moves replicas
+    and passes its lease; the others leave what exists as they find it."""
     for config in STREAMS:
         try:
             await js.stream_info(config.name or "")
@@ -121,7 +122,7 @@ async def ensure_layout(js: JetStreamContext, lock_lease_s: float | None = None,
     await sessions_bucket(js)
     await locks_bucket(js, lock_lease_s)
     await compactions_running_bucket(js)
-    if replicas is not None:
+    if move_replicas and replicas is not None:
         await match_replicas(js, replicas)
 
 

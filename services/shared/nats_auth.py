@@ -17,6 +17,14 @@ CREDENTIALS = ("NATS_USER", "NATS_PASSWORD", "NATS_TOKEN", "NATS_CREDS",
                "NATS_TLS_CA", "NATS_TLS_CERT", "NATS_TLS_KEY")
 
 
+def inbox_prefix(service: str) -> str:
+    """Where the replies to `service`'s requests arrive: a prefix of its own
+    (`_INBOX_gateway.…`), so that nats-users.conf can let each service read
+    only its own replies. A replacement service connecting as one of those
+    users uses the same prefix."""
+    return f"_INBOX_{service}"
+
+
 def connect_options(values: Mapping[str, str | None]) -> dict[str, Any]:
     """nats-py keyword arguments for the credentials `values` names (keys
     as in CREDENTIALS; missing or empty ones are not set)."""

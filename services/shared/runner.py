@@ -19,7 +19,7 @@ import signal
 import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import structlog
 from nats.aio.client import Client as NATS
@@ -57,6 +57,14 @@ class Component(Protocol):
         ...
 
 
+# What a service does to the JetStream layout when it starts and when NATS
+# comes back. Its owner, the generator, makes what is missing, moves replicas
+# and sets the lock lease; the gateway and the decider make what is missing
+# (so any may start first) and change nothing; the tools make nothing. Each
+# service's NATS user is allowed just that (nats-users.conf).
+LayoutRole = Literal["owner", "make_missing", "none"]
+
+
 @dataclass(frozen=True)
 class Endpoint:
     name: str
@@ -70,6 +78,7 @@ async def serve(
     build: Callable[[Bus], Awaitable[Component]],
     description: str,
     lock_lease_s: float | None = None,
+    layout: LayoutRole = "make_missing",
 ) -> None:
     configure_logging(name, settings.log_level, settings.log_format)
     stop = _stop_on_signals()
@@ -86,12 +95,12 @@ async def serve(
     nc = connecting.result()
     metrics.watch_connection(nc, name)
     bus = Bus(nc, name)
-    await ensure_layout(bus.js, lock_lease_s, settings.jetstream_replicas)
 
-    async def layout_again() -> None:
-        await ensure_layout(bus.js, lock_lease_s, settings.jetstream_replicas)
+    async def make_layout() -> None:
+        await _make_layout(bus, layout, lock_lease_s, settings.jetstream_replicas)
 
-    reconnects.add(layout_again)
+    await make_layout()
+    reconnects.add(make_layout)
     component = await build(bus)
     await component.start()
     reconnects.add(component.reconnected)
@@ -103,6 +112,15 @@ async def serve(
     await reconnects.stop()
     await _stop(component, micro, nc)
     log.info("service_stopped")
+
+
+async def _make_layout(bus: Bus, role: LayoutRole, lock_lease_s: float | None,
+                       replicas: int | None) -> None:
+    if role == "none":
+        return
+    owner = role == "owner"
+    await ensure_layout(bus.js, lock_lease_s if owner else None, replicas,
+                        move_replicas=owner)
 
 
 async def _register(nc: NATS, name: str, description: str, component: Component) -> Service:

@@ -12,7 +12,8 @@ async def _run() -> None:
     async def _build(bus: Bus) -> ToolsService:
         return ToolsService(bus)
 
-    await serve("tools", settings, _build, "Tools the model can call over NATS")
+    await serve("tools", settings, _build, "Tools the model can call over NATS",
+                layout="none")
 
 
 if __name__ == "__main__":
