@@ -9,16 +9,14 @@ import json
 import math
 from pathlib import Path
 
-from scripts.bench import (
-    ROW_FUNCTIONS,
-    ROWS,
-    RUN_ORDER,
-    Http,
-    main,
+from scripts.bench import main
+from scripts.benchmarks.client import Http
+from scripts.benchmarks.round_trips import (
     measure_nats_rtt,
     measure_nats_rtt_between_processes,
     running_bare_turn,
 )
+from scripts.benchmarks.rows import ROW_FUNCTIONS, ROWS, RUN_ORDER
 
 
 def test_pure_rows_write_numeric_results(tmp_path: Path) -> None:

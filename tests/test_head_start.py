@@ -20,7 +20,7 @@ import pytest
 from schemas import subjects
 from schemas.history import ChatMessage, Conversation
 from schemas.session import SessionRecord
-from scripts.bench import head_start_counts
+from scripts.benchmarks.throughput import head_start_counts
 from services.generator.head_start import HeadStart, HeadStartCount, still_good
 from services.generator.provider import ChatResult
 from services.generator.service import QUERY_CONSUMER

@@ -1,0 +1,350 @@
+"""Rows nats_rtt, turn_overhead and turn_floor: a turn's time beyond the
+stand-in's own, counted in NATS round trips measured in the same run, so the
+figure means the same on a slow and a fast machine; turn_floor measures it on
+scripts/bare_turn.py, the hops a turn needs and nothing else."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import nats
+
+from schemas.envelope import new_id
+from scripts.benchmarks.client import Answer, Http, ask, http_client, new_session
+from scripts.benchmarks.harness import MODEL, NUM_CTX, Env, Params, Row, Target
+from scripts.benchmarks.measure import cpu_per_unit, cpu_seconds, percentile, summary_ms
+from services.generator.provider import ChatRequest, OllamaProvider
+from tests.nats_server import free_port, running_nats
+from tests.processes import ServiceProcess
+from tests.stub_server import running_stub
+
+if TYPE_CHECKING:
+    from scripts.benchmarks.rows import Bench
+
+TURN_OVERHEAD_MAX_RTTS = 8.0
+# The entry point, which serves as the echo responder when run with
+# --echo-responder.
+BENCH_SCRIPT = Path(__file__).resolve().parent.parent / "bench.py"
+
+
+# --------------------------------------------------------------------------- 1. nats_rtt
+
+
+async def echo_responder(nats_url: str, ready: Callable[[], None]) -> None:
+    """Answer every request on bench.rtt with its own payload, until cancelled."""
+    responder = await nats.connect(nats_url)
+    try:
+        async def echo(msg: Any) -> None:
+            await msg.respond(msg.data)
+
+        await responder.subscribe("bench.rtt", cb=echo)
+        await responder.flush()
+        ready()
+        await asyncio.Event().wait()
+    finally:
+        await responder.close()
+
+
+@contextlib.asynccontextmanager
+async def responder_in_this_process(nats_url: str) -> AsyncIterator[None]:
+    ready = asyncio.Event()
+    task = asyncio.create_task(echo_responder(nats_url, ready.set))
+    try:
+        await ready.wait()
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+@contextlib.contextmanager
+def responder_in_a_process(nats_url: str) -> Iterator[None]:
+    """The echo responder as a process of its own, like every service a turn crosses."""
+    process = subprocess.Popen([sys.executable, str(BENCH_SCRIPT), "--echo-responder",
+                                nats_url], stdout=subprocess.PIPE)
+    try:
+        assert process.stdout is not None
+        if process.stdout.readline().strip() != b"ready":
+            raise RuntimeError("the echo responder did not start")
+        yield
+    finally:
+        process.kill()
+        process.wait()
+
+
+def serve_echo(nats_url: str) -> None:
+    asyncio.run(echo_responder(nats_url, lambda: print("ready", flush=True)))
+
+
+async def timed_requests(nats_url: str, requests: int, warmup: int) -> list[float]:
+    """Sequential request/reply round trips through the server, loopback, 256-byte payload."""
+    requester = await nats.connect(nats_url)
+    try:
+        # A request sent at once on a connection just opened was answered "no
+        # responders" about once in thirty runs; one round trip first, never.
+        await requester.flush()
+        payload = b"x" * 256
+        samples: list[float] = []
+        for index in range(warmup + requests):
+            started = time.perf_counter()
+            await requester.request("bench.rtt", payload, timeout=5)
+            if index >= warmup:
+                samples.append(time.perf_counter() - started)
+        return samples
+    finally:
+        await requester.close()
+
+
+async def measure_nats_rtt(nats_url: str, requests: int, warmup: int = 200) -> list[float]:
+    """Round trips to a responder on a second connection in this process: the
+    unit the turn overhead is counted in."""
+    async with responder_in_this_process(nats_url):
+        return await timed_requests(nats_url, requests, warmup)
+
+
+async def measure_nats_rtt_between_processes(nats_url: str, requests: int,
+                                             warmup: int = 200) -> list[float]:
+    """Round trips to a responder in a process of its own. Every hop of a turn
+    goes from one process to another, which also wakes the other process."""
+    with responder_in_a_process(nats_url):
+        return await timed_requests(nats_url, requests, warmup)
+
+
+@dataclass(frozen=True)
+class RoundTrips:
+    """Median NATS round trips the turn overhead is compared with."""
+
+    same_process_s: float
+    between_processes_s: float
+    source: str
+
+
+async def measure_round_trips(nats_url: str, requests: int) -> RoundTrips:
+    same = await measure_nats_rtt(nats_url, requests)
+    between = await measure_nats_rtt_between_processes(nats_url, requests)
+    return RoundTrips(percentile(same, 50), percentile(between, 50),
+                      "measured on this row's server")
+
+
+def row_nats_rtt(bench: Bench) -> Row:
+    with running_nats() as server:
+        samples = asyncio.run(measure_nats_rtt(server.url, bench.params.rtt_requests))
+        between = asyncio.run(measure_nats_rtt_between_processes(
+            server.url, bench.params.rtt_requests))
+    stats = summary_ms(samples)
+    between_stats = summary_ms(between)
+    bench.round_trips = RoundTrips(stats["p50_ms"] / 1000, between_stats["p50_ms"] / 1000,
+                                   "nats_rtt row")
+    return Row(
+        name="nats_rtt", value=stats["p50_ms"], unit="ms (p50)", target=None,
+        detail=f"p50 {stats['p50_ms']:.3f} ms, p99 {stats['p99_ms']:.3f} ms, "
+               f"{stats['n']} requests; between two processes p50 "
+               f"{between_stats['p50_ms']:.3f} ms",
+        raw={**stats, "payload_bytes": 256, "between_processes": between_stats},
+    )
+
+
+# --------------------------------------------------------------------------- 2. turn_overhead
+
+
+def overhead_history(turns: int) -> list[dict[str, Any]]:
+    """A prompt like the ones turn_overhead sends halfway through a session."""
+    messages: list[dict[str, Any]] = []
+    for index in range(turns):
+        messages.append({"role": "user", "content": f"benchmark question {index}"})
+        messages.append({"role": "assistant",
+                         "content": f"Echo: benchmark question {index} (turn {index + 1})"})
+    messages.append({"role": "user", "content": f"benchmark question {turns}"})
+    return messages
+
+
+async def measure_stub_chat(stub_url: str, calls: int, messages: list[dict[str, Any]],
+                            warmup: int = 10) -> list[float]:
+    """The stand-in's own time for one chat call, made as the generator makes it
+    for the measured turns (its provider, one whole answer, no token stream)."""
+    provider = OllamaProvider(stub_url, timeout_s=30, connections=1)
+    request = ChatRequest(model=MODEL, messages=messages, num_ctx=NUM_CTX)
+    samples: list[float] = []
+    try:
+        for index in range(warmup + calls):
+            started = time.perf_counter()
+            await provider.chat(request)
+            if index >= warmup:
+                samples.append(time.perf_counter() - started)
+    finally:
+        await provider.close()
+    return samples
+
+
+async def sequential_turns(params: Params, new_session: Callable[[], Awaitable[str]],
+                           ask_one: Callable[[str, str], Awaitable[Answer]]
+                           ) -> tuple[list[float], dict[str, Any]]:
+    """Latencies of one query after the other, a fresh session every
+    `turns_per_session`, after a warm-up; and the CPU the measured turns cost."""
+    samples: list[float] = []
+    cpu_before: dict[str, float] = {}
+    started = 0.0
+    per_session = params.turns_per_session
+    sid = ""
+    for index in range(params.overhead_warmup + params.overhead_turns):
+        if index == params.overhead_warmup:
+            cpu_before, started = cpu_seconds(), time.perf_counter()
+        if index % per_session == 0:
+            sid = await new_session()
+        sent = time.perf_counter()
+        response = await ask_one(sid, f"benchmark question {index % per_session}")
+        seconds = time.perf_counter() - sent
+        if response.status_code != 200:
+            raise RuntimeError(f"turn failed: HTTP {response.status_code} {response.text}")
+        if index >= params.overhead_warmup:
+            samples.append(seconds)
+    cpu = cpu_per_unit(cpu_before, cpu_seconds(), params.overhead_turns,
+                       time.perf_counter() - started)
+    return samples, cpu
+
+
+async def measure_turns(env: Env, params: Params) -> tuple[list[float], dict[str, Any]]:
+    """The product's JSON POST /messages, one after the other."""
+    async with http_client(env, 4) as http:
+        return await sequential_turns(params, lambda: new_session(http),
+                                      lambda sid, content: ask(http, sid, content))
+
+
+@dataclass(frozen=True)
+class Overhead:
+    """A turn's time beyond the stand-in's own, against NATS round trips."""
+
+    turn: dict[str, float]
+    stub: dict[str, float]
+    round_trips: RoundTrips
+
+    @property
+    def rtt_ms(self) -> float:
+        return self.round_trips.same_process_s * 1000
+
+    @property
+    def p50_ms(self) -> float:
+        return self.turn["p50_ms"] - self.stub["p50_ms"]
+
+    @property
+    def p99_ms(self) -> float:
+        return self.turn["p99_ms"] - self.stub["p50_ms"]
+
+    def text(self) -> str:
+        return (f"overhead p50 {self.p50_ms:.2f} ms, p99 {self.p99_ms:.2f} ms "
+                f"(turn p50 {self.turn['p50_ms']:.2f} − stand-in "
+                f"{self.stub['p50_ms']:.2f}); RTT {self.rtt_ms:.3f} ms")
+
+
+async def overhead_of(turns: list[float], stub_url: str, nats_url: str, params: Params,
+                      round_trips: RoundTrips | None) -> Overhead:
+    """Set measured turns against the stand-in's own time for a prompt like
+    theirs, and against the round trips (measured here unless given)."""
+    history = overhead_history(params.turns_per_session // 2)
+    stub = await measure_stub_chat(stub_url, params.stub_calls, history)
+    if round_trips is None:
+        round_trips = await measure_round_trips(nats_url, params.rtt_requests)
+    return Overhead(summary_ms(turns), summary_ms(stub), round_trips)
+
+
+async def turn_overhead(env: Env, params: Params, round_trips: RoundTrips | None
+                        ) -> tuple[Overhead, dict[str, Any]]:
+    turns, cpu = await measure_turns(env, params)
+    return await overhead_of(turns, env.stub_url, env.nats_url, params, round_trips), cpu
+
+
+def row_turn_overhead(bench: Bench) -> Row:
+    overhead, cpu = asyncio.run(turn_overhead(bench.plain(), bench.params, bench.round_trips))
+    rtt_ms = overhead.rtt_ms
+    between_ms = overhead.round_trips.between_processes_s * 1000
+    return Row(
+        name="turn_overhead", value=overhead.p50_ms / rtt_ms, unit="NATS round trips (p50)",
+        target=Target("<=", TURN_OVERHEAD_MAX_RTTS),
+        detail=f"{overhead.text()}; {overhead.p50_ms / between_ms:.1f} round trips "
+               f"between two processes ({between_ms:.3f} ms)",
+        raw={
+            "overhead_p50_ms": overhead.p50_ms,
+            "overhead_p99_ms": overhead.p99_ms,
+            "overhead_p99_rtts": overhead.p99_ms / rtt_ms,
+            "turn": overhead.turn,
+            "stub_own_time": overhead.stub,
+            "nats_rtt_p50_ms": rtt_ms,
+            "nats_rtt_source": overhead.round_trips.source,
+            "nats_rtt_between_processes_p50_ms": between_ms,
+            "overhead_p50_rtts_between_processes": overhead.p50_ms / between_ms,
+            "turns_per_session": bench.params.turns_per_session,
+            "stub_prompt_messages": len(overhead_history(bench.params.turns_per_session // 2)),
+            "services": list(bench.plain().system.processes),
+            "cpu_per_turn": cpu,
+        },
+    )
+
+
+# --------------------------------------------------------------------------- 2b. turn_floor
+
+
+@contextlib.contextmanager
+def running_bare_turn() -> Iterator[tuple[str, str, str]]:
+    """The two processes of scripts/bare_turn.py on a server and stand-in of
+    their own: (NATS URL, stand-in URL, HTTP base URL)."""
+    with running_nats() as server, running_stub() as stub:
+        port = free_port()
+        env = {"NATS_URL": server.url, "OLLAMA_HOST": stub, "MODEL": MODEL,
+               "BARE_PORT": str(port)}
+        processes = [ServiceProcess("scripts.bare_turn", {**env, "BARE_ROLE": role})
+                     for role in ("generator", "gateway")]
+        try:
+            for process in processes:
+                process.start()  # one after the other: both set up the streams
+            yield server.url, stub, f"http://127.0.0.1:{port}"
+        finally:
+            for process in reversed(processes):
+                process.stop()
+                process.log_path.unlink(missing_ok=True)
+
+
+async def bare_session() -> str:
+    """The bare turn keeps no session records: any new id is a new session."""
+    return new_id()
+
+
+def bare_ask(http: Http) -> Callable[[str, str], Awaitable[Answer]]:
+    """A query to the bare turn's gateway; its sessions need no creating."""
+    return lambda sid, content: http.post(f"/q/{sid}", json={"content": content})
+
+
+async def turn_floor(params: Params, round_trips: RoundTrips | None
+                     ) -> tuple[Overhead, dict[str, Any]]:
+    """`turn_overhead`'s queries through the bare hops."""
+    with running_bare_turn() as (nats_url, stub_url, base_url):
+        async with Http(base_url, 4) as http:
+            turns, cpu = await sequential_turns(params, bare_session, bare_ask(http))
+        return await overhead_of(turns, stub_url, nats_url, params, round_trips), cpu
+
+
+def row_turn_floor(bench: Bench) -> Row:
+    overhead, cpu = asyncio.run(turn_floor(bench.params, bench.round_trips))
+    return Row(
+        name="turn_floor", value=overhead.p50_ms / overhead.rtt_ms,
+        unit="NATS round trips (p50)", target=None,
+        detail=f"the hops a turn needs and nothing else (scripts/bare_turn.py): "
+               f"{overhead.text()}",
+        raw={
+            "overhead_p50_ms": overhead.p50_ms,
+            "overhead_p99_ms": overhead.p99_ms,
+            "turn": overhead.turn,
+            "stub_own_time": overhead.stub,
+            "nats_rtt_p50_ms": overhead.rtt_ms,
+            "nats_rtt_source": overhead.round_trips.source,
+            "cpu_per_turn": cpu,
+        },
+    )

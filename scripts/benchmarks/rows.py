@@ -1,0 +1,151 @@
+"""The rows: their names in the order shown and the order run, the function that
+measures each, the repetitions a run makes, and the Bench that runs one row at
+a time on a system started once for the rows that share it."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import sys
+import time
+from collections.abc import Callable
+
+from scripts.benchmarks.compaction import row_compaction, row_compaction_one_slot
+from scripts.benchmarks.estimate import ESTIMATE_SCRIPT, row_estimate
+from scripts.benchmarks.harness import Env, Params, Row, running_env
+from scripts.benchmarks.memory import row_memory_sessions
+from scripts.benchmarks.round_trips import (
+    RoundTrips,
+    row_nats_rtt,
+    row_turn_floor,
+    row_turn_overhead,
+)
+from scripts.benchmarks.splice import row_splice
+from scripts.benchmarks.stop import row_stop_latency
+from scripts.benchmarks.throughput import (
+    row_throughput_1,
+    row_throughput_2,
+    row_throughput_floor,
+)
+from scripts.benchmarks.transcript import row_transcript_overhead
+
+ROWS = (
+    "nats_rtt",
+    "turn_overhead",
+    "turn_floor",
+    "throughput_1_generator",
+    "throughput_2_generators",
+    "throughput_floor",
+    "compaction_latency",
+    "compaction_one_slot",
+    "stop_latency",
+    "splice_128k",
+    "estimate_error",
+    "transcript_overhead",
+    "memory_sessions",
+)
+# Rows sharing the plain system run back to back, so it is started once and
+# stopped before the compaction row starts systems of its own.
+RUN_ORDER = (
+    "nats_rtt",
+    "turn_floor",
+    "throughput_floor",
+    "splice_128k",
+    "turn_overhead",
+    "throughput_1_generator",
+    "throughput_2_generators",
+    "estimate_error",
+    "transcript_overhead",
+    "compaction_latency",
+    "compaction_one_slot",
+    "stop_latency",
+    "memory_sessions",
+)
+# Rows that cannot run without starting processes (see --in-process).
+NEEDS_PROCESSES = frozenset(ROWS) - {"splice_128k", "estimate_error"}
+
+
+def params_for(quick: bool) -> Params:
+    return Params(
+        quick=quick,
+        rtt_requests=2000,
+        overhead_turns=100 if quick else 400,
+        overhead_warmup=10 if quick else 20,
+        turns_per_session=20,
+        stub_calls=100 if quick else 400,
+        throughput_sessions=64,
+        throughput_settle_s=0.5 if quick else 1.0,
+        throughput_window_s=1.0 if quick else 3.0,
+        compaction_history_turns=12,
+        compaction_queries=10 if quick else 20,
+        compaction_rounds=1 if quick else 5,
+        compaction_tail_turns=2,
+        splice_reps=10 if quick else 50,
+        splice_messages=400,
+        splice_chars=512_000,
+        estimate_turns=4 if quick else len(ESTIMATE_SCRIPT),
+    )
+
+
+RowFunction = Callable[["Bench"], Row]
+ROW_FUNCTIONS: dict[str, RowFunction] = {
+    "nats_rtt": row_nats_rtt,
+    "turn_overhead": row_turn_overhead,
+    "turn_floor": row_turn_floor,
+    "throughput_floor": row_throughput_floor,
+    "throughput_1_generator": row_throughput_1,
+    "throughput_2_generators": row_throughput_2,
+    "compaction_latency": row_compaction,
+    "compaction_one_slot": row_compaction_one_slot,
+    "stop_latency": row_stop_latency,
+    "splice_128k": row_splice,
+    "estimate_error": row_estimate,
+    "transcript_overhead": row_transcript_overhead,
+    "memory_sessions": row_memory_sessions,
+}
+
+
+class Bench:
+    def __init__(self, params: Params, in_process: bool) -> None:
+        self.params = params
+        self.in_process = in_process
+        self.round_trips: RoundTrips | None = None
+        self._plain: Env | None = None
+        self._plain_stack = contextlib.ExitStack()
+
+    def plain(self) -> Env:
+        """The system with default settings, started on first use."""
+        if self._plain is None:
+            self._plain = self._plain_stack.enter_context(running_env())
+        return self._plain
+
+    def close_plain(self) -> None:
+        self._plain = None
+        self._plain_stack.close()
+
+    def run(self, name: str) -> Row:
+        if self.in_process and name in NEEDS_PROCESSES:
+            return Row(name=name, value=None, unit="", target=None, detail="skipped",
+                       skipped="needs processes (--in-process)")
+        if name in ("compaction_latency", "compaction_one_slot", "stop_latency"):
+            self.close_plain()  # it starts systems of its own
+        started = time.perf_counter()
+        load = os.getloadavg()[0]
+        # The driver's own garbage collector must not land in a timed query: a full
+        # collection here took 260 ms once the earlier rows had left their cycles
+        # behind. Collect before the row, none during it (like timeit).
+        gc.collect()
+        gc.disable()
+        try:
+            row = ROW_FUNCTIONS[name](self)
+        except Exception as err:
+            print(f"{name}: {type(err).__name__}: {err}", file=sys.stderr)
+            return Row(name=name, value=None, unit="", target=None, detail="error",
+                       error=f"{type(err).__name__}: {err}")
+        finally:
+            gc.enable()
+        row.raw["row_seconds"] = time.perf_counter() - started
+        # Other work on the machine shows here: a busy machine makes every figure noisier.
+        row.raw["load_average_1m_before"] = load
+        return row
