@@ -115,6 +115,11 @@ def calibrate(
     reported = reported_prompt_tokens
     if reported is None or not _usable(reported, sent, reused, num_ctx):
         return previous
+    return _folded(previous, reported, sent, reused)
+
+
+def _folded(previous: Calibration, reported: int, sent: Size, reused: Size) -> Calibration:
+    """The calibration after a usable report."""
     reading = _reading(reported, sent, reused, previous)
     whole = float(reported)
     if reading is Reading.partial:
