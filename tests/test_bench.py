@@ -17,6 +17,7 @@ from scripts.benchmarks.round_trips import (
     running_bare_turn,
 )
 from scripts.benchmarks.rows import ROW_FUNCTIONS, ROWS, RUN_ORDER
+from scripts.benchmarks.soak import faults_of, turn_text
 
 
 def test_pure_rows_write_numeric_results(tmp_path: Path) -> None:
@@ -86,3 +87,17 @@ def test_every_row_is_listed_run_and_measured_by_a_function() -> None:
     assert len(ROWS) == len(set(ROWS)) == len(RUN_ORDER)
     assert set(ROWS) == set(RUN_ORDER) == set(ROW_FUNCTIONS)
     assert "memory_sessions" in ROWS
+
+
+def test_the_soak_counts_turns_lost_and_turns_twice_in_a_transcript() -> None:
+    def said(role: str, content: str) -> dict[str, str]:
+        return {"kind": "message", "role": role, "content": content}
+
+    first, second, third = (turn_text(7, turn) for turn in range(3))
+    marker = {"kind": "compaction", "summary": first}  # a summary is not a turn
+    items = [said("user", first), said("assistant", "a"), marker, said("user", second),
+             said("assistant", "b"), said("user", second), said("assistant", "b")]
+    assert faults_of(items, 7, 3) == {"lost": 1, "duplicated": 1}
+    assert faults_of(items[:2], 7, 1) == {"lost": 0, "duplicated": 0}
+    assert faults_of([*items[:2], said("assistant", "again")], 7, 1)["duplicated"] == 1
+    assert third not in str(items)

@@ -10,17 +10,21 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 from scripts.benchmarks.compaction import row_compaction, row_compaction_one_slot
 from scripts.benchmarks.estimate import ESTIMATE_SCRIPT, row_estimate
 from scripts.benchmarks.harness import Env, Params, Row, running_env
 from scripts.benchmarks.memory import row_memory_sessions
 from scripts.benchmarks.round_trips import (
+    Overhead,
     RoundTrips,
     row_nats_rtt,
+    row_turn_cpu,
     row_turn_floor,
     row_turn_overhead,
 )
+from scripts.benchmarks.soak import row_soak_1, row_soak_2
 from scripts.benchmarks.splice import row_splice
 from scripts.benchmarks.stop import row_stop_latency
 from scripts.benchmarks.throughput import (
@@ -33,6 +37,7 @@ from scripts.benchmarks.transcript import row_transcript_overhead
 ROWS = (
     "nats_rtt",
     "turn_overhead",
+    "turn_cpu",
     "turn_floor",
     "throughput_1_generator",
     "throughput_2_generators",
@@ -44,6 +49,8 @@ ROWS = (
     "estimate_error",
     "transcript_overhead",
     "memory_sessions",
+    "soak_1_generator",
+    "soak_2_generators",
 )
 # Rows sharing the plain system run back to back, so it is started once and
 # stopped before the compaction row starts systems of its own.
@@ -53,6 +60,7 @@ RUN_ORDER = (
     "throughput_floor",
     "splice_128k",
     "turn_overhead",
+    "turn_cpu",
     "throughput_1_generator",
     "throughput_2_generators",
     "estimate_error",
@@ -61,6 +69,8 @@ RUN_ORDER = (
     "compaction_one_slot",
     "stop_latency",
     "memory_sessions",
+    "soak_1_generator",
+    "soak_2_generators",
 )
 # Rows that cannot run without starting processes (see --in-process).
 NEEDS_PROCESSES = frozenset(ROWS) - {"splice_128k", "estimate_error"}
@@ -92,6 +102,7 @@ RowFunction = Callable[["Bench"], Row]
 ROW_FUNCTIONS: dict[str, RowFunction] = {
     "nats_rtt": row_nats_rtt,
     "turn_overhead": row_turn_overhead,
+    "turn_cpu": row_turn_cpu,
     "turn_floor": row_turn_floor,
     "throughput_floor": row_throughput_floor,
     "throughput_1_generator": row_throughput_1,
@@ -103,6 +114,8 @@ ROW_FUNCTIONS: dict[str, RowFunction] = {
     "estimate_error": row_estimate,
     "transcript_overhead": row_transcript_overhead,
     "memory_sessions": row_memory_sessions,
+    "soak_1_generator": row_soak_1,
+    "soak_2_generators": row_soak_2,
 }
 
 
@@ -111,6 +124,9 @@ class Bench:
         self.params = params
         self.in_process = in_process
         self.round_trips: RoundTrips | None = None
+        # Measured once, read by several rows: the product's turns and the floor's.
+        self.turns: tuple[Overhead, dict[str, Any]] | None = None
+        self.floor: tuple[Overhead, dict[str, Any]] | None = None
         self._plain: Env | None = None
         self._plain_stack = contextlib.ExitStack()
 
@@ -128,7 +144,8 @@ class Bench:
         if self.in_process and name in NEEDS_PROCESSES:
             return Row(name=name, value=None, unit="", target=None, detail="skipped",
                        skipped="needs processes (--in-process)")
-        if name in ("compaction_latency", "compaction_one_slot", "stop_latency"):
+        if name in ("compaction_latency", "compaction_one_slot", "stop_latency",
+                    "memory_sessions", "soak_1_generator", "soak_2_generators"):
             self.close_plain()  # it starts systems of its own
         started = time.perf_counter()
         load = os.getloadavg()[0]

@@ -35,7 +35,7 @@ from scripts.benchmarks.round_trips import bare_ask, running_bare_turn
 if TYPE_CHECKING:
     from scripts.benchmarks.rows import Bench
 
-THROUGHPUT_MIN_SHARE = 0.8
+THROUGHPUT_MIN_SHARE = 0.9
 ANSWER_LATENCY_S = 0.2
 # The generators' shared durable consumer of the QUERIES stream.
 QUERY_CONSUMER = "generator"
