@@ -135,6 +135,9 @@ async def test_the_stack_runs_heals_and_keeps_its_history(stack: Stack) -> None:
         for container, at in started.items():  # healed without a restart of their own
             assert stack.inspect(container)["State"]["StartedAt"] == at  # type: ignore[index]
         await turn(http, sid, "after the NATS restart")
+    logs = stack.compose("logs", "--no-color")
+    # Every service as its own NATS user (nats-users.conf) did all of this unrefused.
+    assert "Violation" not in logs and "nats_permission_denied" not in logs, logs[-4000:]
     stack.compose("down")
     stack.compose("up", "-d")
     stack.wait_healthy()
