@@ -104,6 +104,9 @@ def test_the_launcher_starts_everything_and_stops_it_all(tmp_path: Path, stop: s
     assert f"{READY_LINE}http://127.0.0.1:{ports.gateway}/" in output
     assert f"http://127.0.0.1:{ports.metrics[0]}/metrics" in output
     assert (tmp_path / "nats" / "jetstream").is_dir()
+    kept = tmp_path / "nats-passwords.env"  # the NATS users' passwords, made on this first run
+    assert kept.stat().st_mode & 0o777 == 0o600 and "NATS_ADMIN_PASSWORD=" in kept.read_text()
+    assert f"passwords are in {kept}" in output
     with pytest.raises(ProcessLookupError):  # nothing of the launcher's group is left
         os.killpg(proc.pid, 0)
     # NATS and the stand-in run in sessions of their own: stopped by the launcher.
