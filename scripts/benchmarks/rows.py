@@ -33,6 +33,7 @@ from scripts.benchmarks.throughput import (
     row_throughput_floor,
 )
 from scripts.benchmarks.transcript import row_transcript_overhead
+from scripts.benchmarks.weighing import row_turn_weighing
 
 ROWS = (
     "nats_rtt",
@@ -46,6 +47,7 @@ ROWS = (
     "compaction_one_slot",
     "stop_latency",
     "splice_128k",
+    "turn_weighing",
     "estimate_error",
     "transcript_overhead",
     "memory_sessions",
@@ -59,6 +61,7 @@ RUN_ORDER = (
     "turn_floor",
     "throughput_floor",
     "splice_128k",
+    "turn_weighing",
     "turn_overhead",
     "turn_cpu",
     "throughput_1_generator",
@@ -73,7 +76,7 @@ RUN_ORDER = (
     "soak_2_generators",
 )
 # Rows that cannot run without starting processes (see --in-process).
-NEEDS_PROCESSES = frozenset(ROWS) - {"splice_128k", "estimate_error"}
+NEEDS_PROCESSES = frozenset(ROWS) - {"splice_128k", "turn_weighing", "estimate_error"}
 
 
 def params_for(quick: bool) -> Params:
@@ -111,6 +114,7 @@ ROW_FUNCTIONS: dict[str, RowFunction] = {
     "compaction_one_slot": row_compaction_one_slot,
     "stop_latency": row_stop_latency,
     "splice_128k": row_splice,
+    "turn_weighing": row_turn_weighing,
     "estimate_error": row_estimate,
     "transcript_overhead": row_transcript_overhead,
     "memory_sessions": row_memory_sessions,

@@ -93,7 +93,12 @@ def running_chars(messages: Sequence[ChatMessage]) -> list[int]:
     (what any prefix of the history weighs, without rendering it again)."""
     out = [0]
     for message in messages:
-        out.append(out[-1] + message_chars(message_dict(message)))
+        # As message_chars(message_dict(message)), without rendering a dict
+        # for every message of the history on every turn.
+        chars = len(message.content) + MESSAGE_OVERHEAD_CHARS + len(message.tool_name or "")
+        if message.tool_calls:
+            chars += len(compact_json(message_dict(message)["tool_calls"]))
+        out.append(out[-1] + chars)
     return out
 
 

@@ -87,6 +87,9 @@ class Turn:
     # may have served from it. Held for the turn only.
     previous: Messages | None = None
     reused: Size = field(default_factory=Size)
+    # The size of the last call, weighed once: every weighing is a pass over
+    # the whole prompt.
+    sent: Size = field(default_factory=Size)
     # A retry's: the history up to the last user message, the answer after
     # it left out (see `services.core.retry`). None for a new message.
     retry_context: Conversation | None = None
@@ -203,7 +206,7 @@ class TurnRunner:
         kept = self._kept(head, turn)
         turn.switch = kept.switch if kept is not None else StopSwitch(query_id)
         with self.stops.running(sid, turn.switch):
-            result, prompt, tools = await self._tool_loop(turn, kept)
+            result, tools = await self._tool_loop(turn, kept)
         answer = ChatMessage(role="assistant", content=result.content, query_id=query_id,
                              stopped=result.stopped)
         await self._states.apply(sid, Action.publish, env.correlation_id)
@@ -217,9 +220,8 @@ class TurnRunner:
                       thinking=result.thinking or None, stopped=result.stopped)
 
         async def follow_up() -> None:
-            sent = prompt_size(prompt, tools)
-            await self._recalibrate(turn, result, sent)
-            await self._report(turn, result, sent, tools, started)
+            await self._recalibrate(turn, result, turn.sent)
+            await self._report(turn, result, turn.sent, tools, started)
 
         return reply, follow_up
 
@@ -253,12 +255,14 @@ class TurnRunner:
         return None
 
     async def _tool_loop(self, turn: Turn, head: HeadStart | None
-                         ) -> tuple[ChatResult, Messages, Messages]:
+                         ) -> tuple[ChatResult, Messages]:
+        """The last call's result, and the tools it was offered."""
         tools = head.tools if head else await self._offered_tools(turn.record)
         stream = self._turn_stream(turn.env, head)
         for _ in range(self._settings.max_tool_iterations + 1):
             prompt = head.prompt if head else await self._fitting_prompt(turn, tools)
-            turn.reused = cached_size(turn.previous or [], prompt, tools)
+            turn.sent = prompt_size(prompt, tools)
+            turn.reused = cached_size(turn.previous or [], prompt, tools, whole=turn.sent)
             turn.previous = prompt
             if head is not None:
                 result, head = await head.result(), None  # only the first call starts early
@@ -266,7 +270,7 @@ class TurnRunner:
                 result = await self._call_model(turn.env, turn.record, prompt, tools, stream,
                                                 turn.switch)
             if not result.tool_calls or result.stopped:
-                return result, prompt, tools
+                return result, tools
             call = ChatMessage(role="assistant", content=result.content,
                                tool_calls=result.tool_calls, query_id=turn.query_id)
             turn.messages = [*turn.messages, call, *await self._run_tools(turn.env, result)]
