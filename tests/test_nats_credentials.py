@@ -1,8 +1,8 @@
 """A service proves who it is to NATS with the credentials its settings name:
-a token, or TLS with a client certificate, against a real nats-server that
-demands it (user and password, in NATS_URL or in NATS_USER/NATS_PASSWORD,
-are shown by tests/test_least_privilege.py). A creds file needs an operator
-set-up of its own; it is handed to nats-py as shown at the end."""
+a token, TLS with a client certificate, or a creds file on a server in
+operator mode, each against a real nats-server that demands it (user and
+password, in NATS_URL or in NATS_USER/NATS_PASSWORD, are shown by
+tests/test_least_privilege.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import pytest
 
 from services.shared.nats_auth import connect_options
 from services.shared.settings import ServiceSettings
+from tests.nats_operator import Operator
 from tests.nats_server import running_nats
 from tests.processes import ServiceProcess
 
@@ -72,6 +73,15 @@ def test_tls_with_a_client_certificate_gets_a_service_in(certificates: Path) -> 
         refused_then_admitted(server.url, trusted_ca, {
             **trusted_ca, "NATS_TLS_CERT": str(certificates / "client.pem"),
             "NATS_TLS_KEY": str(certificates / "client.key")}, '"nats_tls_failed"')
+
+
+def test_a_creds_file_gets_a_service_in(tmp_path: Path) -> None:
+    operator = Operator()
+    creds = tmp_path / "tools.creds"
+    creds.write_text(operator.user_creds("tools"))
+    with running_nats(operator.server_config()) as server:
+        refused_then_admitted(server.url, {}, {"NATS_CREDS": str(creds)},
+                              '"nats_credentials_refused"')
 
 
 def test_each_credential_setting_becomes_its_connect_option(tmp_path: Path) -> None:
