@@ -45,6 +45,14 @@ def test_the_nats_service_runs_the_repository_configuration_read_only() -> None:
     assert "configs" not in compose()  # docker-compose 1.29 rejects inline configs
 
 
+def test_every_nats_node_of_the_cluster_file_has_the_users_and_their_passwords() -> None:
+    cluster = yaml.safe_load((ROOT / "compose.cluster.yaml").read_text())["services"]
+    for node in ("nats-2", "nats-3"):
+        assert "./nats-users.conf:/etc/nats/nats-users.conf:ro" in cluster[node]["volumes"]
+        assert "NATS_GATEWAY_PASSWORD" in cluster[node]["environment"], node
+    assert "NATS_ADMIN_PASSWORD" in compose()["services"]["nats"]["environment"]
+
+
 def test_every_service_waits_for_a_healthy_nats_and_has_a_healthcheck() -> None:
     services = compose()["services"]
     for name in ("gateway", "generator", "compaction-decider", "tools"):
