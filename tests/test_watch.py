@@ -9,12 +9,16 @@ import os
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 
+import nats
 import pytest
 from nats.aio.client import Client as NATS
 
 from schemas import subjects
+from scripts.nats_passwords import kept_passwords
 from scripts.watch import describe
+from tests.nats_server import NatsServer
 from tests.processes import REPO_ROOT
 
 
@@ -77,8 +81,10 @@ def test_what_is_not_an_envelope_is_shown_raw() -> None:
 
 
 @asynccontextmanager
-async def watcher(nats_url: str, *args: str) -> AsyncIterator[asyncio.subprocess.Process]:
-    env = {**os.environ, "NATS_URL": nats_url, "PYTHONUNBUFFERED": "1"}
+async def watcher(nats_url: str, *args: str, data_dir: Path | None = None
+                  ) -> AsyncIterator[asyncio.subprocess.Process]:
+    env = {**os.environ, "NATS_URL": nats_url, "PYTHONUNBUFFERED": "1",
+           **({"DATA_DIR": str(data_dir)} if data_dir else {})}
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "scripts.watch", *args, cwd=REPO_ROOT, env=env,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
@@ -124,3 +130,24 @@ async def test_json_prints_the_raw_envelope_of_the_subjects_asked_for(
         lines = await line_with(proc, "compaction.result")
     assert len(lines) == 1
     assert json.loads(lines[0])["payload"]["tokens_after"] == 300
+
+
+async def test_without_credentials_it_watches_make_runs_server_as_its_admin(
+        tmp_path: Path) -> None:
+    passwords = kept_passwords(tmp_path / "nats-passwords.env")  # where make run keeps them
+    (tmp_path / "store").mkdir()
+    server = NatsServer(str(tmp_path / "store"), env=passwords,
+                        shipped_config=REPO_ROOT / "nats.conf")
+    server.start()
+    try:
+        admin = await nats.connect(f"nats://admin:{passwords['NATS_ADMIN_PASSWORD']}"
+                                   f"@127.0.0.1:{server.port}")
+        try:
+            async with watcher(f"nats://127.0.0.1:{server.port}", data_dir=tmp_path) as proc:
+                await line_with(proc, "watching")
+                await admin.publish("compaction.result", RESULT)
+                assert "900 → 300" in (await line_with(proc, "900 → 300"))[-1]
+        finally:
+            await admin.close()
+    finally:
+        server.stop()
