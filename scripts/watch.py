@@ -28,7 +28,7 @@ from rich.text import Text
 
 from schemas.subjects import SYSTEM_SUBJECTS
 from scripts.nats_passwords import admin_options
-from services.shared.bus import connect
+from services.shared.bus import connect, round_trip
 from services.shared.runner import main as run_main
 from services.shared.settings import ServiceSettings
 
@@ -186,7 +186,7 @@ async def watch(args: argparse.Namespace) -> None:
     printer = Printer(console, args.session, args.json)
     for subject in args.subject or SYSTEM_SUBJECTS:
         await nc.subscribe(subject, cb=printer.on_message)
-    await nc.flush()
+    await round_trip(nc)
     # On stderr, so `--json` output stays one envelope per line.
     Console(stderr=True, no_color=args.no_color).print(Text(
         f"watching {', '.join(args.subject or SYSTEM_SUBJECTS)} on {settings.nats_url} "

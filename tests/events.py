@@ -13,6 +13,8 @@ from typing import Any
 import nats
 from nats.aio.msg import Msg
 
+from services.shared.bus import round_trip
+
 
 class Watcher:
     def __init__(self) -> None:
@@ -45,7 +47,7 @@ async def watching(nats_url: str, *subjects: str) -> AsyncIterator[Watcher]:
     watcher = Watcher()
     for subject in subjects:
         await nc.subscribe(subject, cb=watcher.on_message)
-    await nc.flush()
+    await round_trip(nc)
     try:
         yield watcher
     finally:

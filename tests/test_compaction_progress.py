@@ -11,7 +11,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from services.core.pieces import Piece
-from services.shared.bus import parse_json
+from services.shared.bus import parse_json, round_trip
 from tests.test_compactor import compact_once
 
 
@@ -31,7 +31,7 @@ async def compaction_messages(nc: NATS, turns: list[tuple[str, str]], stub: str
     sub = await nc.subscribe("compaction.>", cb=on_message)
     try:
         result, _, _ = await compact_once(nc, stub, turns, written)
-        await nc.flush()  # what was published before the result has arrived by now
+        await round_trip(nc)  # what was published before the result has arrived by now
         assert result.status == "completed", result
     finally:
         await sub.unsubscribe()

@@ -14,6 +14,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from schemas import subjects
+from services.shared.bus import round_trip
 from tests.nats_server import NatsServer, running_nats
 from tests.system import System, running_system
 
@@ -118,7 +119,7 @@ async def test_a_tool_list_nested_too_deep_leaves_the_turn_answered(
         await msg.respond(b"[" * DEPTH + b"]" * DEPTH)
 
     await nc.subscribe(subjects.TOOL_LIST, cb=deep_listing)
-    await nc.flush()
+    await round_trip(nc)
     try:
         with running_system(private_nats.url, stub_url,
                             services=("generator", "gateway")) as system:

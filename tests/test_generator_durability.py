@@ -17,7 +17,7 @@ from nats.aio.msg import Msg
 
 from schemas import subjects
 from schemas.messages import Query
-from services.shared.bus import Bus
+from services.shared.bus import Bus, round_trip
 from tests.events import (
     Watcher,
     consumer_caught_up,
@@ -245,7 +245,7 @@ async def test_a_retried_publish_of_a_query_is_stored_and_answered_once(
     # Every delivery of the query settled, each reply published before its
     # acknowledgement: a second answer would be here by now.
     await consumer_caught_up(private_nats.url, subjects.QUERIES_STREAM, "generator")
-    await nc.flush()
+    await round_trip(nc)
     assert replies.pending_msgs == 0
     await nc.drain()
     assert await history(http, sid) == [("user", "only once"),

@@ -17,7 +17,7 @@ from schemas.history import ToolCall
 from schemas.messages import Reply, ToolOutcome
 from services.generator.service import AnsweredQueries
 from services.generator.toolbox import Toolbox
-from services.shared.bus import Bus
+from services.shared.bus import Bus, round_trip
 from tests.events import server_sent_events, transitions, turns_finished, watching
 from tests.nats_server import NatsServer, free_port
 from tests.stub_server import configure_stub, running_stub
@@ -294,7 +294,7 @@ async def test_bookkeeping_after_a_reply_does_not_hold_the_sessions_slot(
             sid = await create(http)
             await nc.jetstream().delete_stream(subjects.GENERATIONS_STREAM)
             reports = await nc.subscribe(subjects.RESPONSE_GENERATION)  # never answers
-            await nc.flush()
+            await round_trip(nc)
             assert (await http.post(f"/api/sessions/{sid}/messages",
                                     json={"content": "one"})).status_code == 200
             await reports.next_msg(timeout=10)  # the first turn's report, hanging now

@@ -17,6 +17,7 @@ from nats.js import JetStreamContext
 from nats.js.errors import NoKeysError
 
 from schemas import subjects
+from services.shared.bus import round_trip
 from services.tools.recall import run_recall
 from tests.events import watching
 from tests.nats_server import NatsServer
@@ -207,7 +208,7 @@ async def test_delete_purges_everything_and_answers_what_is_queued(
                                            json={"content": "still waiting"}))
     try:
         await asyncio.wait_for(seen.get(), 10)  # in the queue, and nobody to answer it
-        await nc.flush()
+        await round_trip(nc)
         assert (await http.delete(f"/api/sessions/{sid}")).status_code == 204
         answer = await asyncio.wait_for(queued, 20)
         assert answer.status_code == 404 and answer.json()["error"]["code"] == "unknown_session"

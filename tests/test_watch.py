@@ -99,10 +99,13 @@ async def line_with(proc: asyncio.subprocess.Process, text: str) -> list[str]:
     """Lines printed until one containing `text` (that one last)."""
     assert proc.stdout is not None
     lines: list[str] = []
-    async with asyncio.timeout(20):
-        while not lines or text not in lines[-1]:
-            lines.append((await proc.stdout.readline()).decode())
-            assert lines[-1], f"the watcher exited: {lines}"
+    try:
+        async with asyncio.timeout(20):
+            while not lines or text not in lines[-1]:
+                lines.append((await proc.stdout.readline()).decode())
+                assert lines[-1], f"the watcher exited: {lines}"
+    except TimeoutError:
+        raise AssertionError(f"no line with {text!r} in 20 s; printed: {lines}") from None
     return lines
 
 

@@ -29,6 +29,7 @@ from scripts.benchmarks.client import (
 from scripts.benchmarks.harness import Env, Params, Row, Target, running_env
 from scripts.benchmarks.measure import summary_ms
 from scripts.ollama_stub import filler_text
+from services.shared.bus import round_trip
 
 if TYPE_CHECKING:
     from scripts.benchmarks.rows import Bench
@@ -148,7 +149,7 @@ async def compaction_round(nc: Any, http: Http, params: Params
     watch = CompactionWatch(sid)
     subs = [await nc.subscribe(subjects.COMPACTION_EVENT, cb=watch.on_message),
             await nc.subscribe(subjects.COMPACTION_RESULT, cb=watch.on_message)]
-    await nc.flush()
+    await round_trip(nc)
     try:
         baseline, twin_baseline = await baseline_queries(http, sid, twin, params)
         posted = time.perf_counter()

@@ -23,6 +23,7 @@ from services.core.prompt import render_messages, sent_chars
 from services.core.prompt_cache import cached_size, previous_call
 from services.core.text_size import prompt_size
 from services.core.tokens import Calibration, calibrate, estimate_tokens
+from services.shared.bus import round_trip
 
 if TYPE_CHECKING:
     from scripts.benchmarks.rows import Bench
@@ -164,7 +165,7 @@ async def estimate_live(env: Env, script: Sequence[str]) -> dict[float, Any]:
     results: dict[float, Any] = {}
     try:
         await nc.subscribe(subjects.RESPONSE_GENERATION, cb=watch.on_message)
-        await nc.flush()
+        await round_trip(nc)
         async with http_client(env, 4) as http:
             for cpt in CHARS_PER_TOKEN:
                 results[cpt] = await estimate_points_live(env, http, watch, cpt, script)

@@ -22,6 +22,7 @@ from scripts.benchmarks.client import Answer, Http, ask, http_client, new_sessio
 from scripts.benchmarks.harness import MODEL, NUM_CTX, Env, Params, Row, Target
 from scripts.benchmarks.measure import cpu_per_unit, cpu_seconds, percentile, summary_ms
 from services.generator.provider import ChatRequest, OllamaProvider
+from services.shared.bus import round_trip
 from tests.nats_server import free_port, running_nats
 from tests.processes import ServiceProcess
 from tests.stub_server import running_stub
@@ -49,7 +50,7 @@ async def echo_responder(nats_url: str, ready: Callable[[], None]) -> None:
             await msg.respond(msg.data)
 
         await responder.subscribe("bench.rtt", cb=echo)
-        await responder.flush()
+        await round_trip(responder)
         ready()
         await asyncio.Event().wait()
     finally:
@@ -94,7 +95,7 @@ async def timed_requests(nats_url: str, requests: int, warmup: int) -> list[floa
     try:
         # A request sent at once on a connection just opened was answered "no
         # responders" about once in thirty runs; one round trip first, never.
-        await requester.flush()
+        await round_trip(requester)
         payload = b"x" * 256
         samples: list[float] = []
         for index in range(warmup + requests):

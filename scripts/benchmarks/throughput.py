@@ -31,6 +31,7 @@ from scripts.benchmarks.client import (
 from scripts.benchmarks.harness import MODEL, NUM_CTX, Env, Params, Row, Target
 from scripts.benchmarks.measure import cpu_per_unit, cpu_seconds, summary_ms
 from scripts.benchmarks.round_trips import bare_ask, running_bare_turn
+from services.shared.bus import round_trip
 
 if TYPE_CHECKING:
     from scripts.benchmarks.rows import Bench
@@ -154,7 +155,7 @@ async def generator_probe(nats_url: str, generators: int) -> AsyncIterator[Gener
         heads_before = await head_start_counts(nc, generators)
         await nc.subscribe(subjects.RESPONSE_GENERATION, cb=probe.on_report)
         await nc.subscribe(f"{subjects.STATE_PREFIX}.*", cb=probe.on_state)
-        await nc.flush()
+        await round_trip(nc)
         yield probe
         await asyncio.sleep(0.2)  # the last reports follow the last replies
         after = await js.consumer_info(subjects.QUERIES_STREAM, QUERY_CONSUMER)

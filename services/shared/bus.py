@@ -118,10 +118,13 @@ async def round_trip(nc: NATS, timeout_s: float = 5.0) -> None:
     """Returns once what this connection sent before has reached the server:
     a message to ourselves comes back only after it.
 
-    Not `nc.flush()`: a flush cancelled (its caller gone) or timed out while
-    its PONG is on the way leaves a cancelled future in nats-py's queue, and
-    setting its result when the PONG comes ends the connection's read loop
-    for good (nats-py 2.16)."""
+    Not `nc.flush()`, for two reasons (nats-py 2.16). Its PING is written
+    straight to the socket, ahead of commands still in the client's pending
+    buffer, so it may return before a subscription made just before has
+    reached the server: a watcher would miss the first message. And a flush
+    cancelled (its caller gone) or timed out while its PONG is on the way
+    leaves a cancelled future in nats-py's queue, whose result set when the
+    PONG comes ends the connection's read loop for good."""
     inbox = nc.new_inbox()
     echo = await nc.subscribe(inbox, max_msgs=1)
     try:

@@ -26,6 +26,7 @@ from nats.aio.msg import Msg
 
 from schemas.envelope import Envelope
 from schemas.registry import PAYLOADS
+from services.shared.bus import round_trip
 from tests.contract.conftest import Target
 from tests.system import gateway_client
 
@@ -66,7 +67,7 @@ async def tapped(nats_url: str, *subjects: str) -> AsyncIterator[tuple[Tap, NATS
     tap = Tap()
     for subject in subjects:
         await nc.subscribe(subject, cb=tap.on_message)
-    await nc.flush()
+    await round_trip(nc)
     try:
         yield tap, nc
     finally:
