@@ -6,7 +6,7 @@
     python scripts/bench.py --in-process --rows splice_128k,estimate_error
 
 Everything runs on this machine and is started here: a private nats-server,
-the Ollama stand-in (scripts/ollama_stub.py) and the services as real
+the Ollama stand-in (scripts/ollama_stub/) and the services as real
 subprocesses (the classes of tests/system.py), driven over HTTP with aiohttp and
 over NATS with nats-py. Figures are ratios measured in the same run (turn
 overhead in NATS round trips, throughput as a share of the ideal, latency during

@@ -35,25 +35,6 @@ from scripts.benchmarks.throughput import (
 from scripts.benchmarks.transcript import row_transcript_overhead
 from scripts.benchmarks.weighing import row_turn_weighing
 
-ROWS = (
-    "nats_rtt",
-    "turn_overhead",
-    "turn_cpu",
-    "turn_floor",
-    "throughput_1_generator",
-    "throughput_2_generators",
-    "throughput_floor",
-    "compaction_latency",
-    "compaction_one_slot",
-    "stop_latency",
-    "splice_128k",
-    "turn_weighing",
-    "estimate_error",
-    "transcript_overhead",
-    "memory_sessions",
-    "soak_1_generator",
-    "soak_2_generators",
-)
 # Rows sharing the plain system run back to back, so it is started once and
 # stopped before the compaction row starts systems of its own.
 RUN_ORDER = (
@@ -75,8 +56,6 @@ RUN_ORDER = (
     "soak_1_generator",
     "soak_2_generators",
 )
-# Rows that cannot run without starting processes (see --in-process).
-NEEDS_PROCESSES = frozenset(ROWS) - {"splice_128k", "turn_weighing", "estimate_error"}
 
 
 def params_for(quick: bool) -> Params:
@@ -102,14 +81,15 @@ def params_for(quick: bool) -> Params:
 
 
 RowFunction = Callable[["Bench"], Row]
+# Every row and what measures it, in the order the table shows them.
 ROW_FUNCTIONS: dict[str, RowFunction] = {
     "nats_rtt": row_nats_rtt,
     "turn_overhead": row_turn_overhead,
     "turn_cpu": row_turn_cpu,
     "turn_floor": row_turn_floor,
-    "throughput_floor": row_throughput_floor,
     "throughput_1_generator": row_throughput_1,
     "throughput_2_generators": row_throughput_2,
+    "throughput_floor": row_throughput_floor,
     "compaction_latency": row_compaction,
     "compaction_one_slot": row_compaction_one_slot,
     "stop_latency": row_stop_latency,
@@ -121,6 +101,9 @@ ROW_FUNCTIONS: dict[str, RowFunction] = {
     "soak_1_generator": row_soak_1,
     "soak_2_generators": row_soak_2,
 }
+ROWS = tuple(ROW_FUNCTIONS)
+# Rows that cannot run without starting processes (see --in-process).
+NEEDS_PROCESSES = frozenset(ROWS) - {"splice_128k", "turn_weighing", "estimate_error"}
 
 
 class Bench:

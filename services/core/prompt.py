@@ -64,11 +64,13 @@ def render_messages(
 
 def message_chars(message: Mapping[str, Any]) -> int:
     """Characters one rendered message contributes to a call."""
-    chars = len(message.get("content") or "") + MESSAGE_OVERHEAD_CHARS
-    tool_calls = message.get("tool_calls")
-    if tool_calls:
-        chars += len(compact_json(tool_calls))
-    return chars + len(message.get("tool_name") or "")
+    return _chars(message.get("content") or "", message.get("tool_name") or "",
+                  message.get("tool_calls"))
+
+
+def _chars(content: str, tool_name: str, tool_calls: Any) -> int:
+    chars = len(content) + MESSAGE_OVERHEAD_CHARS + len(tool_name)
+    return chars + len(compact_json(tool_calls)) if tool_calls else chars
 
 
 def tools_chars(tools: Sequence[Mapping[str, Any]]) -> int:
@@ -95,10 +97,8 @@ def running_chars(messages: Sequence[ChatMessage]) -> list[int]:
     for message in messages:
         # As message_chars(message_dict(message)), without rendering a dict
         # for every message of the history on every turn.
-        chars = len(message.content) + MESSAGE_OVERHEAD_CHARS + len(message.tool_name or "")
-        if message.tool_calls:
-            chars += len(compact_json(message_dict(message)["tool_calls"]))
-        out.append(out[-1] + chars)
+        calls = message_dict(message)["tool_calls"] if message.tool_calls else None
+        out.append(out[-1] + _chars(message.content, message.tool_name or "", calls))
     return out
 
 
