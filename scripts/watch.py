@@ -15,11 +15,9 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from nats.aio.msg import Msg
@@ -28,11 +26,10 @@ from rich.text import Text
 
 from schemas.subjects import SYSTEM_SUBJECTS
 from scripts.nats_passwords import admin_options
+from scripts.run import NATS_PASSWORDS
 from services.shared.bus import connect, round_trip
 from services.shared.runner import main as run_main
 from services.shared.settings import ServiceSettings
-
-ROOT = Path(__file__).resolve().parent.parent
 
 STYLES = {"chat": "cyan", "generator": "magenta", "response": "green",
           "compaction": "yellow", "tool": "blue", "system": "bold red"}
@@ -180,9 +177,8 @@ async def watch(args: argparse.Namespace) -> None:
     settings = ServiceSettings()
     console = Console(no_color=args.no_color, highlight=False)
     # No credentials given: those `make run` keeps for its operator, if any.
-    kept = Path(os.environ.get("DATA_DIR", ROOT / ".data")) / "nats-passwords.env"
     nc = await connect(settings.nats_url, "watch", settings.nats_connect_timeout_s,
-                       options=settings.nats_options() or admin_options(kept))
+                       options=settings.nats_options() or admin_options(NATS_PASSWORDS))
     printer = Printer(console, args.session, args.json)
     for subject in args.subject or SYSTEM_SUBJECTS:
         await nc.subscribe(subject, cb=printer.on_message)

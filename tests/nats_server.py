@@ -14,6 +14,9 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from urllib.parse import quote
+
+from scripts.nats_passwords import PASSWORD_VARIABLES, kept_passwords
 
 
 def nats_server_binary() -> str:
@@ -140,6 +143,36 @@ def running_nats(extra_config: str = "") -> Iterator[NatsServer]:
     finally:
         server.stop()
         shutil.rmtree(store, ignore_errors=True)
+
+
+class ShippedNats:
+    """A server on the repository's nats.conf and its users, as `make run`
+    starts it, and the passwords it was given."""
+
+    def __init__(self, server: NatsServer, passwords: dict[str, str]) -> None:
+        self.server = server
+        self.passwords = passwords
+
+    def url_for(self, user: str) -> str:
+        """NATS_URL with the user and password in it, as an operator may write it."""
+        password = self.passwords[PASSWORD_VARIABLES[user]]
+        return f"nats://{quote(user)}:{quote(password)}@127.0.0.1:{self.server.port}"
+
+
+@contextlib.contextmanager
+def running_shipped_nats(directory: Path) -> Iterator[ShippedNats]:
+    """The passwords kept in `directory` as `make run` keeps them, the store
+    under it."""
+    passwords = kept_passwords(directory / "nats-passwords.env")
+    store = directory / "store"
+    store.mkdir(exist_ok=True)
+    server = NatsServer(str(store), env=passwords,
+                        shipped_config=Path(__file__).resolve().parents[1] / "nats.conf")
+    server.start()
+    try:
+        yield ShippedNats(server, passwords)
+    finally:
+        server.stop()
 
 
 @contextlib.contextmanager

@@ -19,18 +19,16 @@ import pytest
 import yaml
 
 from schemas import subjects
-from scripts.nats_passwords import kept_passwords
 from services.shared.jetstream import MAX_MESSAGE_BYTES, ensure_layout
 from services.shared.nats_auth import inbox_prefix
 from tests.compose_stack import Stack, prepare_images, why_docker_cannot_run
 from tests.events import server_sent_events
-from tests.nats_server import NatsServer
+from tests.nats_server import running_shipped_nats
 from tests.stub_server import configure_stub
 from tests.system import gateway_client
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPOSE = ROOT / "compose.yaml"
-NATS_CONFIG = ROOT / "nats.conf"
 
 
 def compose() -> dict[str, Any]:
@@ -66,12 +64,9 @@ def test_every_service_waits_for_a_healthy_nats_and_has_a_healthcheck() -> None:
 
 
 async def test_the_nats_configuration_takes_the_largest_history_entry(tmp_path: Path) -> None:
-    passwords = kept_passwords(tmp_path / "passwords.env")
-    server = NatsServer(str(tmp_path), env=passwords, shipped_config=NATS_CONFIG)
-    server.start()  # as `make run` starts it
-    try:
-        nc = await nats.connect(f"nats://generator:{passwords['NATS_GENERATOR_PASSWORD']}"
-                                f"@127.0.0.1:{server.port}", inbox_prefix=inbox_prefix("generator"))
+    with running_shipped_nats(tmp_path) as shipped:  # as `make run` starts it
+        nc = await nats.connect(shipped.url_for("generator"),
+                                inbox_prefix=inbox_prefix("generator"))
         try:
             assert nc.max_payload >= MAX_MESSAGE_BYTES
             js = nc.jetstream()
@@ -81,9 +76,7 @@ async def test_the_nats_configuration_takes_the_largest_history_entry(tmp_path: 
             assert ack.stream == subjects.HISTORY_STREAM
         finally:
             await nc.close()
-    finally:
-        server.stop()
-    assert (tmp_path / "jetstream").is_dir()  # on the store the configuration names
+    assert (Path(shipped.server.store_dir) / "jetstream").is_dir()  # where the config says
 
 
 # ---------------------------------------------------------------- on a Docker engine

@@ -9,7 +9,6 @@ import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
 
 import httpx
 import nats
@@ -25,38 +24,21 @@ from scripts.nats_passwords import (
 )
 from services.shared.bus import connect
 from tests.events import Watcher, eventually, server_sent_events, watching
-from tests.nats_server import NatsServer
-from tests.processes import REPO_ROOT
+from tests.nats_server import ShippedNats, running_shipped_nats
 from tests.system import System
 
 ADMIN = "admin"
 EVENTS = (subjects.COMPACTION_RESULT,)
 
 
-class SecuredNats:
-    def __init__(self, server: NatsServer, passwords: dict[str, str]) -> None:
-        self.server = server
-        self.passwords = passwords
-
-    def url_for(self, user: str) -> str:
-        """NATS_URL with the user and password in it, as an operator may write it."""
-        password = self.passwords[PASSWORD_VARIABLES[user]]
-        return f"nats://{quote(user)}:{quote(password)}@127.0.0.1:{self.server.port}"
+@pytest.fixture
+def secured(tmp_path: Path) -> Iterator[ShippedNats]:
+    with running_shipped_nats(tmp_path) as shipped:
+        yield shipped
 
 
 @pytest.fixture
-def secured(tmp_path: Path) -> Iterator[SecuredNats]:
-    passwords = kept_passwords(tmp_path / "nats-passwords.env")
-    server = NatsServer(str(tmp_path), env=passwords, shipped_config=REPO_ROOT / "nats.conf")
-    server.start()
-    try:
-        yield SecuredNats(server, passwords)
-    finally:
-        server.stop()
-
-
-@pytest.fixture
-def system(secured: SecuredNats, stub_url: str) -> Iterator[System]:
+def system(secured: ShippedNats, stub_url: str) -> Iterator[System]:
     """Every service, each with its own NATS user and nothing else."""
     everyone = System(f"nats://127.0.0.1:{secured.server.port}", stub_url, services=(),
                       env={"NUM_CTX": "2048", "COMPACTION_TAIL_TURNS": "2"})
@@ -71,7 +53,7 @@ def system(secured: SecuredNats, stub_url: str) -> Iterator[System]:
 
 
 async def test_the_whole_product_works_with_each_service_as_its_own_user(
-        secured: SecuredNats, system: System) -> None:
+        secured: ShippedNats, system: System) -> None:
     async with system.http() as http, watching(secured.url_for(ADMIN), *EVENTS) as watcher:
         sid = await converse(http)
         assert (await http.post(f"/api/sessions/{sid}/compact")).status_code == 202
@@ -152,7 +134,7 @@ FORBIDDEN = [
 
 @pytest.mark.parametrize(("user", "operation", "subject"), FORBIDDEN)
 async def test_each_service_is_refused_what_it_has_no_business_doing(
-        secured: SecuredNats, user: str, operation: str, subject: str) -> None:
+        secured: ShippedNats, user: str, operation: str, subject: str) -> None:
     with structlog.testing.capture_logs() as logs:
         nc = await connect(secured.url_for(user), user)  # as the services connect
         try:
@@ -171,13 +153,13 @@ async def test_each_service_is_refused_what_it_has_no_business_doing(
     assert await history_of(secured, "victim") == 0
 
 
-async def test_without_a_user_nothing_gets_in(secured: SecuredNats) -> None:
+async def test_without_a_user_nothing_gets_in(secured: ShippedNats) -> None:
     with pytest.raises(nats.errors.Error, match="Authorization Violation"):
         await nats.connect(f"nats://127.0.0.1:{secured.server.port}", allow_reconnect=False,
                            max_reconnect_attempts=0, connect_timeout=2)
 
 
-async def history_of(secured: SecuredNats, sid: str) -> int:
+async def history_of(secured: ShippedNats, sid: str) -> int:
     """Messages stored on the session's history subject (0 when the stream is
     not even made yet)."""
     nc = await nats.connect(secured.url_for(ADMIN))

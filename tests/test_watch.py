@@ -16,9 +16,8 @@ import pytest
 from nats.aio.client import Client as NATS
 
 from schemas import subjects
-from scripts.nats_passwords import kept_passwords
 from scripts.watch import describe
-from tests.nats_server import NatsServer
+from tests.nats_server import running_shipped_nats
 from tests.processes import REPO_ROOT
 
 
@@ -137,20 +136,13 @@ async def test_json_prints_the_raw_envelope_of_the_subjects_asked_for(
 
 async def test_without_credentials_it_watches_make_runs_server_as_its_admin(
         tmp_path: Path) -> None:
-    passwords = kept_passwords(tmp_path / "nats-passwords.env")  # where make run keeps them
-    (tmp_path / "store").mkdir()
-    server = NatsServer(str(tmp_path / "store"), env=passwords,
-                        shipped_config=REPO_ROOT / "nats.conf")
-    server.start()
-    try:
-        admin = await nats.connect(f"nats://admin:{passwords['NATS_ADMIN_PASSWORD']}"
-                                   f"@127.0.0.1:{server.port}")
+    with running_shipped_nats(tmp_path) as shipped:  # passwords where make run keeps them
+        admin = await nats.connect(shipped.url_for("admin"))
         try:
-            async with watcher(f"nats://127.0.0.1:{server.port}", data_dir=tmp_path) as proc:
+            async with watcher(f"nats://127.0.0.1:{shipped.server.port}",
+                               data_dir=tmp_path) as proc:
                 await line_with(proc, "watching")
                 await admin.publish("compaction.result", RESULT)
                 assert "900 → 300" in (await line_with(proc, "900 → 300"))[-1]
         finally:
             await admin.close()
-    finally:
-        server.stop()
