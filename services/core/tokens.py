@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from services.core import rates
 from services.core.prompt import MESSAGE_OVERHEAD_CHARS
+from services.core.rates import Rates, Sample
 from services.core.text_size import Size, prompt_size
 
 # Tokens a chat template adds around each message (Llama 3 and ChatML add 4-5).
@@ -68,6 +70,13 @@ TRUNCATION_FRACTION = 0.98
 class Calibration:
     tokens_per_char: float | None = None
     reports: int = 0
+    # Learnt once the provider has counted enough dense text to tell its cost
+    # from the rest's (`rates.solve`); None: the cautious rate.
+    tokens_per_extra_byte: float | None = None
+    # The last count folded in, which the next is solved against. Two
+    # calibrations with the same rates estimate alike, so it takes no part in
+    # comparisons.
+    basis: Sample | None = field(default=None, compare=False)
 
     @property
     def char_rate(self) -> float:
@@ -75,9 +84,15 @@ class Calibration:
 
     @property
     def extra_byte_rate(self) -> float:
-        """What each UTF-8 byte beyond a character's first adds, so that a
-        three-byte character costs DENSE_TOKENS."""
+        """What each UTF-8 byte beyond a character's first adds: as learnt, or
+        else enough that a three-byte character costs DENSE_TOKENS."""
+        if self.tokens_per_extra_byte is not None:
+            return self.tokens_per_extra_byte
         return max(0.0, DENSE_TOKENS - self.char_rate) / 2
+
+    @property
+    def rates(self) -> Rates:
+        return Rates(self.char_rate, self.extra_byte_rate)
 
 
 class Reading(Enum):
@@ -126,16 +141,74 @@ def _folded(previous: Calibration, reported: int, sent: Size, reused: Size) -> C
         if not previous.reports:
             return previous  # no ratio shown yet to charge the cached part at
         whole += _expected(reused, previous)
-    ratio = _ratio(whole, sent, previous)
-    if ratio is None:
+    sample = _sample(whole, sent)
+    if sample is None:
         return previous
-    if reading is not Reading.whole and ratio <= previous.char_rate:
+    if reading is Reading.whole:
+        learnt = _learnt(sample, previous)
+    else:
+        learnt = _one_rate(sample, previous)
+        learnt = None if learnt is None else _never_lower(learnt, previous, reading)
+    if learnt is None:
         return previous
     # The latest sample wins, no averaging: consecutive prompts share almost
-    # all their text, so the last call's ratio is the best predictor of the
+    # all their text, so the last call's rates are the best predictor of the
     # next; an average would lag behind whenever the content mix changes
     # (say, code-heavy tool output arriving) and lag is what overflows.
-    return Calibration(ratio, previous.reports + 1)
+    # Only a count surely of the whole prompt is solved against: a partial one
+    # holds the cached part at the rates it is checking.
+    basis = sample if reading is Reading.whole else previous.basis
+    return Calibration(learnt[0], previous.reports + 1, learnt[1], basis)
+
+
+# Rates learnt from a count: per character, and per extra byte (None: not
+# learnt, so the cautious rate stays).
+Learnt = tuple[float, float | None]
+
+
+def _sample(whole: float, sent: Size) -> Sample | None:
+    text_tokens = whole - FRAMING_TOKENS_PER_MESSAGE * sent.messages
+    if text_tokens <= 0:
+        return None  # less than the framing alone: not a count of this prompt
+    return Sample(_text_chars(sent), sent.extra_bytes, text_tokens)
+
+
+def _learnt(sample: Sample, previous: Calibration) -> Learnt | None:
+    """Both rates when this whole count and the one before tell them apart;
+    else as `_one_rate`."""
+    if previous.basis is not None and previous.reports:
+        solved = rates.solve(previous.basis, sample)
+        if solved is not None:
+            return solved.per_char, solved.per_extra_byte
+    return _one_rate(sample, previous)
+
+
+def _one_rate(sample: Sample, previous: Calibration) -> Learnt | None:
+    """The rate of the text that carries the count, once dense text has a
+    rate of its own; else the character rate alone (`_ratio`)."""
+    if previous.tokens_per_extra_byte is not None:
+        fitted = rates.fit_dominant(sample, previous.rates)
+        return None if fitted is None else (fitted.per_char, fitted.per_extra_byte)
+    ratio = _ratio(sample, previous)
+    return None if ratio is None else (ratio, None)
+
+
+def _never_lower(learnt: Learnt, previous: Calibration, reading: Reading) -> Learnt | None:
+    """A count that may cover less than we think raises rates, never lowers
+    them: below what the session has shown, or for a count that may be whole
+    or partial, below the cautious rate of dense text not yet counted. None
+    when it raises nothing."""
+    per_char, per_byte = learnt
+    shown_byte = previous.tokens_per_extra_byte
+    if shown_byte is None and reading is Reading.either:
+        shown_byte = None if per_byte is None else previous.extra_byte_rate
+    raised_char = per_char > previous.char_rate
+    raised_byte = per_byte is not None and (shown_byte is None or per_byte > shown_byte)
+    if not (raised_char or raised_byte):
+        return None
+    if per_byte is not None and shown_byte is not None:
+        per_byte = max(per_byte, shown_byte)
+    return max(per_char, previous.char_rate), per_byte
 
 
 def _usable(reported: int, sent: Size, reused: Size, num_ctx: int) -> bool:
@@ -181,21 +254,19 @@ def _expected(size: Size, cal: Calibration) -> float:
             + FRAMING_TOKENS_PER_MESSAGE * size.messages)
 
 
-def _ratio(whole: float, sent: Size, known: Calibration) -> float | None:
-    """The text ratio a whole-prompt count of `whole` tokens shows, or None.
+def _ratio(sample: Sample, known: Calibration) -> float | None:
+    """The character ratio a count shows, dense text charged at the cautious
+    rate, or None.
 
     Dense text weighing little is taken out at its cautious rate; where it
     weighs more, the count is charged to all characters alike: a ratio too
     high for the other text, never too low, whatever the dense text costs.
     """
-    text_tokens = whole - FRAMING_TOKENS_PER_MESSAGE * sent.messages
-    if text_tokens <= 0:
-        return None  # less than the framing alone: not a count of this prompt
-    chars = _text_chars(sent)
-    dense = sent.extra_bytes * known.extra_byte_rate
-    if dense <= DENSE_MINOR_SHARE * (chars * known.char_rate + dense):
+    text_tokens = sample.tokens
+    dense = sample.extra_bytes * known.extra_byte_rate
+    if dense <= DENSE_MINOR_SHARE * (sample.chars * known.char_rate + dense):
         text_tokens -= dense
-    ratio = text_tokens / chars
+    ratio = text_tokens / sample.chars
     return ratio if MIN_TOKENS_PER_CHAR <= ratio <= MAX_TOKENS_PER_CHAR else None
 
 

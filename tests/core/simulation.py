@@ -369,6 +369,10 @@ class Stats:
     mixed_underestimate: float = 0.0
     mixed_overestimate: float = 0.0
     mixed_within_5pct: int = 0
+    # Mixed calls made once the provider had counted dense text in two prompts
+    # of different make-up (both rates learnt), and how many were within 5 %.
+    learnt_calls: int = 0
+    learnt_within_5pct: int = 0
     # Lowest (true fill - the line it acts on) at which a calibrated decider or
     # guard compaction fired; the invariants allow -5% and -10%.
     decider_excess: float = math.inf
@@ -573,7 +577,11 @@ class Simulation:
         stats.mixed_calls += 1
         stats.mixed_underestimate = max(stats.mixed_underestimate, under)
         stats.mixed_overestimate = max(stats.mixed_overestimate, over)
-        stats.mixed_within_5pct += int(under <= 0.05 and over <= 0.05)
+        within = int(under <= 0.05 and over <= 0.05)
+        stats.mixed_within_5pct += within
+        if self.s.calibration.tokens_per_extra_byte is not None:
+            stats.learnt_calls += 1
+            stats.learnt_within_5pct += within
 
     # ----------------------------------------------------------------- compaction
 

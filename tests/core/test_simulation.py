@@ -50,7 +50,9 @@ def test_simulation() -> None:
         f"underestimate {total.max_underestimate:.1%}, overestimate "
         f"{total.max_overestimate:.1%}; mixed sessions: {total.mixed_calls} calibrated calls, "
         f"{total.mixed_within_5pct / max(1, total.mixed_calls):.1%} within 5 %, worst "
-        f"{total.mixed_underestimate:.1%} under and {total.mixed_overestimate:.1%} over; "
+        f"{total.mixed_underestimate:.1%} under and {total.mixed_overestimate:.1%} over, "
+        f"{total.learnt_within_5pct / max(1, total.learnt_calls):.1%} of the "
+        f"{total.learnt_calls} made once dense text had its own rate; "
         "closest firings: decider "
         f"{total.decider_excess:+.1%} from its threshold, guard {total.guard_excess:+.1%} "
         "from the emergency line (fractions of the budget); least relief of a decider's "
@@ -62,6 +64,10 @@ def test_simulation() -> None:
     assert total.summaries_in_pieces and total.entries_cut and total.summaries_cut_off
     assert total.hopeless_refusals and total.tool_results_cut
     assert total.mixed_calls
+    # Mixed scripts: never underestimated beyond the margin, and within 5 %
+    # once dense text has been counted (before that it is charged cautiously).
+    assert total.mixed_underestimate <= 0.05
+    assert total.learnt_within_5pct >= 0.99 * total.learnt_calls > 0
 
 
 def _accumulate(total: Stats, stats: Stats) -> None:
@@ -77,6 +83,8 @@ def _accumulate(total: Stats, stats: Stats) -> None:
     total.mixed_overestimate = max(total.mixed_overestimate, stats.mixed_overestimate)
     total.mixed_calls += stats.mixed_calls
     total.mixed_within_5pct += stats.mixed_within_5pct
+    total.learnt_calls += stats.learnt_calls
+    total.learnt_within_5pct += stats.learnt_within_5pct
     total.decider_excess = min(total.decider_excess, stats.decider_excess)
     total.guard_excess = min(total.guard_excess, stats.guard_excess)
     total.least_relief = min(total.least_relief, stats.least_relief)

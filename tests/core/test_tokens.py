@@ -256,3 +256,49 @@ def test_on_another_generator_the_previous_call_is_read_off_the_history() -> Non
 def _true_tokens(messages: list[dict[str, Any]]) -> int:
     """A tokenizer at 4 characters per token with 4 tokens of framing per message."""
     return sum(math.ceil(len(m["content"]) / 4) + 4 for m in messages)
+
+
+# Dense scripts: a CJK character is one character and two extra UTF-8 bytes.
+CHAR_RATE, BYTE_RATE = 0.25, 0.3
+
+
+def _true_cost(chars: int, extra_bytes: int) -> float:
+    return chars * CHAR_RATE + extra_bytes * BYTE_RATE
+
+
+def _count(previous: Calibration, chars: int, extra_bytes: int, **reuse: int) -> Calibration:
+    reported = round(_true_cost(chars, extra_bytes) - _true_cost(
+        reuse.get("reused_chars", 0), reuse.get("reused_extra_bytes", 0)))
+    return calibrate(previous, reported, chars, NUM_CTX, extra_bytes=extra_bytes, **reuse)
+
+
+def test_two_counts_of_different_make_up_learn_the_rate_of_dense_text() -> None:
+    prose = _count(Calibration(), 8000, 0)
+    assert prose.tokens_per_extra_byte is None  # nothing dense counted yet
+    both = _count(prose, 9000, 6000)
+    assert both.tokens_per_char == pytest.approx(CHAR_RATE, rel=1e-3)
+    assert both.tokens_per_extra_byte == pytest.approx(BYTE_RATE, rel=1e-3)
+    # A prompt of yet another make-up is now estimated within rounding.
+    true = _true_cost(3000, 9000)
+    assert estimate_tokens(3000, both, extra_bytes=9000) == pytest.approx(true, rel=0.01)
+
+
+def test_before_dense_text_is_counted_it_is_charged_cautiously() -> None:
+    prose = _count(Calibration(), 8000, 0)
+    assert estimate_tokens(3000, prose, extra_bytes=6000) > _true_cost(3000, 6000)
+
+
+def test_a_count_that_may_be_partial_never_lowers_a_learnt_rate() -> None:
+    learnt = _count(_count(Calibration(), 8000, 0), 9000, 6000)
+    # The cache held more than we know: the count is of a shorter suffix.
+    short = calibrate(learnt, 300, 12000, NUM_CTX, extra_bytes=6000,
+                      reused_chars=9000, reused_extra_bytes=6000)
+    assert short.char_rate >= learnt.char_rate
+    assert short.extra_byte_rate >= learnt.extra_byte_rate
+
+
+def test_a_lone_dense_count_does_not_teach_a_dense_rate() -> None:
+    first = _count(Calibration(), 9000, 6000)
+    assert first.tokens_per_extra_byte is None
+    # Charged to all characters alike: never an underestimate of other text.
+    assert first.char_rate >= CHAR_RATE
