@@ -132,6 +132,9 @@ class GenerationReport(Payload):
     # The session's tokens-per-character ratio after this call (None: not yet
     # calibrated), so the decider counts the context as the rest of the system does.
     tokens_per_char: float | None = Field(default=None, gt=0)
+    # And per UTF-8 byte beyond a character's first, once learnt (None: the
+    # cautious rate for dense scripts).
+    tokens_per_extra_byte: float | None = Field(default=None, ge=0)
     # The part of this prompt the provider may have served from its cache
     # (its longest common prefix, in messages, with the session's previous
     # call): a count covering only the rest must not be taken for the whole.

@@ -15,6 +15,18 @@ MAX_SYSTEM_PROMPT_CHARS = 200_000
 RETIRED_FIELDS = frozenset({"compactions"})
 
 
+class CountBasis(BaseModel):
+    """The provider's last count of a whole prompt: its text's characters and
+    extra UTF-8 bytes, and the tokens charged. A later count of a prompt of
+    another make-up is solved against it for the rate of dense scripts."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    chars: float = Field(ge=0)
+    extra_bytes: float = Field(ge=0)
+    tokens: float = Field(gt=0)
+
+
 class SessionRecord(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -27,6 +39,10 @@ class SessionRecord(BaseModel):
     created_at: datetime = Field(default_factory=utc_now)
     # The provider's own tokens-per-character from its last usable report.
     tokens_per_char: float | None = Field(default=None, gt=0)
+    # What each UTF-8 byte beyond a character's first adds (CJK and other
+    # dense scripts), once learnt; None: charged at a cautious rate.
+    tokens_per_extra_byte: float | None = Field(default=None, ge=0)
+    count_basis: CountBasis | None = None
     # The window the session's model was trained for, as the generator last
     # read it from the model server; a smaller NUM_CTX wins. None: not known.
     context_length: int | None = Field(default=None, gt=0)

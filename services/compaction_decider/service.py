@@ -204,8 +204,8 @@ class Decider:
                 ) -> tuple[Decision, SessionMemory]:
         # The session's own ratio when the report carries it: the estimate is
         # then the very number the gauge and the compaction results show.
-        cal = (Calibration(report.tokens_per_char) if report.tokens_per_char is not None
-               else tracked.calibration)
+        cal = (Calibration(report.tokens_per_char, 1, report.tokens_per_extra_byte)
+               if report.tokens_per_char is not None else tracked.calibration)
         limit = prompt_budget(report.num_ctx, self.settings.output_headroom)
         upcoming = context_tokens(Size(report.next_prompt_chars or report.sent_chars,
                                        report.next_prompt_extra_bytes if report.next_prompt_chars

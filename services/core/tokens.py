@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from schemas.session import CountBasis, SessionRecord
 from services.core import rates
 from services.core.prompt import MESSAGE_OVERHEAD_CHARS
 from services.core.rates import Rates, Sample
@@ -93,6 +94,26 @@ class Calibration:
     @property
     def rates(self) -> Rates:
         return Rates(self.char_rate, self.extra_byte_rate)
+
+
+def stored_calibration(record: SessionRecord) -> Calibration:
+    """The calibration a session's record holds. A stored rate came from at
+    least one usable count: a partial count can be charged against it."""
+    basis = record.count_basis
+    return Calibration(
+        record.tokens_per_char, int(record.tokens_per_char is not None),
+        record.tokens_per_extra_byte,
+        None if basis is None else Sample(basis.chars, basis.extra_bytes, basis.tokens))
+
+
+def with_calibration(record: SessionRecord, cal: Calibration) -> SessionRecord:
+    basis = cal.basis
+    return record.model_copy(update={
+        "tokens_per_char": cal.tokens_per_char,
+        "tokens_per_extra_byte": cal.tokens_per_extra_byte,
+        "count_basis": None if basis is None else CountBasis(
+            chars=basis.chars, extra_bytes=basis.extra_bytes, tokens=basis.tokens),
+    })
 
 
 class Reading(Enum):

@@ -30,7 +30,7 @@ from schemas.messages import MAX_CONTENT_CHARS, CompactionRequest, Query, Reply,
 from schemas.session import MAX_SYSTEM_PROMPT_CHARS, CompactionsRunning, SessionRecord
 from services.core.context import next_prompt_tokens
 from services.core.state_machine import Phase, session_state
-from services.core.tokens import Calibration, prompt_budget
+from services.core.tokens import prompt_budget, stored_calibration
 from services.gateway.controls import Controls
 from services.gateway.live import ListenerLimit, LiveFeed
 from services.gateway.replies import ReplyRouter, events_until_reply
@@ -192,7 +192,7 @@ class Api:
         # Tokens in the context, as compaction results and the decider count them.
         tokens = next_prompt_tokens(record.system, view.conversation,
                                     await self._tools.definitions(),
-                                    Calibration(record.tokens_per_char))
+                                    stored_calibration(record))
         return JSONResponse({
             "session_id": sid,
             "system": record.system,

@@ -49,7 +49,7 @@ from services.core.splice import (
 )
 from services.core.splice import first_user_request as first_request_of
 from services.core.state_machine import Action, CompactionMode, IllegalTransition
-from services.core.tokens import Calibration
+from services.core.tokens import Calibration, stored_calibration
 from services.generator.provider import ChatProvider, ChatRequest, ChatResult, ProviderError
 from services.generator.session_lock import LockTimeout, SessionLocks
 from services.generator.settings import GeneratorSettings
@@ -324,7 +324,7 @@ class Compactor:
         the conservative fallback)."""
         settings = self._settings
         own = self._summary_model(record) == record.model_or(settings.model)
-        calibration = Calibration(record.tokens_per_char) if own else Calibration()
+        calibration = stored_calibration(record) if own else Calibration()
         # The session's model may have a smaller window than NUM_CTX (its record knows).
         num_ctx = settings.compaction_num_ctx or (
             record.window(settings.num_ctx) if own else settings.num_ctx)
@@ -360,7 +360,7 @@ class Compactor:
     def tokens(self, record: SessionRecord, conversation: Conversation) -> int:
         """Tokens in the context this conversation makes, as the gauge counts them."""
         return next_prompt_tokens(record.system, conversation, self._offered,
-                                  Calibration(record.tokens_per_char))
+                                  stored_calibration(record))
 
     @contextlib.asynccontextmanager
     async def _exclusive_if_blocking(self, sid: str) -> AsyncIterator[None]:

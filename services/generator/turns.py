@@ -38,7 +38,13 @@ from services.core.prompt_cache import cached_size, previous_call
 from services.core.retry import retry_point
 from services.core.state_machine import Action
 from services.core.text_size import Size, prompt_size
-from services.core.tokens import Calibration, calibrate, estimate_prompt, prompt_budget
+from services.core.tokens import (
+    calibrate,
+    estimate_prompt,
+    prompt_budget,
+    stored_calibration,
+    with_calibration,
+)
 from services.generator.compaction import CompactionFailed, CompactionSkipped, Compactor
 from services.generator.head_start import HeadStart, HeadStartCount, still_good
 from services.generator.models import ModelFacts
@@ -360,7 +366,7 @@ class TurnRunner:
         return self._settings.compaction_threshold > 0 and record.auto_compact
 
     def _estimate(self, record: SessionRecord, prompt: Messages, tools: Messages) -> int:
-        return estimate_prompt(prompt, _calibration(record), tools)
+        return estimate_prompt(prompt, stored_calibration(record), tools)
 
     def _fits(self, record: SessionRecord, prompt: Messages, tools: Messages,
               share: float = 1.0) -> bool:
@@ -414,13 +420,17 @@ class TurnRunner:
 
     async def _recalibrate(self, turn: Turn, result: ChatResult, sent: Size) -> None:
         record, reused = turn.record, turn.reused
-        previous = _calibration(record)
+        previous = stored_calibration(record)
         updated = calibrate(previous, result.prompt_tokens, sent.chars, self.num_ctx(record),
                             messages=sent.messages, extra_bytes=sent.extra_bytes,
                             reused_chars=reused.chars, reused_extra_bytes=reused.extra_bytes,
                             reused_messages=reused.messages)
-        if _moved(previous.tokens_per_char, updated.tokens_per_char):
-            turn.record = record.model_copy(update={"tokens_per_char": updated.tokens_per_char})
+        # A newer basis alone is not worth a write: any earlier whole count of
+        # this session solves as well against the next.
+        if (_moved(previous.tokens_per_char, updated.tokens_per_char)
+                or _moved(previous.tokens_per_extra_byte, updated.tokens_per_extra_byte)
+                or (previous.basis is None and updated.basis is not None)):
+            turn.record = with_calibration(record, updated)
             await self._sessions.put(turn.record)
 
     async def _report(self, turn: Turn, result: ChatResult, sent: Size,
@@ -448,6 +458,7 @@ class TurnRunner:
             summary_chars=weights.summary,
             # As stored in the session's record: the ratio the gateway counts with.
             tokens_per_char=turn.record.tokens_per_char,
+            tokens_per_extra_byte=turn.record.tokens_per_extra_byte,
             reused_chars=turn.reused.chars,
             reused_extra_bytes=turn.reused.extra_bytes,
             reused_messages=turn.reused.messages,
@@ -460,10 +471,6 @@ class TurnRunner:
     def _boundary(self, conversation: Conversation, level: Level) -> int:
         tail = tail_turns_for(level, self._settings.compaction_tail_turns)
         return choose_boundary(conversation.messages, tail)
-
-
-def _calibration(record: SessionRecord) -> Calibration:
-    return Calibration(record.tokens_per_char)
 
 
 def _moved(before: float | None, after: float | None) -> bool:

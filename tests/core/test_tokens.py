@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from schemas.history import ChatMessage, Conversation, HistoryEntry, Snapshot
+from schemas.session import SessionRecord
 from services.core.decision import check_fit
 from services.core.prompt import render_messages, sent_chars
 from services.core.prompt_cache import cached_size, previous_call
@@ -21,6 +22,8 @@ from services.core.tokens import (
     estimate_prompt,
     estimate_tokens,
     prompt_budget,
+    stored_calibration,
+    with_calibration,
 )
 
 NUM_CTX = 32768
@@ -302,3 +305,24 @@ def test_a_lone_dense_count_does_not_teach_a_dense_rate() -> None:
     assert first.tokens_per_extra_byte is None
     # Charged to all characters alike: never an underestimate of other text.
     assert first.char_rate >= CHAR_RATE
+
+
+def test_a_session_record_keeps_both_rates_and_the_count_they_are_solved_against() -> None:
+    learnt = _count(_count(Calibration(), 8000, 0), 9000, 6000)
+    record = with_calibration(SessionRecord(session_id="s"), learnt)
+    stored = stored_calibration(record)
+    # The count of reports is not kept: one or more, a rate is a rate.
+    assert (stored.tokens_per_char, stored.tokens_per_extra_byte, stored.basis) == (
+        learnt.tokens_per_char, learnt.tokens_per_extra_byte, learnt.basis)
+    # Stored and read back, a later count is solved against the same basis.
+    again = SessionRecord.model_validate_json(record.model_dump_json())
+    after_store = _count(stored_calibration(again), 3000, 9000)
+    in_memory = _count(learnt, 3000, 9000)
+    assert after_store.rates == in_memory.rates and after_store.basis == in_memory.basis
+
+
+def test_a_record_from_before_dense_rates_reads_as_a_ratio_alone() -> None:
+    record = SessionRecord(session_id="s", tokens_per_char=0.25)
+    cal = stored_calibration(record)
+    assert (cal.tokens_per_char, cal.reports, cal.tokens_per_extra_byte) == (0.25, 1, None)
+    assert stored_calibration(SessionRecord(session_id="s")) == Calibration()
