@@ -7,16 +7,19 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 from scripts.bench import main
-from scripts.benchmarks.client import Http
+from scripts.benchmarks.client import Answer, Http
 from scripts.benchmarks.round_trips import (
+    Side,
+    interleaved_turns,
     measure_nats_rtt,
     measure_nats_rtt_between_processes,
     running_bare_turn,
 )
-from scripts.benchmarks.rows import ROW_FUNCTIONS, ROWS, RUN_ORDER
+from scripts.benchmarks.rows import ROW_FUNCTIONS, ROWS, RUN_ORDER, params_for
 from scripts.benchmarks.soak import faults_of, turn_text
 
 
@@ -101,3 +104,30 @@ def test_the_soak_counts_turns_lost_and_turns_twice_in_a_transcript() -> None:
     assert faults_of(items[:2], 7, 1) == {"lost": 0, "duplicated": 0}
     assert faults_of([*items[:2], said("assistant", "again")], 7, 1)["duplicated"] == 1
     assert third not in str(items)
+
+
+async def test_the_product_and_the_floor_take_turns_session_by_session() -> None:
+    """turn_overhead and turn_floor are timed in alternating sessions, the order
+    swapped every round, so that a slow spell of the machine falls on both."""
+    log: list[tuple[str, str, str]] = []
+
+    def side(name: str) -> Side:
+        sessions = iter(f"{name}{n}" for n in range(100))
+
+        async def new_session() -> str:
+            return next(sessions)
+
+        async def ask_one(sid: str, content: str) -> Answer:
+            log.append((name, sid, content))
+            return Answer(200, "{}")
+
+        return Side(name, new_session, ask_one, frozenset())
+
+    params = replace(params_for(quick=True), overhead_warmup=2, overhead_turns=6,
+                     turns_per_session=2)
+    product, floor = side("p"), side("f")
+    await interleaved_turns(params, product, floor)
+    sessions = [sid for _, sid, _ in log[::2]]
+    assert sessions == ["p0", "f0", "p1", "f1", "f2", "p2", "p3", "f3"]
+    assert len(product.samples) == len(floor.samples) == 6
+    assert all(content.startswith("benchmark question ") for _, _, content in log)

@@ -63,10 +63,19 @@ def process_label(argv: Sequence[bytes]) -> str:
     return Path(words[0]).name if words else "?"
 
 
+def cpu_used(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """CPU seconds each process spent between two `cpu_seconds()` readings."""
+    return {key: after[key] - before.get(key, 0.0) for key in after}
+
+
 def cpu_per_unit(before: dict[str, float], after: dict[str, float], units: int,
                  wall_s: float) -> dict[str, Any]:
     """CPU milliseconds per unit of work by process, and how busy the cores were."""
-    used = {key: after[key] - before.get(key, 0.0) for key in after}
+    return cpu_summary(cpu_used(before, after), units, wall_s)
+
+
+def cpu_summary(used: dict[str, float], units: int, wall_s: float) -> dict[str, Any]:
+    """`cpu_per_unit` of CPU seconds already added up by process."""
     labels = [key.split(":")[0] for key in used]
     per_unit = {}
     for key, seconds in sorted(used.items()):

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,7 +20,13 @@ import nats
 from schemas.envelope import new_id
 from scripts.benchmarks.client import Answer, Http, ask, http_client, new_session
 from scripts.benchmarks.harness import MODEL, NUM_CTX, Env, Params, Row, Target
-from scripts.benchmarks.measure import cpu_per_unit, cpu_seconds, percentile, summary_ms
+from scripts.benchmarks.measure import (
+    cpu_seconds,
+    cpu_summary,
+    cpu_used,
+    percentile,
+    summary_ms,
+)
 from services.generator.provider import ChatRequest, OllamaProvider
 from services.shared.bus import round_trip
 from tests.nats_server import free_port, running_nats
@@ -189,38 +195,59 @@ async def measure_stub_chat(stub_url: str, calls: int, messages: list[dict[str, 
     return samples
 
 
-async def sequential_turns(params: Params, new_session: Callable[[], Awaitable[str]],
-                           ask_one: Callable[[str, str], Awaitable[Answer]]
-                           ) -> tuple[list[float], dict[str, Any]]:
-    """Latencies of one query after the other, a fresh session every
-    `turns_per_session`, after a warm-up; and the CPU the measured turns cost."""
-    samples: list[float] = []
-    cpu_before: dict[str, float] = {}
-    started = 0.0
+@dataclass
+class Side:
+    """One of the two systems whose turns are timed against each other: how to
+    start a session and ask in it, the processes that are its own (keys of
+    `cpu_seconds`), and what its timed turns took."""
+
+    name: str
+    new_session: Callable[[], Awaitable[str]]
+    ask_one: Callable[[str, str], Awaitable[Answer]]
+    processes: frozenset[str]
+    samples: list[float] = field(default_factory=list)
+    cpu: dict[str, float] = field(default_factory=dict)
+    wall_s: float = 0.0
+
+    async def session(self, turns: int, timed: bool) -> None:
+        """A fresh session of `turns` queries, one after the other; timed, the
+        latencies are kept and the CPU its own processes and the driver spent
+        on it (the session's creation included) is added up."""
+        before, started = cpu_seconds(), time.perf_counter()
+        sid = await self.new_session()
+        for index in range(turns):
+            sent = time.perf_counter()
+            response = await self.ask_one(sid, f"benchmark question {index}")
+            seconds = time.perf_counter() - sent
+            if response.status_code != 200:
+                raise RuntimeError(f"{self.name} turn failed: HTTP {response.status_code} "
+                                   f"{response.text}")
+            if timed:
+                self.samples.append(seconds)
+        if timed:
+            self.wall_s += time.perf_counter() - started
+            for key, used in cpu_used(before, cpu_seconds()).items():
+                if key in self.processes or key.startswith("bench:"):
+                    self.cpu[key] = self.cpu.get(key, 0.0) + used
+
+    def cpu_per_turn(self) -> dict[str, Any]:
+        return cpu_summary(self.cpu, len(self.samples), self.wall_s)
+
+
+async def interleaved_turns(params: Params, first: Side, second: Side) -> None:
+    """Both sides' turns, a session each in turn, the order swapped every
+    round: a spell of the machine (another process busy, the CPU's clock
+    moving) falls on both alike, so their ratio is the systems', not the
+    moments they happened to run at."""
     per_session = params.turns_per_session
-    sid = ""
-    for index in range(params.overhead_warmup + params.overhead_turns):
-        if index == params.overhead_warmup:
-            cpu_before, started = cpu_seconds(), time.perf_counter()
-        if index % per_session == 0:
-            sid = await new_session()
-        sent = time.perf_counter()
-        response = await ask_one(sid, f"benchmark question {index % per_session}")
-        seconds = time.perf_counter() - sent
-        if response.status_code != 200:
-            raise RuntimeError(f"turn failed: HTTP {response.status_code} {response.text}")
-        if index >= params.overhead_warmup:
-            samples.append(seconds)
-    cpu = cpu_per_unit(cpu_before, cpu_seconds(), params.overhead_turns,
-                       time.perf_counter() - started)
-    return samples, cpu
-
-
-async def measure_turns(env: Env, params: Params) -> tuple[list[float], dict[str, Any]]:
-    """The product's JSON POST /messages, one after the other."""
-    async with http_client(env, 4) as http:
-        return await sequential_turns(params, lambda: new_session(http),
-                                      lambda sid, content: ask(http, sid, content))
+    warmup = -(-params.overhead_warmup // per_session)
+    for side in (first, second):
+        for _ in range(warmup):
+            await side.session(per_session, timed=False)
+    for round_index in range(-(-params.overhead_turns // per_session)):
+        order = (first, second) if round_index % 2 == 0 else (second, first)
+        for side in order:
+            await side.session(per_session, timed=True)
 
 
 @dataclass(frozen=True)
@@ -249,35 +276,53 @@ class Overhead:
                 f"{self.stub['p50_ms']:.2f}); RTT {self.rtt_ms:.3f} ms")
 
 
-async def overhead_of(turns: list[float], stub_url: str, nats_url: str, params: Params,
-                      round_trips: RoundTrips | None) -> Overhead:
-    """Set measured turns against the stand-in's own time for a prompt like
-    theirs, and against the round trips (measured here unless given)."""
-    history = overhead_history(params.turns_per_session // 2)
-    stub = await measure_stub_chat(stub_url, params.stub_calls, history)
-    if round_trips is None:
-        round_trips = await measure_round_trips(nats_url, params.rtt_requests)
-    return Overhead(summary_ms(turns), summary_ms(stub), round_trips)
-
-
-async def turn_overhead(env: Env, params: Params, round_trips: RoundTrips | None
-                        ) -> tuple[Overhead, dict[str, Any]]:
-    turns, cpu = await measure_turns(env, params)
-    return await overhead_of(turns, env.stub_url, env.nats_url, params, round_trips), cpu
-
-
 def measured_turns(bench: Bench) -> tuple[Overhead, dict[str, Any]]:
     """turn_overhead's measurement, made once a run (turn_cpu reads it too)."""
     if bench.turns is None:
-        bench.turns = asyncio.run(turn_overhead(bench.plain(), bench.params, bench.round_trips))
+        measure_pair(bench)
+    assert bench.turns is not None
     return bench.turns
 
 
 def measured_floor(bench: Bench) -> tuple[Overhead, dict[str, Any]]:
-    """turn_floor's measurement, made once a run: the product's rows are read against it."""
+    """turn_floor's measurement, made with the product's in the same minutes."""
     if bench.floor is None:
-        bench.floor = asyncio.run(turn_floor(bench.params, bench.round_trips))
+        measure_pair(bench)
+    assert bench.floor is not None
     return bench.floor
+
+
+def measure_pair(bench: Bench) -> None:
+    """The product's turns and the floor's, interleaved on one stand-in: the
+    stand-in's own time, taken off both, is then the same figure."""
+    env = bench.plain()
+    ours = frozenset(key for key in cpu_seconds() if not key.startswith("bench:"))
+    stub = frozenset(key for key in ours if key.startswith("ollama_stub:"))
+    with running_bare_turn(env.stub_url) as (_, _, base_url):
+        bare = frozenset(cpu_seconds()) - ours
+        bench.turns, bench.floor = asyncio.run(
+            timed_pair(env, base_url, ours, bare | stub, bench.params, bench.round_trips))
+
+
+async def timed_pair(env: Env, bare_url: str, ours: frozenset[str], bare: frozenset[str],
+                     params: Params, round_trips: RoundTrips | None
+                     ) -> tuple[tuple[Overhead, dict[str, Any]], tuple[Overhead, dict[str, Any]]]:
+    async with http_client(env, 4) as http, Http(bare_url, 4) as bare_http:
+        product = Side("product", lambda: new_session(http),
+                       lambda sid, content: ask(http, sid, content), ours)
+        floor = Side("floor", bare_session, bare_ask(bare_http), bare)
+        await interleaved_turns(params, product, floor)
+    # The stand-in's own time for a prompt like theirs, and the round trips
+    # the overhead is counted in (measured here unless the run has them).
+    history = overhead_history(params.turns_per_session // 2)
+    stub = summary_ms(await measure_stub_chat(env.stub_url, params.stub_calls, history))
+    if round_trips is None:
+        round_trips = await measure_round_trips(env.nats_url, params.rtt_requests)
+
+    def figures(side: Side) -> tuple[Overhead, dict[str, Any]]:
+        return Overhead(summary_ms(side.samples), stub, round_trips), side.cpu_per_turn()
+
+    return figures(product), figures(floor)
 
 
 def row_turn_overhead(bench: Bench) -> Row:
@@ -330,10 +375,12 @@ def row_turn_cpu(bench: Bench) -> Row:
 
 
 @contextlib.contextmanager
-def running_bare_turn() -> Iterator[tuple[str, str, str]]:
-    """The two processes of scripts/bare_turn.py on a server and stand-in of
-    their own: (NATS URL, stand-in URL, HTTP base URL)."""
-    with running_nats() as server, running_stub() as stub:
+def running_bare_turn(stub_url: str | None = None) -> Iterator[tuple[str, str, str]]:
+    """The two processes of scripts/bare_turn.py on a server of their own and
+    the stand-in at `stub_url` (else one of their own): (NATS URL, stand-in
+    URL, HTTP base URL)."""
+    with running_nats() as server, contextlib.ExitStack() as stack:
+        stub = stub_url or stack.enter_context(running_stub())
         port = free_port()
         env = {"NATS_URL": server.url, "OLLAMA_HOST": stub, "MODEL": MODEL,
                "BARE_PORT": str(port)}
@@ -357,15 +404,6 @@ async def bare_session() -> str:
 def bare_ask(http: Http) -> Callable[[str, str], Awaitable[Answer]]:
     """A query to the bare turn's gateway; its sessions need no creating."""
     return lambda sid, content: http.post(f"/q/{sid}", json={"content": content})
-
-
-async def turn_floor(params: Params, round_trips: RoundTrips | None
-                     ) -> tuple[Overhead, dict[str, Any]]:
-    """`turn_overhead`'s queries through the bare hops."""
-    with running_bare_turn() as (nats_url, stub_url, base_url):
-        async with Http(base_url, 4) as http:
-            turns, cpu = await sequential_turns(params, bare_session, bare_ask(http))
-        return await overhead_of(turns, stub_url, nats_url, params, round_trips), cpu
 
 
 def row_turn_floor(bench: Bench) -> Row:
