@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-import uuid
+import secrets
 from datetime import UTC, datetime
 from typing import Generic, TypeVar
 
@@ -15,7 +15,9 @@ P = TypeVar("P", bound=BaseModel)
 
 
 def new_id() -> str:
-    return uuid.uuid4().hex
+    """32 random hex digits, so a correlation id doubles as a W3C trace id.
+    Not a UUID object: made for every message, it costs a fifth as much."""
+    return secrets.token_hex(16)
 
 
 def utc_now() -> datetime:

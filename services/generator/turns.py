@@ -71,6 +71,11 @@ Messages = list[dict[str, Any]]
 FollowUp = Callable[[], Coroutine[Any, Any, None]]
 
 
+# How far a session's stored rate may lag behind the latest count (see `_moved`).
+RATE_RISE_KEPT = 0.005
+RATE_FALL_KEPT = 0.02
+
+
 class TurnError(Exception):
     """The query cannot be answered; `code` and the message go to the caller."""
 
@@ -464,9 +469,12 @@ class TurnRunner:
             reused_messages=turn.reused.messages,
             auto_compact=turn.record.auto_compact,
         )
-        await self._bus.js_publish(subjects.RESPONSE_GENERATION, report,
-                                   correlation_id=turn.env.correlation_id, session_id=turn.sid,
-                                   message_id=f"{turn.query_id}:generation")
+        # Not awaited for the stream's acknowledgement: a report lost on the
+        # way costs the decider one reading, and the next report carries all
+        # it needs (`Decider._consider`).
+        await self._bus.publish(subjects.RESPONSE_GENERATION, report,
+                                correlation_id=turn.env.correlation_id, session_id=turn.sid,
+                                message_id=f"{turn.query_id}:generation")
 
     def _boundary(self, conversation: Conversation, level: Level) -> int:
         tail = tail_turns_for(level, self._settings.compaction_tail_turns)
@@ -474,10 +482,16 @@ class TurnRunner:
 
 
 def _moved(before: float | None, after: float | None) -> bool:
-    """Whether the ratio changed enough to be worth a write (0.5 %)."""
+    """Whether a rate changed enough to be worth a write: any rise beyond
+    rounding, since an estimate below the truth is what overflows; a fall
+    only beyond RATE_FALL_KEPT, since till then the estimate errs a little
+    high, and a write every turn costs a store and two messages."""
     if after is None:
         return False
-    return before is None or abs(after / before - 1) > 0.005
+    if before is None:
+        return True
+    change = after / before - 1
+    return change > RATE_RISE_KEPT or change < -RATE_FALL_KEPT
 
 
 def _heard_by(switch: StopSwitch, stream: TokenStream) -> OnToken:

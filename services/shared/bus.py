@@ -12,8 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import random
 import re
-import secrets
 import ssl
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
@@ -80,10 +80,11 @@ def validation_report(err: ValidationError, subject: str | None) -> ErrorReport:
 
 
 def traceparent(correlation_id: str) -> str | None:
-    """A W3C trace context whose trace id is the correlation id, when it fits."""
+    """A W3C trace context whose trace id is the correlation id, when it fits.
+    The span id need only be unique, not secret: no system call per message."""
     if len(correlation_id) != 32 or not all(c in "0123456789abcdef" for c in correlation_id):
         return None
-    return f"00-{correlation_id}-{secrets.token_hex(8)}-01"
+    return f"00-{correlation_id}-{random.getrandbits(64) | 1:016x}-01"
 
 
 async def connect(url: str, name: str, timeout_s: float = 2.0,
@@ -203,9 +204,17 @@ class Bus:
         correlation_id: str | None = None,
         session_id: str | None = None,
         reply: str = "",
+        message_id: str | None = None,
     ) -> Envelope[Any]:
-        env = self.envelope(subject, payload, correlation_id=correlation_id, session_id=session_id)
-        await self.nc.publish(subject, _encode(env), reply=reply, headers=headers_for(env))
+        """A core publish. With `message_id` (also sent as Nats-Msg-Id) for a
+        subject a stream captures, it is stored once however often it is
+        sent, and nothing waits for the stream's acknowledgement."""
+        env = self.envelope(subject, payload, correlation_id=correlation_id,
+                            session_id=session_id, message_id=message_id)
+        headers = headers_for(env)
+        if message_id is not None:
+            headers[MSG_ID_HEADER] = message_id
+        await self.nc.publish(subject, _encode(env), reply=reply, headers=headers)
         return env
 
     async def js_publish(
