@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import random
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, RetentionPolicy, StreamConfig
 
+from services.shared.bus import round_trip
 from services.shared.consumer import Credits, Delivery, PullLoop, ensure_consumer
 from tests.events import eventually
 from tests.nats_server import NatsServer
@@ -189,6 +191,32 @@ async def test_the_loop_keeps_pulling_after_its_requests_expire(nc: NATS) -> Non
         await nc.jetstream().publish(subject, b"late")
         await holder.wait_for(1, timeout_s=3.0)
         assert holder.seen == [b"late"]
+
+
+async def test_a_lingering_loop_takes_what_waits_in_one_request(nc: NATS) -> None:
+    """One message asked for while the stream looks quiet; once one arrives,
+    all the others it says are waiting in one request, and after the last a
+    pause before asking for one again."""
+    subject = await fresh_stream(nc, "linger")
+    for index in range(10):
+        await nc.jetstream().publish(subject, str(index).encode())
+    requests = await nc.subscribe(f"$JS.API.CONSUMER.MSG.NEXT.{stream_of('linger')}.worker")
+    await round_trip(nc)
+    seen: list[bytes] = []
+
+    async def handle(msg: Msg) -> None:
+        seen.append(msg.data)
+        await msg.ack()
+
+    loop = PullLoop(nc, stream_of("linger"), "worker", handle, linger_s=0.05)
+    await loop.start()
+    try:
+        batches = [json.loads((await requests.next_msg(timeout=10)).data)["batch"]
+                   for _ in range(3)]
+    finally:
+        await loop.stop()
+    assert batches == [1, 9, 1]
+    assert seen == [str(i).encode() for i in range(10)]
 
 
 async def test_the_loop_pulls_again_after_the_server_restarts(

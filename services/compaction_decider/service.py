@@ -45,6 +45,11 @@ RESULTS_CONSUMER = "compaction-decider-results"
 # Sessions whose calibration and hysteresis are kept; the least recently
 # reported is forgotten first (its next report calibrates it afresh).
 MAX_TRACKED_SESSIONS = 10_000
+# Under a steady flow of reports, the decider reads what came in this long at
+# once rather than waking for each: a compaction asked for this much later is
+# no later in any way a turn can tell, and a wake-up per turn was most of the
+# decider's CPU (scripts/bench.py, turn_cpu).
+REPORT_LINGER_S = 0.05
 log = structlog.get_logger()
 
 
@@ -98,7 +103,7 @@ class Decider:
         await self._results.start()
         await ensure_consumer(self._bus.nc, subjects.GENERATIONS_STREAM, self._consumer)
         self._loop = PullLoop(self._bus.nc, subjects.GENERATIONS_STREAM, CONSUMER,
-                              self._on_message)
+                              self._on_message, linger_s=REPORT_LINGER_S)
         await self._loop.start()
 
     async def reconnected(self) -> None:

@@ -110,8 +110,13 @@ class PullLoop:
     def __init__(self, nc: NATS, stream: str, durable: str,
                  on_message: Callable[[Msg], Awaitable[None]],
                  capacity: Callable[[], int] = lambda: 64,
-                 expires_s: float = REQUEST_EXPIRES_S) -> None:
+                 expires_s: float = REQUEST_EXPIRES_S, linger_s: float = 0.0) -> None:
+        """`linger_s` > 0 trades that much delay for fewer wake-ups: see `_lingered`."""
         self._nc = nc
+        self._linger_s = linger_s
+        # Lingering: what the last delivery said still waits, and when to ask next.
+        self._waiting = 0
+        self._ask_at = 0.0
         self._next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}"
         self._name = durable
         self._on_message = on_message
@@ -167,6 +172,7 @@ class PullLoop:
         while not self._stopping:
             try:
                 await self._check_for_lost_requests()
+                await self._linger()
                 await self._ask_for_room()
             except Exception as err:  # NATS away: nats-py reconnects, we ask again
                 log.warning("pull_request_failed", consumer=self._name, error=str(err))
@@ -184,8 +190,25 @@ class PullLoop:
                      outstanding=self._credits.outstanding)
         await self._listen()
 
+    async def _linger(self) -> None:
+        delay = self._ask_at - time.monotonic()
+        if delay > 0 and not self._stopping:
+            await asyncio.sleep(delay)
+
+    def _lingered(self, room: int) -> int:
+        """How many to ask for when lingering. One message at a time while the
+        stream is quiet, each woken for; but after one, a pause, and then all
+        that came meanwhile in one request, known from the last delivery's
+        count of messages still waiting: a burst read in one wake-up. Nothing
+        while a request stands, so no request is left standing half filled."""
+        if self._credits.outstanding:
+            return 0
+        return min(room, max(1, self._waiting))
+
     async def _ask_for_room(self) -> None:
         count = self._credits.wanted(self._capacity())
+        if self._linger_s:
+            count = self._lingered(count)
         if count <= 0 or self._stopping or not self._nc.is_connected:
             return
         assert self._sub is not None
@@ -200,6 +223,9 @@ class PullLoop:
         # published the message.
         if msg.reply:
             self._credits.delivered()
+            if self._linger_s:
+                self._waiting = msg.metadata.num_pending
+                self._ask_at = time.monotonic() + (0 if self._waiting else self._linger_s)
             await self._on_message(msg)
             # A handler that finished inline left room; ask once half of it
             # is free rather than once per message.
