@@ -12,6 +12,7 @@ from pathlib import Path
 
 from scripts.bench import main
 from scripts.benchmarks.client import Answer, Http
+from scripts.benchmarks.messages import kind_of
 from scripts.benchmarks.round_trips import (
     Side,
     interleaved_turns,
@@ -131,3 +132,14 @@ async def test_the_product_and_the_floor_take_turns_session_by_session() -> None
     assert sessions == ["p0", "f0", "p1", "f1", "f2", "p2", "p3", "f3"]
     assert len(product.samples) == len(floor.samples) == 6
     assert all(content.startswith("benchmark question ") for _, _, content in log)
+
+
+def test_turn_messages_counts_subjects_by_kind() -> None:
+    assert kind_of("history.s1") == "history.<sid>"
+    assert kind_of("chat.reply.s1") == "chat.reply.<sid>"
+    assert kind_of("generator.state.s-2") == "generator.state.<sid>"
+    assert kind_of("_INBOX_generator.abc.7") == "_INBOX.*"
+    assert kind_of("$JS.ACK.QUERIES.generator.1.5.5.0.0") == "$JS.ACK.*"
+    assert kind_of("$JS.API.CONSUMER.MSG.NEXT.QUERIES.generator") == "$JS.API.CONSUMER.MSG.*"
+    assert kind_of("$KV.session_locks.s1") == "$KV.session_locks.<key>"
+    assert kind_of("response.generation") == "response.generation"

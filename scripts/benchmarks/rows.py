@@ -16,6 +16,7 @@ from scripts.benchmarks.compaction import row_compaction, row_compaction_one_slo
 from scripts.benchmarks.estimate import ESTIMATE_SCRIPT, row_estimate
 from scripts.benchmarks.harness import Env, Params, Row, running_env
 from scripts.benchmarks.memory import row_memory_sessions
+from scripts.benchmarks.messages import row_turn_messages
 from scripts.benchmarks.round_trips import (
     Overhead,
     RoundTrips,
@@ -45,6 +46,7 @@ RUN_ORDER = (
     "turn_weighing",
     "turn_overhead",
     "turn_cpu",
+    "turn_messages",
     "throughput_1_generator",
     "throughput_2_generators",
     "estimate_error",
@@ -87,6 +89,7 @@ ROW_FUNCTIONS: dict[str, RowFunction] = {
     "turn_overhead": row_turn_overhead,
     "turn_cpu": row_turn_cpu,
     "turn_floor": row_turn_floor,
+    "turn_messages": row_turn_messages,
     "throughput_1_generator": row_throughput_1,
     "throughput_2_generators": row_throughput_2,
     "throughput_floor": row_throughput_floor,
