@@ -12,6 +12,8 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from schemas.session import CountBasis
+
 SessionId = str
 SESSION_ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
 MAX_CONTENT_CHARS = 1_000_000
@@ -135,6 +137,9 @@ class GenerationReport(Payload):
     # And per UTF-8 byte beyond a character's first, once learnt (None: the
     # cautious rate for dense scripts).
     tokens_per_extra_byte: float | None = Field(default=None, ge=0)
+    # The whole count those rates were last taken from: until dense text has a
+    # rate of its own, it bounds what dense text can cost (the gauge's count).
+    count_basis: CountBasis | None = None
     # The part of this prompt the provider may have served from its cache
     # (its longest common prefix, in messages, with the session's previous
     # call): a count covering only the rest must not be taken for the whole.

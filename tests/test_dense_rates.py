@@ -10,13 +10,15 @@ cache), and such a count teaches no rate."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
 from schemas import subjects
+from schemas.session import CountBasis
 from scripts.ollama_stub.tokens import count_text_tokens
 from services.core.text_size import extra_bytes
-from services.core.tokens import Calibration, estimate_tokens
+from services.core.tokens import Calibration, calibration_from, estimate_tokens
 from tests.events import watching
 from tests.stub_server import running_stub
 from tests.system import System, running_system
@@ -55,3 +57,29 @@ async def test_a_prompt_with_chinese_after_one_of_prose_teaches_the_dense_rate(
     estimate = estimate_tokens(len(CHINESE), learnt, extra_bytes=extra_bytes(CHINESE))
     true = count_text_tokens(CHINESE, CHARS_PER_TOKEN)
     assert estimate == pytest.approx(true, rel=0.05)
+
+
+async def test_a_conversation_in_chinese_is_estimated_from_its_first_count(
+        system: System, nats_url: str) -> None:
+    """Every message in Chinese: no two counts differ enough in make-up to
+    tell the two rates apart, yet the third prompt, estimated from what the
+    reports carry (as the decider does), is within 5 % of the stand-in's
+    count, where a cautious rate on top of the first count put it 43 % above."""
+    async with system.http(timeout=30) as http, \
+            watching(nats_url, subjects.RESPONSE_GENERATION) as reports:
+        sid = str((await http.post("/api/sessions", json={})).json()["session_id"])
+
+        def of_session() -> list[dict[str, Any]]:
+            return [p for p in reports.payloads() if p["session_id"] == sid]
+
+        for _ in range(3):
+            assert (await http.post(f"/api/sessions/{sid}/messages",
+                                    json={"content": CHINESE})).status_code == 200
+        await reports.wait_until(lambda: len(of_session()) == 3)
+    _, second, third = of_session()
+    assert second["tokens_per_extra_byte"] is None and second["count_basis"] is not None
+    basis = CountBasis.model_validate(second["count_basis"])
+    calibration = calibration_from(second["tokens_per_char"], None, basis)
+    estimate = estimate_tokens(third["sent_chars"], calibration, third["sent_messages"],
+                               third["sent_extra_bytes"])
+    assert estimate == pytest.approx(third["prompt_tokens"], rel=0.05)

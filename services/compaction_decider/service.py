@@ -32,7 +32,13 @@ from services.core.decision import (
     on_result,
 )
 from services.core.text_size import Size
-from services.core.tokens import Calibration, calibrate, estimate_tokens, prompt_budget
+from services.core.tokens import (
+    Calibration,
+    calibrate,
+    calibration_from,
+    estimate_tokens,
+    prompt_budget,
+)
 from services.shared import metrics
 from services.shared.bus import Bus
 from services.shared.consumer import PullLoop, ensure_consumer
@@ -209,7 +215,8 @@ class Decider:
                 ) -> tuple[Decision, SessionMemory]:
         # The session's own ratio when the report carries it: the estimate is
         # then the very number the gauge and the compaction results show.
-        cal = (Calibration(report.tokens_per_char, 1, report.tokens_per_extra_byte)
+        cal = (calibration_from(report.tokens_per_char, report.tokens_per_extra_byte,
+                                report.count_basis)
                if report.tokens_per_char is not None else tracked.calibration)
         limit = prompt_budget(report.num_ctx, self.settings.output_headroom)
         upcoming = context_tokens(Size(report.next_prompt_chars or report.sent_chars,

@@ -85,24 +85,51 @@ class Calibration:
 
     @property
     def extra_byte_rate(self) -> float:
-        """What each UTF-8 byte beyond a character's first adds: as learnt, or
-        else enough that a three-byte character costs DENSE_TOKENS."""
+        """What each UTF-8 byte beyond a character's first adds: as learnt;
+        nothing while `dense_bound` holds the dense text's cost; else enough
+        that a three-byte character costs DENSE_TOKENS."""
         if self.tokens_per_extra_byte is not None:
             return self.tokens_per_extra_byte
-        return max(0.0, DENSE_TOKENS - self.char_rate) / 2
+        if self.dense_bound is not None:
+            return 0.0
+        return _cautious_byte_rate(self.char_rate)
 
     @property
     def rates(self) -> Rates:
         return Rates(self.char_rate, self.extra_byte_rate)
 
+    @property
+    def dense_bound(self) -> Rates | None:
+        """The other end of what the last whole count allows, while it held
+        dense text worth more than a trace and no rate of its own is learnt.
+
+        That count was charged to all characters alike (`_ratio`): the
+        character rate alone accounts for it, dense bytes at nothing. Every
+        pair of rates that reproduces it lies on one line, from that pair to
+        this one, where dense bytes carry the most they plausibly can
+        (DENSE_TOKENS a three-byte character). The truth lies between, so
+        the dearer of the two estimates bounds any prompt, and a prompt made
+        up like that count is met exactly: a session in Chinese is not
+        charged a cautious rate on top of a count that already holds it."""
+        basis = self.basis
+        if (self.tokens_per_extra_byte is not None or basis is None
+                or basis.extra_bytes <= 0 or self.char_rate * basis.chars < basis.tokens):
+            return None
+        return _dense_end(basis)
+
 
 def stored_calibration(record: SessionRecord) -> Calibration:
-    """The calibration a session's record holds. A stored rate came from at
+    """The calibration a session's record holds."""
+    return calibration_from(record.tokens_per_char, record.tokens_per_extra_byte,
+                            record.count_basis)
+
+
+def calibration_from(tokens_per_char: float | None, tokens_per_extra_byte: float | None,
+                     basis: CountBasis | None) -> Calibration:
+    """A calibration as a record or a report carries it. A rate came from at
     least one usable count: a partial count can be charged against it."""
-    basis = record.count_basis
     return Calibration(
-        record.tokens_per_char, int(record.tokens_per_char is not None),
-        record.tokens_per_extra_byte,
+        tokens_per_char, int(tokens_per_char is not None), tokens_per_extra_byte,
         None if basis is None else Sample(basis.chars, basis.extra_bytes, basis.tokens))
 
 
@@ -265,14 +292,32 @@ def _reading(reported: int, sent: Size, reused: Size, known: Calibration) -> Rea
     return Reading.whole if reported * reported >= as_whole * as_fresh else Reading.partial
 
 
+def _cautious_byte_rate(char_rate: float) -> float:
+    return max(0.0, DENSE_TOKENS - char_rate) / 2
+
+
+def _dense_end(basis: Sample) -> Rates:
+    """The rates on the count's line whose dense bytes cost the cautious
+    rate, or as near it as a plausible character rate allows."""
+    chars, extra, tokens = basis.chars, basis.extra_bytes, basis.tokens
+    # chars * r + extra * (DENSE_TOKENS - r) / 2 = tokens, solved for r.
+    slope = chars - extra / 2
+    per_char = (tokens - extra * DENSE_TOKENS / 2) / slope if slope > 0 else 0.0
+    per_char = min(max(per_char, MIN_TOKENS_PER_CHAR), tokens / chars)
+    return Rates(per_char, max(0.0, (tokens - chars * per_char) / extra))
+
+
 def _text_chars(size: Size) -> int:
     return max(1, size.chars - MESSAGE_OVERHEAD_CHARS * size.messages)
 
 
 def _expected(size: Size, cal: Calibration) -> float:
     text = max(0, size.chars - MESSAGE_OVERHEAD_CHARS * size.messages)
-    return (text * cal.char_rate + size.extra_bytes * cal.extra_byte_rate
-            + FRAMING_TOKENS_PER_MESSAGE * size.messages)
+    cost = cal.rates.cost(text, size.extra_bytes)
+    bound = cal.dense_bound
+    if bound is not None:
+        cost = max(cost, bound.cost(text, size.extra_bytes))
+    return cost + FRAMING_TOKENS_PER_MESSAGE * size.messages
 
 
 def _ratio(sample: Sample, known: Calibration) -> float | None:

@@ -464,6 +464,7 @@ class TurnRunner:
             # As stored in the session's record: the ratio the gateway counts with.
             tokens_per_char=turn.record.tokens_per_char,
             tokens_per_extra_byte=turn.record.tokens_per_extra_byte,
+            count_basis=turn.record.count_basis,
             reused_chars=turn.reused.chars,
             reused_extra_bytes=turn.reused.extra_bytes,
             reused_messages=turn.reused.messages,

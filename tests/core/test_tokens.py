@@ -326,3 +326,24 @@ def test_a_record_from_before_dense_rates_reads_as_a_ratio_alone() -> None:
     cal = stored_calibration(record)
     assert (cal.tokens_per_char, cal.reports, cal.tokens_per_extra_byte) == (0.25, 1, None)
     assert stored_calibration(SessionRecord(session_id="s")) == Calibration()
+
+
+def test_a_conversation_in_chinese_is_met_before_its_dense_rate_is_known() -> None:
+    """One whole count of a prompt mostly in Chinese cannot tell the two rates
+    apart, but it fixes what a prompt made up like it costs: a longer one of
+    the same make-up is estimated within rounding, not at a cautious rate on
+    top of a count that already holds the Chinese; one made up otherwise is
+    never under-estimated."""
+    first = _count(Calibration(), 3000, 5000)  # 500 ASCII and 2,500 CJK characters
+    assert first.tokens_per_extra_byte is None and first.dense_bound is not None
+    assert estimate_tokens(6000, first, extra_bytes=10000) == pytest.approx(
+        _true_cost(6000, 10000), rel=0.01)
+    for chars, extra_bytes in ((6000, 2000), (6000, 11000), (4000, 0), (3000, 5800)):
+        assert estimate_tokens(chars, first, extra_bytes=extra_bytes) >= _true_cost(
+            chars, extra_bytes)
+
+
+def test_a_trace_of_chinese_in_a_count_keeps_the_cautious_rate() -> None:
+    prose = _count(Calibration(), 8000, 40)
+    assert prose.dense_bound is None
+    assert estimate_tokens(3000, prose, extra_bytes=6000) > _true_cost(3000, 6000)
