@@ -17,8 +17,8 @@ import nats
 from nats.aio.msg import Msg
 
 from scripts.benchmarks.client import Http, ask, http_client, new_session
-from scripts.benchmarks.harness import Row
-from scripts.benchmarks.round_trips import running_bare_turn
+from scripts.benchmarks.harness import Env, Row
+from scripts.benchmarks.round_trips import bare_ask, running_bare_turn
 from services.shared.bus import round_trip
 
 if TYPE_CHECKING:
@@ -41,9 +41,12 @@ def kind_of(subject: str) -> str:
     return subject
 
 
-async def counted(nats_url: str, turns: Callable[[], Awaitable[None]]) -> Counter[str]:
-    """Messages by kind while `turns` runs, and until a round trip after it
-    (what a turn set off after its reply is counted too)."""
+async def counted(nats_url: str, ask_one: Callable[[str], Awaitable[object]]
+                  ) -> Counter[str]:
+    """Messages by kind over COUNTED_TURNS questions asked one after the
+    other (after one not counted, which warms the session up), and until a
+    round trip after them: what a turn sets off after its reply counts too."""
+    await ask_one("warm-up")
     nc = await nats.connect(nats_url)
     kinds: Counter[str] = Counter()
 
@@ -53,7 +56,8 @@ async def counted(nats_url: str, turns: Callable[[], Awaitable[None]]) -> Counte
     try:
         await nc.subscribe(">", cb=count)
         await round_trip(nc)
-        await turns()
+        for index in range(COUNTED_TURNS):
+            await ask_one(f"question {index}")
         await asyncio.sleep(0.2)  # the follow-ups of the last turn: reports, acknowledgements
         await round_trip(nc)
     finally:
@@ -61,33 +65,22 @@ async def counted(nats_url: str, turns: Callable[[], Awaitable[None]]) -> Counte
     return kinds
 
 
-async def product_messages(bench: Bench) -> Counter[str]:
-    env = bench.plain()
+async def product_messages(env: Env) -> Counter[str]:
     async with http_client(env, 2) as http:
         sid = await new_session(http)
-        await ask(http, sid, "warm-up")
-
-        async def turns() -> None:
-            for index in range(COUNTED_TURNS):
-                await ask(http, sid, f"question {index}")
-
-        return await counted(env.nats_url, turns)
+        return await counted(env.nats_url, lambda content: ask(http, sid, content))
 
 
 async def floor_messages(nats_url: str, base_url: str) -> Counter[str]:
     async with Http(base_url, 2) as http:
-        await http.post("/q/warm", json={"content": "warm-up"})
-
-        async def turns() -> None:
-            for index in range(COUNTED_TURNS):
-                await http.post("/q/counted", json={"content": f"question {index}"})
-
-        return await counted(nats_url, turns)
+        ask_bare = bare_ask(http)
+        return await counted(nats_url, lambda content: ask_bare("counted", content))
 
 
 def row_turn_messages(bench: Bench) -> Row:
-    product = asyncio.run(product_messages(bench))
-    with running_bare_turn(bench.plain().stub_url) as (nats_url, _, base_url):
+    env = bench.plain()
+    product = asyncio.run(product_messages(env))
+    with running_bare_turn(env.stub_url) as (nats_url, _, base_url):
         floor = asyncio.run(floor_messages(nats_url, base_url))
     ours, bare = (sum(kinds.values()) / COUNTED_TURNS for kinds in (product, floor))
 

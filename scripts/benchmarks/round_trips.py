@@ -276,37 +276,38 @@ class Overhead:
                 f"{self.stub['p50_ms']:.2f}); RTT {self.rtt_ms:.3f} ms")
 
 
-def measured_turns(bench: Bench) -> tuple[Overhead, dict[str, Any]]:
-    """turn_overhead's measurement, made once a run (turn_cpu reads it too)."""
-    if bench.turns is None:
-        measure_pair(bench)
-    assert bench.turns is not None
-    return bench.turns
+# A side's turns: their overhead, and the CPU they cost by process.
+Measured = tuple[Overhead, dict[str, Any]]
 
 
-def measured_floor(bench: Bench) -> tuple[Overhead, dict[str, Any]]:
+def measured_turns(bench: Bench) -> Measured:
+    """turn_overhead's measurement (turn_cpu reads it too)."""
+    return measured_pair(bench)[0]
+
+
+def measured_floor(bench: Bench) -> Measured:
     """turn_floor's measurement, made with the product's in the same minutes."""
-    if bench.floor is None:
-        measure_pair(bench)
-    assert bench.floor is not None
-    return bench.floor
+    return measured_pair(bench)[1]
 
 
-def measure_pair(bench: Bench) -> None:
-    """The product's turns and the floor's, interleaved on one stand-in: the
-    stand-in's own time, taken off both, is then the same figure."""
-    env = bench.plain()
-    ours = frozenset(key for key in cpu_seconds() if not key.startswith("bench:"))
-    stub = frozenset(key for key in ours if key.startswith("ollama_stub:"))
-    with running_bare_turn(env.stub_url) as (_, _, base_url):
-        bare = frozenset(cpu_seconds()) - ours
-        bench.turns, bench.floor = asyncio.run(
-            timed_pair(env, base_url, ours, bare | stub, bench.params, bench.round_trips))
+def measured_pair(bench: Bench) -> tuple[Measured, Measured]:
+    """The product's turns and the floor's, interleaved on one stand-in (the
+    stand-in's own time, taken off both, is then the same figure); measured
+    once a run."""
+    if bench.turn_pair is None:
+        env = bench.plain()
+        ours = frozenset(key for key in cpu_seconds() if not key.startswith("bench:"))
+        stub = frozenset(key for key in ours if key.startswith("ollama_stub:"))
+        with running_bare_turn(env.stub_url) as (_, _, base_url):
+            bare = frozenset(cpu_seconds()) - ours
+            bench.turn_pair = asyncio.run(
+                timed_pair(env, base_url, ours, bare | stub, bench.params, bench.round_trips))
+    return bench.turn_pair
 
 
 async def timed_pair(env: Env, bare_url: str, ours: frozenset[str], bare: frozenset[str],
                      params: Params, round_trips: RoundTrips | None
-                     ) -> tuple[tuple[Overhead, dict[str, Any]], tuple[Overhead, dict[str, Any]]]:
+                     ) -> tuple[Measured, Measured]:
     async with http_client(env, 4) as http, Http(bare_url, 4) as bare_http:
         product = Side("product", lambda: new_session(http),
                        lambda sid, content: ask(http, sid, content), ours)
@@ -319,7 +320,7 @@ async def timed_pair(env: Env, bare_url: str, ours: frozenset[str], bare: frozen
     if round_trips is None:
         round_trips = await measure_round_trips(env.nats_url, params.rtt_requests)
 
-    def figures(side: Side) -> tuple[Overhead, dict[str, Any]]:
+    def figures(side: Side) -> Measured:
         return Overhead(summary_ms(side.samples), stub, round_trips), side.cpu_per_turn()
 
     return figures(product), figures(floor)

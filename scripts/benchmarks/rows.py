@@ -10,7 +10,6 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
 
 from scripts.benchmarks.compaction import row_compaction, row_compaction_one_slot
 from scripts.benchmarks.estimate import ESTIMATE_SCRIPT, row_estimate
@@ -18,7 +17,7 @@ from scripts.benchmarks.harness import Env, Params, Row, running_env
 from scripts.benchmarks.memory import row_memory_sessions
 from scripts.benchmarks.messages import row_turn_messages
 from scripts.benchmarks.round_trips import (
-    Overhead,
+    Measured,
     RoundTrips,
     row_nats_rtt,
     row_turn_cpu,
@@ -115,8 +114,7 @@ class Bench:
         self.in_process = in_process
         self.round_trips: RoundTrips | None = None
         # Measured once, read by several rows: the product's turns and the floor's.
-        self.turns: tuple[Overhead, dict[str, Any]] | None = None
-        self.floor: tuple[Overhead, dict[str, Any]] | None = None
+        self.turn_pair: tuple[Measured, Measured] | None = None
         self._plain: Env | None = None
         self._plain_stack = contextlib.ExitStack()
 

@@ -19,6 +19,7 @@ ratio, framing and all.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -98,7 +99,7 @@ class Calibration:
     def rates(self) -> Rates:
         return Rates(self.char_rate, self.extra_byte_rate)
 
-    @property
+    @functools.cached_property
     def dense_bound(self) -> Rates | None:
         """The other end of what the last whole count allows, while it held
         dense text worth more than a trace and no rate of its own is learnt.

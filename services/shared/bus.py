@@ -211,9 +211,7 @@ class Bus:
         sent, and nothing waits for the stream's acknowledgement."""
         env = self.envelope(subject, payload, correlation_id=correlation_id,
                             session_id=session_id, message_id=message_id)
-        headers = headers_for(env)
-        if message_id is not None:
-            headers[MSG_ID_HEADER] = message_id
+        headers = headers_for(env, stored_once=message_id is not None)
         await self.nc.publish(subject, _encode(env), reply=reply, headers=headers)
         return env
 
@@ -236,7 +234,7 @@ class Bus:
             session_id=session_id,
             message_id=message_id,
         )
-        headers = headers_for(env) | {MSG_ID_HEADER: env.message_id}
+        headers = headers_for(env, stored_once=True)
         ack = await self.js.publish(subject, _encode(env), timeout=timeout_s, headers=headers)
         return env, ack
 
@@ -269,8 +267,12 @@ class Bus:
         await self.publish(subjects.ERROR_SUBJECT, err.report)
 
 
-def headers_for(env: Envelope[Any]) -> dict[str, str]:
+def headers_for(env: Envelope[Any], stored_once: bool = False) -> dict[str, str]:
+    """Tracing headers; `stored_once` adds the message id as Nats-Msg-Id, so a
+    stream keeps a message sent again only once."""
     headers = {CORRELATION_HEADER: env.correlation_id}
+    if stored_once:
+        headers[MSG_ID_HEADER] = env.message_id
     if env.session_id:
         headers[SESSION_HEADER] = env.session_id
     trace = traceparent(env.correlation_id)
