@@ -13,6 +13,8 @@ from typing import Any
 import nats
 from nats.aio.msg import Msg
 
+from schemas import subjects
+from services.compaction_decider.service import CONSUMER
 from services.shared.bus import round_trip
 
 
@@ -91,6 +93,33 @@ async def consumer_caught_up(nats_url: str, stream: str, durable: str,
                 return
             await asyncio.sleep(0.05)
         raise TimeoutError(f"{durable} on {stream} still busy after {timeout_s} s")
+    finally:
+        await nc.close()
+
+
+Status = Callable[[], dict[str, Any] | Awaitable[dict[str, Any]]]
+
+
+async def decider_caught_up(nats_url: str, status: Status | None = None,
+                            timeout_s: float = 20.0) -> None:
+    """Wait until the compaction decider has judged every report so far. It
+    acknowledges none, so its consumer only tells what was delivered: the
+    last of those must also be the last report the decider says it judged.
+    `status`: the decider's own, for one in this process; else asked over NATS."""
+    nc = await nats.connect(nats_url)
+
+    async def asked() -> dict[str, Any]:
+        reply = await nc.request("compaction-decider.status", b"", timeout=5)
+        return dict(json.loads(reply.data))
+
+    async def judged_all() -> bool:
+        info = await nc.jetstream().consumer_info(subjects.GENERATIONS_STREAM, CONSUMER)
+        current = (status or asked)()
+        seen = await current if inspect.isawaitable(current) else current
+        return info.num_pending == 0 and seen["last_report_seq"] == info.delivered.stream_seq
+
+    try:
+        await eventually(judged_all, "the decider judged every report", timeout_s)
     finally:
         await nc.close()
 

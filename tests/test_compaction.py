@@ -18,7 +18,7 @@ from nats.aio.msg import Msg
 from schemas import subjects
 from schemas.messages import CompactionRequest, ToolOutcome
 from services.shared.bus import Bus
-from tests.events import Watcher, consumer_caught_up, watching
+from tests.events import Watcher, decider_caught_up, watching
 from tests.nats_server import NatsServer
 from tests.stub_server import configure_stub, running_stub
 from tests.system import System
@@ -127,7 +127,7 @@ async def turns_until_the_decider_fires(nats_url: str, http: httpx.AsyncClient,
         assert (await http.post(f"/api/sessions/{sid}/messages",
                                 json={"content": f"question {turn} !long 600"})).status_code == 200
         await watcher.wait_until(lambda: len(reports(watcher, sid)) >= turn, 20)  # noqa: B023
-        await consumer_caught_up(nats_url, subjects.GENERATIONS_STREAM, "compaction-decider")
+        await decider_caught_up(nats_url)
         requests = [p for p in watcher.payloads("compaction.request") if p["session_id"] == sid]
         if requests:
             return requests[0]
@@ -309,8 +309,7 @@ async def test_without_automatic_compaction_an_oversized_prompt_is_refused(
     async with watching(private_nats.url, *EVENTS) as watcher:
         replies = await chat(http, sid, 12, filler=600)
         # The decider has judged every report.
-        await consumer_caught_up(private_nats.url, subjects.GENERATIONS_STREAM,
-                                 "compaction-decider")
+        await decider_caught_up(private_nats.url)
     refused = [r for r in replies if r.status_code != 200]
     assert refused, "the window never filled"
     assert refused[0].status_code == 413
@@ -450,8 +449,7 @@ async def test_after_an_oversized_message_long_turns_never_overflow_any_call(
         replies = [await http.post(f"/api/sessions/{sid}/messages",
                                    json={"content": f"question {i} " + "w" * 1200})
                    for i in range(25)]
-        await consumer_caught_up(private_nats.url, subjects.GENERATIONS_STREAM,
-                                 "compaction-decider")
+        await decider_caught_up(private_nats.url)
     assert all(r.status_code == 200 for r in replies), [r.text for r in replies]
     levels = {p["level"] for p in watcher.payloads("compaction.event")}
     assert "emergency" in levels, levels

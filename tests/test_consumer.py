@@ -15,7 +15,7 @@ import nats
 import pytest
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
-from nats.js.api import AckPolicy, ConsumerConfig, RetentionPolicy, StreamConfig
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, RetentionPolicy, StreamConfig
 
 from services.shared.bus import round_trip
 from services.shared.consumer import Credits, Delivery, PullLoop, ensure_consumer
@@ -307,6 +307,46 @@ async def test_a_changed_ack_wait_reaches_the_existing_consumer(nc: NATS) -> Non
     assert info.config.filter_subject == subject
     await ensure_consumer(nc, stream, config)  # unchanged: nothing to do
     assert (await js.consumer_info(stream, "worker")).config.ack_wait == 120
+
+
+async def test_a_consumer_with_another_ack_policy_is_made_again_after_its_last_delivery(
+        nc: NATS) -> None:
+    """The server will not change an existing consumer's ack policy; a new
+    version choosing another takes over where the old consumer stood: no
+    message it delivered comes again, none after it is skipped."""
+    js, stream, subject = nc.jetstream(), stream_of("policy"), "pulltest.policy"
+    await js.add_stream(StreamConfig(name=stream, subjects=[subject]))
+    explicit = ConsumerConfig(durable_name="worker", filter_subject=subject,
+                              ack_policy=AckPolicy.EXPLICIT, ack_wait=30)
+    await ensure_consumer(nc, stream, explicit)
+    for data in (b"one", b"two", b"three"):
+        await js.publish(subject, data)
+    old = await js.pull_subscribe_bind("worker", stream=stream)
+    first, _second = await old.fetch(2)
+    await first.ack()  # the second delivered, never acknowledged
+    await old.unsubscribe()
+    await js.publish(subject, b"four")
+
+    assert await ensure_consumer(nc, stream, explicit.evolve(ack_policy=AckPolicy.NONE))
+    assert (await js.consumer_info(stream, "worker")).config.ack_policy == AckPolicy.NONE
+    new = await js.pull_subscribe_bind("worker", stream=stream)
+    assert [m.data for m in await new.fetch(2)] == [b"three", b"four"]
+
+
+async def test_a_consumer_that_delivered_nothing_is_made_again_without_replaying(
+        nc: NATS) -> None:
+    js, stream, subject = nc.jetstream(), stream_of("unused"), "pulltest.unused"
+    await js.add_stream(StreamConfig(name=stream, subjects=[subject]))
+    await js.publish(subject, b"before")
+    await ensure_consumer(nc, stream, ConsumerConfig(
+        durable_name="worker", filter_subject=subject, ack_policy=AckPolicy.EXPLICIT,
+        deliver_policy=DeliverPolicy.NEW))
+    await js.publish(subject, b"after")
+    assert await ensure_consumer(nc, stream, ConsumerConfig(
+        durable_name="worker", filter_subject=subject, ack_policy=AckPolicy.NONE,
+        deliver_policy=DeliverPolicy.NEW))
+    new = await js.pull_subscribe_bind("worker", stream=stream)
+    assert [m.data for m in await new.fetch(1)] == [b"after"]
 
 
 async def test_a_message_handed_back_with_a_delay_comes_back_after_the_delay(

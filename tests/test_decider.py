@@ -10,18 +10,19 @@ import json
 from collections.abc import AsyncIterator
 
 import nats
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from schemas import subjects
 from schemas.envelope import Envelope
 from schemas.messages import CompactionRequest, CompactionResult, GenerationReport
-from services.compaction_decider.service import RESULTS_CONSUMER, Decider
+from services.compaction_decider.service import CONSUMER, RESULTS_CONSUMER, Decider
 from services.compaction_decider.settings import DeciderSettings
 from services.core.context import context_tokens
 from services.core.text_size import Size
 from services.core.tokens import Calibration
-from services.shared.bus import Bus, decode
+from services.shared.bus import Bus, decode, round_trip
 from services.shared.jetstream import ensure_layout
-from tests.events import consumer_caught_up, eventually
+from tests.events import decider_caught_up, eventually
 from tests.nats_server import NatsServer, free_port
 
 
@@ -40,8 +41,7 @@ async def test_no_more_sessions_are_remembered_than_the_bound(
     try:
         for sid in ("a", "b", "c", "a"):
             await bus.js_publish(subjects.RESPONSE_GENERATION, report(sid), session_id=sid)
-        await consumer_caught_up(private_nats.url, subjects.GENERATIONS_STREAM,
-                                 "compaction-decider")
+        await decider_caught_up(private_nats.url, decider.status)
         assert decider.status()["tracked_sessions"] == 2
     finally:
         await decider.stop()
@@ -69,9 +69,9 @@ async def stored_requests(bus: Bus) -> list[Envelope[CompactionRequest]]:
     return found
 
 
-async def report_and_settle(bus: Bus, url: str, sid: str) -> None:
+async def report_and_settle(bus: Bus, url: str, sid: str, decider: Decider) -> None:
     await bus.js_publish(subjects.RESPONSE_GENERATION, crowded_report(sid), session_id=sid)
-    await consumer_caught_up(url, subjects.GENERATIONS_STREAM, "compaction-decider")
+    await decider_caught_up(url, decider.status)
 
 
 @contextlib.asynccontextmanager
@@ -96,10 +96,10 @@ async def test_a_request_that_was_not_stored_leaves_the_session_free(
     async with running_decider(private_nats.url,
                                DeciderSettings(compaction_cooldown_s=0)) as (bus, decider):
         await bus.js.delete_stream(subjects.COMPACTIONS_STREAM)
-        await report_and_settle(bus, private_nats.url, "lost-publish")
+        await report_and_settle(bus, private_nats.url, "lost-publish", decider)
         assert decider.status()["pending"] == [] and decider.status()["fired"] == 0
         await ensure_layout(bus.js)
-        await report_and_settle(bus, private_nats.url, "lost-publish")
+        await report_and_settle(bus, private_nats.url, "lost-publish", decider)
         requests = await stored_requests(bus)
         assert [r.payload.session_id for r in requests] == ["lost-publish"]
         assert decider.status()["pending"] == ["lost-publish"]
@@ -112,18 +112,18 @@ async def test_a_missed_result_does_not_stop_automatic_compaction(
     settings = DeciderSettings(compaction_cooldown_s=0, compaction_result_timeout_s=0.5)
     async with running_decider(private_nats.url, settings) as (bus, decider):
         sid = "lost-result"
-        await report_and_settle(bus, private_nats.url, sid)
+        await report_and_settle(bus, private_nats.url, sid, decider)
         assert len(await stored_requests(bus)) == 1
         async with asyncio.timeout(20):
             while len(requests := await stored_requests(bus)) < 2:
                 await asyncio.sleep(0.1)  # polling: each report asks whether the expiry passed
-                await report_and_settle(bus, private_nats.url, sid)
+                await report_and_settle(bus, private_nats.url, sid, decider)
         assert len(requests) == 2 and "no result in time" in requests[1].payload.reason
         await bus.publish(subjects.COMPACTION_RESULT,
                           CompactionResult(session_id=sid, tokens_after=100),
                           correlation_id=requests[1].correlation_id, session_id=sid)
         await eventually(lambda: not decider.status()["pending"], "no request pending")
-        await report_and_settle(bus, private_nats.url, sid)
+        await report_and_settle(bus, private_nats.url, sid, decider)
         requests = await stored_requests(bus)
         assert len(requests) == 3 and "no result in time" not in requests[2].payload.reason
 
@@ -190,7 +190,7 @@ async def test_a_result_published_while_the_decider_was_cut_off_still_counts(
     await decider.start()
     sid = "cut-off"
     try:
-        await report_and_settle(generator, private_nats.url, sid)
+        await report_and_settle(generator, private_nats.url, sid, decider)
         [first] = await stored_requests(generator)
         await link.cut()
         await asyncio.wait_for(down.wait(), 10)
@@ -205,7 +205,7 @@ async def test_a_result_published_while_the_decider_was_cut_off_still_counts(
         await link.open()
         await asyncio.wait_for(up.wait(), 10)
         await eventually(lambda: not decider.status()["pending"], "no request pending")
-        await report_and_settle(generator, private_nats.url, sid)
+        await report_and_settle(generator, private_nats.url, sid, decider)
         requests = await stored_requests(generator)
         assert len(requests) == 2 and "no result in time" not in requests[1].payload.reason
     finally:
@@ -245,8 +245,7 @@ async def test_the_decider_counts_at_the_sessions_ratio_and_nets_out_the_summary
         # A 10,000-character paste lies there too: worth compacting.
         await bus.js_publish(subjects.RESPONSE_GENERATION, at_85_percent("paste", 13360),
                              session_id="paste")
-        await consumer_caught_up(private_nats.url, subjects.GENERATIONS_STREAM,
-                                 "compaction-decider")
+        await decider_caught_up(private_nats.url, decider.status)
         asked = json.loads((await requests.next_msg(timeout=5)).data)["payload"]
         assert asked["session_id"] == "paste"
         # The same count as the session's gauge: its ratio, not the fallback's.
@@ -280,3 +279,42 @@ async def test_a_long_answer_in_a_dense_script_is_weighed_at_its_own_rate(
     finally:
         await decider.stop()
         await nc.close()
+
+
+async def test_reports_are_judged_without_an_acknowledgement_each(
+        private_nats: NatsServer) -> None:
+    """A report costs the server one delivery to the decider, not also an
+    acknowledgement coming back."""
+    async with running_decider(private_nats.url, DeciderSettings()) as (bus, decider):
+        acks = await bus.nc.subscribe(f"$JS.ACK.{subjects.GENERATIONS_STREAM}.>")
+        for sid in ("a", "b", "c"):
+            await bus.js_publish(subjects.RESPONSE_GENERATION, report(sid), session_id=sid)
+        await decider_caught_up(private_nats.url, decider.status)
+        assert decider.status()["tracked_sessions"] == 3
+        await round_trip(bus.nc)  # an acknowledgement sent would be back by now
+        assert acks.pending_msgs == 0
+
+
+async def test_an_upgraded_decider_goes_on_after_the_last_report_its_consumer_delivered(
+        private_nats: NatsServer) -> None:
+    """An earlier version acknowledged each report; the server keeps a
+    consumer's ack policy, so the consumer is made again, from where it stood."""
+    nc = await nats.connect(private_nats.url)
+    try:
+        bus = Bus(nc, "compaction-decider")
+        await ensure_layout(bus.js)
+        await bus.js.add_consumer(subjects.GENERATIONS_STREAM, ConsumerConfig(
+            durable_name=CONSUMER, filter_subject=subjects.RESPONSE_GENERATION,
+            ack_policy=AckPolicy.EXPLICIT, deliver_policy=DeliverPolicy.NEW, ack_wait=30))
+        for sid in ("read-before", "read-before-too"):
+            await bus.js_publish(subjects.RESPONSE_GENERATION, report(sid), session_id=sid)
+        old = await bus.js.pull_subscribe_bind(CONSUMER, stream=subjects.GENERATIONS_STREAM)
+        for msg in await old.fetch(2):
+            await msg.ack()
+        await old.unsubscribe()
+        await bus.js_publish(subjects.RESPONSE_GENERATION, report("new"), session_id="new")
+    finally:
+        await nc.close()
+    async with running_decider(private_nats.url, DeciderSettings()) as (_, decider):
+        await decider_caught_up(private_nats.url, decider.status)
+        assert decider.status()["tracked_sessions"] == 1  # "new" alone

@@ -1,8 +1,13 @@
 """The decider process: a thin shell around `services.core.decision`.
 
-It replays `response.generation` through a durable consumer (so nothing is
-missed across its restarts), keeps each session's calibration and hysteresis
+It reads `response.generation` through a durable consumer (so a restart
+resumes where it stopped), keeps each session's calibration and hysteresis
 memory, and publishes `compaction.request` when the pure decision says so.
+
+Reports are not acknowledged: one delivered is taken as read. Each report
+carries all a decision needs, so one lost to a crash mid-way costs a single
+reading, while an acknowledgement was a message through the server on every
+turn (scripts/bench.py, turn_messages).
 """
 
 from __future__ import annotations
@@ -80,7 +85,7 @@ class Decider:
         self._results: PullLoop | None = None
         self._consumer = ConsumerConfig(
             durable_name=CONSUMER, filter_subject=subjects.RESPONSE_GENERATION,
-            ack_policy=AckPolicy.EXPLICIT, deliver_policy=DeliverPolicy.NEW, ack_wait=30)
+            ack_policy=AckPolicy.NONE, deliver_policy=DeliverPolicy.NEW)
         # Where a consumer made again starts: just after the last report
         # handled (the server's own time of it), else this process's start.
         self._resume_at = datetime.now(UTC)
@@ -88,6 +93,9 @@ class Decider:
             durable_name=RESULTS_CONSUMER, filter_subject=subjects.COMPACTION_RESULT,
             ack_policy=AckPolicy.EXPLICIT, deliver_policy=DeliverPolicy.NEW, ack_wait=30)
         self._fired = 0
+        # The GENERATIONS sequence of the last report judged: whoever waits for
+        # the decider to catch up reads it from the status.
+        self._judged = 0
 
     @property
     def settings(self) -> DeciderSettings:
@@ -142,7 +150,7 @@ class Decider:
 
     def status(self) -> dict[str, Any]:
         return {"threshold": self.settings.compaction_threshold, "fired": self._fired,
-                "tracked_sessions": len(self._tracked),
+                "tracked_sessions": len(self._tracked), "last_report_seq": self._judged,
                 "pending": sorted(s for s, t in self._tracked.items() if t.memory.pending)}
 
     def _track(self, sid: str) -> Tracked:
@@ -153,7 +161,7 @@ class Decider:
 
     async def _on_message(self, msg: Msg) -> None:
         await self._on_generation(msg)
-        await msg.ack()
+        self._judged = msg.metadata.sequence.stream
         self._resume_at = msg.metadata.timestamp + timedelta(microseconds=1)
 
     async def _on_generation(self, msg: Msg) -> None:

@@ -32,7 +32,8 @@ import structlog
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from nats.js.api import ConsumerConfig, Header
+from nats.js import JetStreamContext
+from nats.js.api import ConsumerConfig, ConsumerInfo, DeliverPolicy, Header
 from nats.js.errors import NotFoundError
 
 log = structlog.get_logger()
@@ -82,6 +83,9 @@ class Credits:
 
 # What a service's settings may change between two starts of a durable consumer.
 UPDATABLE = ("ack_wait", "max_ack_pending")
+# What the server refuses to change on an existing consumer; a new version of
+# a service may still choose otherwise (see `_made_again`).
+FIXED = ("ack_policy",)
 
 
 async def ensure_consumer(nc: NATS, stream: str, config: ConsumerConfig) -> bool:
@@ -96,6 +100,9 @@ async def ensure_consumer(nc: NATS, stream: str, config: ConsumerConfig) -> bool
     except NotFoundError:
         await js.add_consumer(stream, config=config)
         return True
+    if any(getattr(config, name) != getattr(info.config, name) for name in FIXED):
+        await _made_again(js, stream, config, info)
+        return True
     changed = {name: getattr(config, name) for name in UPDATABLE
                if getattr(config, name) is not None
                and getattr(config, name) != getattr(info.config, name)}
@@ -104,6 +111,22 @@ async def ensure_consumer(nc: NATS, stream: str, config: ConsumerConfig) -> bool
         await js.add_consumer(stream, config=info.config.evolve(**changed))
         log.info("consumer_updated", stream=stream, consumer=config.durable_name, **changed)
     return False
+
+
+async def _made_again(js: JetStreamContext, stream: str, config: ConsumerConfig,
+                      old: ConsumerInfo) -> None:
+    """A consumer an earlier version made with a setting the server will not
+    change: made anew, starting just after the last message the old one
+    delivered, so the switch neither replays nor skips anything (a message
+    delivered and not yet acknowledged is taken as handled)."""
+    assert config.durable_name
+    start = old.delivered.stream_seq + 1 if old.delivered else 1
+    await js.delete_consumer(stream, config.durable_name)
+    await js.add_consumer(stream, config=config.evolve(
+        deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start,
+        opt_start_time=None))
+    log.info("consumer_made_again", stream=stream, consumer=config.durable_name,
+             ack_policy=str(config.ack_policy), start_seq=start)
 
 
 class PullLoop:
