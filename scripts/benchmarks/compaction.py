@@ -1,8 +1,17 @@
 """Rows compaction_latency and compaction_one_slot: what a compaction costs the
-queries that arrive while it runs, as latency against the same session before
-it and a twin session never compacted; in blocking mode, how many queries were
-refused or delayed; and, with answers and summaries from one model, how long
-an answer waits for a summary piece holding the model's only slot."""
+queries that arrive while it runs, as latency against a twin session never
+compacted, asked at the same moments with the same history (and, in the
+detail, against the same session before the compaction); in blocking mode,
+how many queries were refused or delayed; and, with answers and summaries from
+one model, how long an answer waits for a summary piece holding the model's
+only slot.
+
+The twin is the headline's "no compaction". Against the session's own
+queries before the compaction, two things besides the compaction moved the
+ratio: the history grows by a turn with each query, so later queries cost
+more (the twin showed the same rise), and a spell of the machine falls on one
+phase only. The twin's queries alternate with the measured ones, so both
+share every moment and every history length."""
 
 from __future__ import annotations
 
@@ -287,17 +296,22 @@ def row_compaction(bench: Bench) -> Row:
     blocking = blocking_figures(blocking_run)
     base, during = background["baseline"], background["during_compaction"]
     twin = background["twin"]
+    twin_during = twin["during_compaction"]
     return Row(
         name="compaction_latency",
-        value=max(background["p50_ratio"], background["p99_ratio"]),
-        unit="× no compaction (worse of p50, p99)", target=Target("<=", COMPACTION_MAX_RATIO),
-        detail=f"background: p50 {during['p50_ms']:.1f} vs {base['p50_ms']:.1f} ms "
-               f"(×{background['p50_ratio']:.2f}), p99 {during['p99_ms']:.1f} vs "
-               f"{base['p99_ms']:.1f} ms (×{background['p99_ratio']:.2f}), "
+        value=max(twin["compacting_vs_twin_p50_ratio"], twin["compacting_vs_twin_p99_ratio"]),
+        unit="× twin not compacted (worse of p50, p99)",
+        target=Target("<=", COMPACTION_MAX_RATIO),
+        detail=f"during background compactions: p50 {during['p50_ms']:.1f} vs the twin's "
+               f"{twin_during['p50_ms']:.1f} ms (×{twin['compacting_vs_twin_p50_ratio']:.2f}), "
+               f"p99 {during['p99_ms']:.1f} vs {twin_during['p99_ms']:.1f} ms "
+               f"(×{twin['compacting_vs_twin_p99_ratio']:.2f}), {during['n']} queries each, "
                f"{background['overlapped']}/{during['n']} done before the "
                f"{SUMMARY_LATENCY_S:g} s summaries ended ({len(runs)} compaction(s)); "
-               f"twin session without compaction, same moments: p50 ×{twin['p50_ratio']:.2f}, "
-               f"p99 ×{twin['p99_ratio']:.2f}; "
+               f"against the session before: p50 ×{background['p50_ratio']:.2f} "
+               f"({base['p50_ms']:.1f} ms), p99 ×{background['p99_ratio']:.2f} "
+               f"({base['p99_ms']:.1f} ms), the twin's own rise meanwhile "
+               f"p50 ×{twin['p50_ratio']:.2f}, p99 ×{twin['p99_ratio']:.2f}; "
                f"blocking: {blocking['rejected']} rejected, {blocking['delayed']} delayed > "
                f"{DELAYED_S:g} s of {blocking['queries']}, "
                f"max {blocking['max_latency_s']:.2f} s",
