@@ -44,6 +44,26 @@ async def test_a_call_after_the_switch_was_thrown_never_starts() -> None:
     assert not started.is_set()
 
 
+async def test_a_turn_cancelled_as_a_whole_is_cancelled_not_stopped() -> None:
+    """At shutdown the turn's task is cancelled: that must reach the turn
+    (its query is handed back), even when a stop was asked for as well, and
+    the call must have ended first."""
+    for also_thrown in (False, True):
+        switch, started, cancelled = StopSwitch("q1"), asyncio.Event(), []
+        turn = asyncio.create_task(switch.unless_thrown(
+            answer_after(started, asyncio.Event(), cancelled)))
+        await started.wait()
+        if also_thrown:
+            switch.throw()
+        turn.cancel()
+        try:
+            outcome = await turn
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+        assert outcome == "cancelled"
+        assert cancelled == [True]
+
+
 def test_a_stop_finds_only_the_turn_running_for_its_session() -> None:
     stops, switch = Stops(), StopSwitch("q1")
     assert stops.stop("s1") is None

@@ -62,6 +62,8 @@ class Lease:
     lost: bool = field(default=False)
     # A renewal is on its way to the server.
     renewing: bool = field(default=False)
+    # Until the holder's block ends; a renewal under way then is the last.
+    held: bool = field(default=True)
 
 
 class SessionLocks:
@@ -79,12 +81,11 @@ class SessionLocks:
         """Hold the session's lock, renewed, for the block; `taken` is a lease
         already won by `try_acquire`."""
         lease = taken or await self.acquire(sid, purpose, wait_s)
-        done = asyncio.Event()
-        renewer = asyncio.create_task(self._keep_renewed(lease, done))
+        renewer = asyncio.create_task(self._keep_renewed(lease))
         try:
             yield lease
         finally:
-            done.set()
+            lease.held = False
             if lease.renewing:
                 # Waited for, not cancelled: a renewal cut off in flight may be
                 # stored while its new revision is lost, and the release would
@@ -190,11 +191,12 @@ class SessionLocks:
             return
         self._freed_at.put(lease.session_id, freed_at)
 
-    async def _keep_renewed(self, lease: Lease, done: asyncio.Event) -> None:
-        while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(done.wait(), self._lease_s / 3)
-            if done.is_set():
+    async def _keep_renewed(self, lease: Lease) -> None:
+        # Cancelled while it sleeps, once the holder is done: a plain sleep,
+        # not a wait on an event with a timeout (two tasks more a turn).
+        while lease.held:
+            await asyncio.sleep(self._lease_s / 3)
+            if not lease.held:
                 return
             lease.renewing = True
             try:

@@ -21,15 +21,14 @@ class StopSwitch:
 
     def __init__(self, query_id: str) -> None:
         self.query_id = query_id
-        self._thrown = asyncio.Event()
+        self.thrown = False
         self.written: list[str] = []
-
-    @property
-    def thrown(self) -> bool:
-        return self._thrown.is_set()
+        self._call: asyncio.Future[ChatResult] | None = None
 
     def throw(self) -> None:
-        self._thrown.set()
+        self.thrown = True
+        if self._call is not None:
+            self._call.cancel()
 
     async def heard(self, text: str) -> None:
         self.written.append(text)
@@ -41,19 +40,18 @@ class StopSwitch:
             if asyncio.iscoroutine(call):
                 call.close()  # never started: nothing to cancel
             return None
-        task = asyncio.ensure_future(call)
-        thrown = asyncio.ensure_future(self._thrown.wait())
+        # A task of its own, so that `throw` can cancel the call and nothing
+        # else; no waiter beside it (a task and a wait per model call).
+        self._call = asyncio.ensure_future(call)
         try:
-            await asyncio.wait({task, thrown}, return_when=asyncio.FIRST_COMPLETED)
+            return await self._call
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if self.thrown and not (current and current.cancelling()):
+                return None  # the switch, not a cancellation of the turn itself
+            raise
         finally:
-            thrown.cancel()
-            if not task.done():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-        if task.cancelled():
-            return None
-        return task.result()
+            self._call = None
 
 
 class Stops:

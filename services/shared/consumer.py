@@ -279,18 +279,26 @@ class Delivery:
     def __init__(self, msg: Msg, heartbeat_s: float) -> None:
         self.msg = msg
         self.settled = False
-        self._heartbeat = asyncio.create_task(self._beat(heartbeat_s))
+        self._every_s = heartbeat_s
+        # A timer, not a sleeping task: most messages are settled long before
+        # the first beat, and a task made and cancelled for each costs more.
+        self._timer = asyncio.get_running_loop().call_later(heartbeat_s, self._beat)
+        self._beating: asyncio.Task[None] | None = None
 
-    async def _beat(self, every_s: float) -> None:
-        while True:
-            await asyncio.sleep(every_s)
-            with contextlib.suppress(Exception):
-                await self.msg.in_progress()
+    def _beat(self) -> None:
+        self._beating = asyncio.create_task(self._send_beat())
+        self._timer = asyncio.get_running_loop().call_later(self._every_s, self._beat)
+
+    async def _send_beat(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.msg.in_progress()
 
     def stop_heartbeat(self) -> None:
         # A beat being written is already in the connection's buffer, ahead of
         # what the caller sends next; a cancelled one never gets that far.
-        self._heartbeat.cancel()
+        self._timer.cancel()
+        if self._beating is not None:
+            self._beating.cancel()
 
     async def ack(self) -> None:
         self._settling()
