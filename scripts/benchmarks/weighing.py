@@ -14,7 +14,7 @@ from scripts.benchmarks.harness import Row
 from scripts.benchmarks.measure import summary_ms
 from services.core.context import next_prompt_size
 from services.core.prompt import HistoryWeights, render_messages
-from services.core.prompt_cache import cached_size
+from services.core.prompt_cache import Messages, cached_size, previous_call
 from services.core.text_size import prompt_size
 from services.core.tokens import Calibration, estimate_prompt
 
@@ -33,28 +33,42 @@ def long_history(messages: int) -> Conversation:
     return Conversation(messages=out)
 
 
-def one_turns_weighing(conversation: Conversation) -> None:
-    """What a turn of the generator weighs, in the order it does."""
+def before_the_call(conversation: Conversation) -> Messages:
+    """What a turn weighs before its model call: does the prompt fit?"""
     prompt = render_messages(SYSTEM, conversation)
     estimate_prompt(prompt, Calibration(0.25, 1))
+    return prompt
+
+
+def after_the_reply(conversation: Conversation, prompt: Messages) -> None:
+    """What it weighs for the report, once the caller has its answer: what
+    was sent, what a prompt cache held of the call before, the history's
+    weights, the next prompt."""
     sent = prompt_size(prompt)
-    cached_size(prompt[:-2], prompt, whole=sent)
+    cached_size(previous_call(SYSTEM, conversation, True), prompt, whole=sent)
     HistoryWeights.of(SYSTEM, conversation)
     next_prompt_size(SYSTEM, conversation, ())
 
 
 def row_turn_weighing(bench: Bench) -> Row:
     conversation = long_history(WEIGHED_MESSAGES)
-    times = []
+    before, after, whole = [], [], []
     for _ in range(bench.params.splice_reps * 4):
         started = time.perf_counter()
-        one_turns_weighing(conversation)
-        times.append(time.perf_counter() - started)
-    stats = summary_ms(times)
+        prompt = before_the_call(conversation)
+        called = time.perf_counter()
+        after_the_reply(conversation, prompt)
+        ended = time.perf_counter()
+        before.append(called - started)
+        after.append(ended - called)
+        whole.append(ended - started)
+    stats, first, last = summary_ms(whole), summary_ms(before), summary_ms(after)
     return Row(
         name="turn_weighing", value=stats["p50_ms"], unit="ms (p50)", target=None,
-        detail=f"a turn's size bookkeeping on a {WEIGHED_MESSAGES}-message history "
-               f"(render, fit, sent, cached part, weights, next prompt): "
-               f"p50 {stats['p50_ms']:.2f} ms, p99 {stats['p99_ms']:.2f} ms",
-        raw={"messages": WEIGHED_MESSAGES, "times": stats, "repetitions": len(times)},
+        detail=f"a turn's size bookkeeping on a {WEIGHED_MESSAGES}-message history: "
+               f"p50 {stats['p50_ms']:.2f} ms, p99 {stats['p99_ms']:.2f} ms; of it before "
+               f"the model call (render, fit) {first['p50_ms']:.2f} ms, after the reply "
+               f"(sent, cached part, weights, next prompt) {last['p50_ms']:.2f} ms",
+        raw={"messages": WEIGHED_MESSAGES, "times": stats, "before_the_call": first,
+             "after_the_reply": last, "repetitions": len(whole)},
     )

@@ -93,18 +93,38 @@ class Turn:
     view: HistoryView
     # The user's message, then tool calls and results as they come.
     messages: list[ChatMessage]
-    # The session's call before the next one (read off the history, then the
-    # turn's own previous round), and how much of the last call a prompt cache
-    # may have served from it. Held for the turn only.
-    previous: Messages | None = None
+    # The turn's last model call, and the one before it (None for the first:
+    # the session's previous call is then read off the history the turn
+    # started on). Only the report and the calibration need their sizes, so
+    # they are weighed after the reply (`weigh_last_call`), not while the
+    # model answers: each weighing is a pass over the whole prompt.
+    last_prompt: Messages = field(default_factory=list)
+    prompt_before: Messages | None = None
+    # How much of the last call a prompt cache may have served, and its size.
     reused: Size = field(default_factory=Size)
-    # The size of the last call, weighed once: every weighing is a pass over
-    # the whole prompt.
     sent: Size = field(default_factory=Size)
+    # The history the turn began on (`view` moves on as the turn is stored).
+    started_on: Conversation = field(init=False)
     # A retry's: the history up to the last user message, the answer after
     # it left out (see `services.core.retry`). None for a new message.
     retry_context: Conversation | None = None
     switch: StopSwitch | None = None
+
+    def __post_init__(self) -> None:
+        self.started_on = self.view.conversation
+
+    def called(self, prompt: Messages) -> None:
+        """A model call is sent with this prompt."""
+        self.prompt_before = self.last_prompt or None
+        self.last_prompt = prompt
+
+    def weigh_last_call(self, tools: Messages) -> None:
+        previous = self.prompt_before
+        if previous is None:
+            previous = previous_call(self.record.system, self.started_on,
+                                     self.record.tokens_per_char is not None)
+        self.sent = prompt_size(self.last_prompt, tools)
+        self.reused = cached_size(previous, self.last_prompt, tools, whole=self.sent)
 
     @property
     def context(self) -> Conversation:
@@ -231,6 +251,7 @@ class TurnRunner:
                       thinking=result.thinking or None, stopped=result.stopped)
 
         async def follow_up() -> None:
+            turn.weigh_last_call(tools)
             await self._recalibrate(turn, result, turn.sent)
             await self._report(turn, result, turn.sent, tools, started)
 
@@ -240,10 +261,8 @@ class TurnRunner:
     def _new_turn(env: Envelope[Query], record: SessionRecord, view: HistoryView
                   ) -> tuple[Turn, str | None]:
         """The turn, and for a retry the query whose answer its answer replaces."""
-        previous = previous_call(record.system, view.conversation,
-                                 record.tokens_per_char is not None)
         if not env.payload.retry:
-            return Turn(env, record, view, [_question(env)], previous=previous), None
+            return Turn(env, record, view, [_question(env)]), None
         point = retry_point(view.conversation)
         if point is None:
             raise TurnError("nothing_to_retry", "the session has no user message left to "
@@ -252,7 +271,7 @@ class TurnRunner:
             # Another message was answered since the retry was asked for.
             raise TurnError("retry_outdated", "the session's last message changed since the "
                             "retry was asked for; retry again")
-        return (Turn(env, record, view, [], previous=previous, retry_context=point.context),
+        return (Turn(env, record, view, [], retry_context=point.context),
                 point.supersedes)
 
     def _kept(self, head: HeadStart | None, turn: Turn) -> HeadStart | None:
@@ -272,9 +291,7 @@ class TurnRunner:
         stream = self._turn_stream(turn.env, head)
         for _ in range(self._settings.max_tool_iterations + 1):
             prompt = head.prompt if head else await self._fitting_prompt(turn, tools)
-            turn.sent = prompt_size(prompt, tools)
-            turn.reused = cached_size(turn.previous or [], prompt, tools, whole=turn.sent)
-            turn.previous = prompt
+            turn.called(prompt)
             if head is not None:
                 result, head = await head.result(), None  # only the first call starts early
             else:
