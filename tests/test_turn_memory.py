@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from services.generator.turns import RATE_FALL_KEPT, TurnRunner, _moved
+from services.generator.turns import TurnRunner
 
 
 def test_the_turn_runner_keeps_nothing_per_session() -> None:
@@ -20,14 +20,3 @@ def test_the_turn_runner_keeps_nothing_per_session() -> None:
     # `stops`: the switches of the turns running now, each gone when its turn ends.
     assert set(kept) == {"head_starts", "stops"}
 
-
-
-def test_a_rate_that_rose_is_stored_and_one_that_fell_a_little_is_not() -> None:
-    """A rate stored too low would let an estimate fall short of the truth, so
-    any real rise is written; a small fall only leaves the estimate a little
-    high, not worth a store and two messages a turn."""
-    assert _moved(None, 0.25) and not _moved(0.25, None)
-    assert _moved(0.25, 0.25 * 1.01)
-    assert not _moved(0.25, 0.25 * 1.004)
-    assert not _moved(0.25, 0.25 * (1 - RATE_FALL_KEPT / 2))
-    assert _moved(0.25, 0.25 * (1 - RATE_FALL_KEPT * 1.5))

@@ -134,6 +134,33 @@ def calibration_from(tokens_per_char: float | None, tokens_per_extra_byte: float
         None if basis is None else Sample(basis.chars, basis.extra_bytes, basis.tokens))
 
 
+# How far a session's stored rate may lag behind the latest count (`rate_moved`).
+RATE_RISE_KEPT = 0.005
+RATE_FALL_KEPT = 0.02
+
+
+def worth_storing(stored: Calibration, updated: Calibration) -> bool:
+    """Whether a recalibration is worth writing to the session's record. A
+    newer basis alone is not: any earlier whole count of the session solves
+    as well against the next."""
+    return (rate_moved(stored.tokens_per_char, updated.tokens_per_char)
+            or rate_moved(stored.tokens_per_extra_byte, updated.tokens_per_extra_byte)
+            or (stored.basis is None and updated.basis is not None))
+
+
+def rate_moved(before: float | None, after: float | None) -> bool:
+    """Whether a rate changed enough to be worth a write: any rise beyond
+    rounding, since an estimate below the truth is what overflows; a fall
+    only beyond RATE_FALL_KEPT, since till then the estimate errs a little
+    high, and a write every turn costs a store and two messages."""
+    if after is None:
+        return False
+    if before is None:
+        return True
+    change = after / before - 1
+    return change > RATE_RISE_KEPT or change < -RATE_FALL_KEPT
+
+
 def with_calibration(record: SessionRecord, cal: Calibration) -> SessionRecord:
     basis = cal.basis
     return record.model_copy(update={

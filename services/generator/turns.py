@@ -44,6 +44,7 @@ from services.core.tokens import (
     prompt_budget,
     stored_calibration,
     with_calibration,
+    worth_storing,
 )
 from services.generator.compaction import CompactionFailed, CompactionSkipped, Compactor
 from services.generator.head_start import HeadStart, HeadStartCount, still_good
@@ -69,11 +70,6 @@ from services.shared.sessions import SessionNotFound, SessionStore
 log = structlog.get_logger()
 Messages = list[dict[str, Any]]
 FollowUp = Callable[[], Coroutine[Any, Any, None]]
-
-
-# How far a session's stored rate may lag behind the latest count (see `_moved`).
-RATE_RISE_KEPT = 0.005
-RATE_FALL_KEPT = 0.02
 
 
 class TurnError(Exception):
@@ -447,11 +443,7 @@ class TurnRunner:
                             messages=sent.messages, extra_bytes=sent.extra_bytes,
                             reused_chars=reused.chars, reused_extra_bytes=reused.extra_bytes,
                             reused_messages=reused.messages)
-        # A newer basis alone is not worth a write: any earlier whole count of
-        # this session solves as well against the next.
-        if (_moved(previous.tokens_per_char, updated.tokens_per_char)
-                or _moved(previous.tokens_per_extra_byte, updated.tokens_per_extra_byte)
-                or (previous.basis is None and updated.basis is not None)):
+        if worth_storing(previous, updated):
             turn.record = with_calibration(record, updated)
             await self._sessions.put(turn.record)
 
@@ -497,19 +489,6 @@ class TurnRunner:
     def _boundary(self, conversation: Conversation, level: Level) -> int:
         tail = tail_turns_for(level, self._settings.compaction_tail_turns)
         return choose_boundary(conversation.messages, tail)
-
-
-def _moved(before: float | None, after: float | None) -> bool:
-    """Whether a rate changed enough to be worth a write: any rise beyond
-    rounding, since an estimate below the truth is what overflows; a fall
-    only beyond RATE_FALL_KEPT, since till then the estimate errs a little
-    high, and a write every turn costs a store and two messages."""
-    if after is None:
-        return False
-    if before is None:
-        return True
-    change = after / before - 1
-    return change > RATE_RISE_KEPT or change < -RATE_FALL_KEPT
 
 
 def _heard_by(switch: StopSwitch, stream: TokenStream) -> OnToken:

@@ -12,9 +12,11 @@ from schemas.session import SessionRecord
 from services.core.decision import check_fit
 from services.core.prompt import render_messages, sent_chars
 from services.core.prompt_cache import cached_size, previous_call
+from services.core.rates import Sample
 from services.core.text_size import prompt_size
 from services.core.tokens import (
     FALLBACK_TOKENS_PER_CHAR,
+    RATE_FALL_KEPT,
     Calibration,
     budget,
     calibrate,
@@ -22,8 +24,10 @@ from services.core.tokens import (
     estimate_prompt,
     estimate_tokens,
     prompt_budget,
+    rate_moved,
     stored_calibration,
     with_calibration,
+    worth_storing,
 )
 
 NUM_CTX = 32768
@@ -347,3 +351,23 @@ def test_a_trace_of_chinese_in_a_count_keeps_the_cautious_rate() -> None:
     prose = _count(Calibration(), 8000, 40)
     assert prose.dense_bound is None
     assert estimate_tokens(3000, prose, extra_bytes=6000) > _true_cost(3000, 6000)
+
+
+def test_a_rate_that_rose_is_stored_and_one_that_fell_a_little_is_not() -> None:
+    """A rate stored too low would let an estimate fall short of the truth, so
+    any real rise is written; a small fall only leaves the estimate a little
+    high, not worth a store and two messages a turn."""
+    assert rate_moved(None, 0.25) and not rate_moved(0.25, None)
+    assert rate_moved(0.25, 0.25 * 1.01)
+    assert not rate_moved(0.25, 0.25 * 1.004)
+    assert not rate_moved(0.25, 0.25 * (1 - RATE_FALL_KEPT / 2))
+    assert rate_moved(0.25, 0.25 * (1 - RATE_FALL_KEPT * 1.5))
+
+
+def test_a_first_basis_is_stored_but_a_newer_one_alone_is_not() -> None:
+    first, newer = Sample(1000, 0, 250), Sample(2000, 0, 500)
+    assert worth_storing(Calibration(0.25, 1), Calibration(0.25, 2, basis=first))
+    assert not worth_storing(Calibration(0.25, 1, basis=first),
+                             Calibration(0.25, 2, basis=newer))
+    assert worth_storing(Calibration(0.25, 1, basis=first),
+                         Calibration(0.25, 2, 0.3, basis=newer))
