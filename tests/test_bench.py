@@ -8,8 +8,13 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import replace
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+import pytest
+
+from schemas.envelope import enveloped
+from schemas.messages import Payload, Query, Reply, StateChange
 from scripts.bench import main
 from scripts.benchmarks.client import Answer, Http
 from scripts.benchmarks.messages import kind_of
@@ -22,6 +27,7 @@ from scripts.benchmarks.round_trips import (
 )
 from scripts.benchmarks.rows import ROW_FUNCTIONS, ROWS, RUN_ORDER, params_for
 from scripts.benchmarks.soak import faults_of, turn_text
+from scripts.benchmarks.timeline import Watcher, joined, step_summary
 
 
 def test_pure_rows_write_numeric_results(tmp_path: Path) -> None:
@@ -143,3 +149,40 @@ def test_turn_messages_counts_subjects_by_kind() -> None:
     assert kind_of("$JS.API.CONSUMER.MSG.NEXT.QUERIES.generator") == "$JS.API.CONSUMER.MSG.*"
     assert kind_of("$KV.session_locks.s1") == "$KV.session_locks.<key>"
     assert kind_of("response.generation") == "response.generation"
+
+
+def test_turn_timeline_reads_each_turns_steps_off_the_envelopes() -> None:
+    """The marks come from the envelopes' own timestamps, by correlation id,
+    and line up with the driver's turns in the order their queries were made."""
+    start = datetime(2026, 1, 1, tzinfo=UTC)
+
+    def envelope(payload: Payload, correlation_id: str, ms: float) -> bytes:
+        return enveloped(type(payload))(
+            message_type=payload.MESSAGE_TYPE, subject="s", sender_id="gateway",
+            correlation_id=correlation_id, timestamp=start + timedelta(milliseconds=ms),
+            payload=payload,
+        ).model_dump_json().encode()
+
+    def state(to_state: str) -> StateChange:
+        return StateChange(session_id="s1", from_state="idle", to_state=to_state,
+                           action="receive", generator_id="generator-1")
+
+    watcher = Watcher()
+    for correlation_id, at in (("second", 100.0), ("first", 0.0)):
+        watcher.take(envelope(Query(session_id="s1", content="q"), correlation_id, at + 1))
+        for step, to_state in enumerate(("receiving", "generating", "publishing", "idle")):
+            watcher.take(envelope(state(to_state), correlation_id, at + 2 + step))
+        watcher.take(envelope(Reply(session_id="s1", query_id="q", reply="a"),
+                              correlation_id, at + 7))
+    sent = start.timestamp()
+    driver = [{"sent": sent, "answered": sent + 0.008, "status": 200.0},
+              {"sent": sent + 0.1, "answered": sent + 0.109, "status": 200.0}]
+
+    turns = joined(driver, watcher.marks)
+    steps = step_summary(turns)
+    assert [round(t["query"] - t["sent"], 6) for t in turns] == [0.001, 0.001]
+    assert {step: round(s["p50_ms"], 3) for step, s in steps.items()} == {
+        "intake": 1.0, "to_lock": 1.0, "under_lock": 1.0, "model": 1.0, "storing": 1.0,
+        "replying": 2.0, "to_caller": 1.5}
+    with pytest.raises(RuntimeError, match="saw 2 queries on the bus for 1 turns"):
+        joined(driver[:1], watcher.marks)

@@ -32,6 +32,7 @@ from scripts.benchmarks.throughput import (
     row_throughput_2,
     row_throughput_floor,
 )
+from scripts.benchmarks.timeline import row_turn_timeline
 from scripts.benchmarks.transcript import row_transcript_overhead
 from scripts.benchmarks.weighing import row_turn_weighing
 
@@ -46,6 +47,7 @@ RUN_ORDER = (
     "turn_overhead",
     "turn_cpu",
     "turn_messages",
+    "turn_timeline",
     "throughput_1_generator",
     "throughput_2_generators",
     "estimate_error",
@@ -89,6 +91,7 @@ ROW_FUNCTIONS: dict[str, RowFunction] = {
     "turn_cpu": row_turn_cpu,
     "turn_floor": row_turn_floor,
     "turn_messages": row_turn_messages,
+    "turn_timeline": row_turn_timeline,
     "throughput_1_generator": row_throughput_1,
     "throughput_2_generators": row_throughput_2,
     "throughput_floor": row_throughput_floor,
