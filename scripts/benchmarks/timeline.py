@@ -68,8 +68,7 @@ class Watcher:
         env = parse_json(data)
         name = env["payload"].get("to_state") or env["message_type"].rpartition(".")[2]
         made = datetime.fromisoformat(env["timestamp"]).timestamp()
-        # The first of a name is kept: `idle` comes once a turn, a retried
-        # publish would only come later.
+        # A query delivered twice would show some steps twice: the first try's are kept.
         self.marks[env["correlation_id"]].setdefault(name, made)
 
 
