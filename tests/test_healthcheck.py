@@ -24,8 +24,12 @@ def test_healthy_only_while_the_service_here_answers(private_nats: NatsServer,
         assert healthcheck("tools", private_nats.url).returncode == 0
         absent = healthcheck("generator", private_nats.url)
         assert absent.returncode == 1 and "no generator on" in absent.stderr
+        # Told by the server at once, not found out at the timeout.
+        assert "none is connected to NATS" in absent.stderr
         system["tools"].stop()
-        assert healthcheck("tools", private_nats.url).returncode == 1
+        stopped = healthcheck("tools", private_nats.url)
+        assert stopped.returncode == 1
+        assert "none is connected to NATS" in stopped.stderr
     private_nats.stop()
     unreachable = healthcheck("tools", private_nats.url)
     assert unreachable.returncode == 1 and "unhealthy:" in unreachable.stderr

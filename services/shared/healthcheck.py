@@ -17,24 +17,37 @@ import sys
 
 import nats
 from nats.aio.msg import Msg
+from nats.js.api import Header
 
 from services.shared.nats_auth import connect_options, inbox_prefix
 
 TIMEOUT_S = 3.0
+# The server's status to a ping that no subscriber took.
+NO_RESPONDERS = "503"
 
 
-async def answers_here(name: str, url: str, host: str) -> bool:
+# What the ping found: the instance on this host, none of that name at all,
+# or none on this host within the timeout.
+HERE, NONE_CONNECTED, NOT_HERE = "here", "none connected", "not here"
+
+
+async def answers_here(name: str, url: str, host: str) -> str:
     servers = [part.strip() for part in url.split(",") if part.strip()]
     nc = await nats.connect(servers, connect_timeout=TIMEOUT_S, inbox_prefix=inbox_prefix(name),
                             allow_reconnect=False, max_reconnect_attempts=0,
                             error_cb=_quiet, **connect_options(os.environ))
     try:
-        found = asyncio.get_running_loop().create_future()
+        found: asyncio.Future[str] = asyncio.get_running_loop().create_future()
 
         async def on_ping(msg: Msg) -> None:
+            if (msg.headers or {}).get(Header.STATUS) == NO_RESPONDERS:
+                # No instance of NAME is connected at all: known now, not at the timeout.
+                if not found.done():
+                    found.set_result(NONE_CONNECTED)
+                return
             metadata = json.loads(msg.data).get("metadata") or {}
             if metadata.get("host") == host and not found.done():
-                found.set_result(True)
+                found.set_result(HERE)
 
         inbox = nc.new_inbox()
         await nc.subscribe(inbox, cb=on_ping)
@@ -42,7 +55,7 @@ async def answers_here(name: str, url: str, host: str) -> bool:
         try:
             return await asyncio.wait_for(found, TIMEOUT_S)
         except TimeoutError:
-            return False
+            return NOT_HERE
     finally:
         await nc.close()
 
@@ -60,14 +73,16 @@ def main() -> int:
     url = os.environ.get("NATS_URL", "nats://127.0.0.1:4222")
     try:
         # Bounded as a whole: the client's own connect may retry for long.
-        healthy = asyncio.run(asyncio.wait_for(
+        found = asyncio.run(asyncio.wait_for(
             answers_here(sys.argv[1], url, socket.gethostname()), 2 * TIMEOUT_S))
     except Exception as err:  # NATS unreachable: unhealthy, said why
         print(f"unhealthy: {type(err).__name__}: {err}", file=sys.stderr)
         return 1
-    if not healthy:
-        print(f"unhealthy: no {sys.argv[1]} on {socket.gethostname()} answers", file=sys.stderr)
-    return 0 if healthy else 1
+    if found != HERE:
+        why = " (none is connected to NATS)" if found == NONE_CONNECTED else ""
+        print(f"unhealthy: no {sys.argv[1]} on {socket.gethostname()} answers{why}",
+              file=sys.stderr)
+    return 0 if found == HERE else 1
 
 
 if __name__ == "__main__":
