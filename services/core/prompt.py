@@ -28,9 +28,14 @@ SUMMARY_PREFIX = (
 MESSAGE_OVERHEAD_CHARS = 16
 
 
+# Made once: `json.dumps` with options builds an encoder on every call, a
+# fifth of the time it takes to weigh a tool call.
+_COMPACT = json.JSONEncoder(separators=(",", ":"), sort_keys=True)
+
+
 def compact_json(value: Any) -> str:
     """Key-sorted JSON without spaces, so equal structures always weigh the same."""
-    return json.dumps(value, separators=(",", ":"), sort_keys=True)
+    return _COMPACT.encode(value)
 
 
 def message_dict(message: ChatMessage) -> dict[str, Any]:
