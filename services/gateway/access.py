@@ -48,7 +48,7 @@ class AccessGuard:
         if request.method == "OPTIONS" and "access-control-request-method" in headers:
             await self._preflight(headers)(scope, receive, send)
             return
-        page_token = request.query_params.get("token") if request.url.path == "/" else None
+        page_token = request.query_params.get("token") if scope["path"] == "/" else None
         refusal = judge(facts_of(request, page_token), self._policy)
         if refusal:
             await refused(refusal)(scope, receive, send)
@@ -99,10 +99,12 @@ class AccessGuard:
 
 
 def facts_of(request: Request, page_token: str | None) -> Facts:
-    headers = request.headers
+    # From the scope, not `request.url`: building the whole URL cost a fiftieth
+    # of the gateway's CPU per request, for two parts the scope holds as they are.
+    headers, scope = request.headers, request.scope
     length = headers.get("content-length", "")
     return Facts(
-        method=request.method, path=request.url.path, scheme=request.url.scheme,
+        method=request.method, path=scope["path"], scheme=scope.get("scheme", "http"),
         host=headers.get("host", ""), origin=headers.get("origin"),
         content_type=headers.get("content-type"),
         content_length=int(length) if length.isascii() and length.isdigit() else None,
