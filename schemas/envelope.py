@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-import secrets
+import random
 from datetime import UTC, datetime
 from typing import Generic, TypeVar
 
@@ -14,10 +14,16 @@ SCHEMA_VERSION = 1
 P = TypeVar("P", bound=BaseModel)
 
 
+# Message and correlation ids need to be unique, not secret (nothing is
+# granted by knowing one), so they come from a generator seeded once from
+# the system, not from a system call each: 0.36 µs against 0.65.
+_IDS = random.Random()
+
+
 def new_id() -> str:
     """32 random hex digits, so a correlation id doubles as a W3C trace id.
     Not a UUID object: made for every message, it costs a fifth as much."""
-    return secrets.token_hex(16)
+    return f"{_IDS.getrandbits(128):032x}"
 
 
 def utc_now() -> datetime:

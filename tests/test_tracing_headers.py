@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from schemas.envelope import Envelope
+from schemas.envelope import Envelope, new_id
 from schemas.messages import StateChange
 from services.shared.bus import headers_for, traceparent
 
@@ -22,6 +22,15 @@ def test_a_hex_correlation_id_is_the_trace_id_with_a_fresh_span_each_time() -> N
     assert all(parsed) and {m[1] for m in parsed if m} == {cid}
     assert first != second  # the span ids differ
     assert all(m[2] != "0" * 16 for m in parsed if m)  # an all-zero span id is invalid
+
+
+def test_every_new_id_is_a_distinct_trace_id() -> None:
+    """32 hex digits however many leading zeros the number has, so that every
+    correlation id the product makes can be a trace id."""
+    ids = [new_id() for _ in range(20_000)]
+    assert len(set(ids)) == len(ids)
+    assert all(re.fullmatch("[0-9a-f]{32}", i) for i in ids)
+    assert all(traceparent(i) for i in ids[:100])
 
 
 @pytest.mark.parametrize("cid", [
