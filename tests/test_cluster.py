@@ -19,7 +19,7 @@ from nats.js.errors import KeyNotFoundError, NoKeysError
 from pydantic import ValidationError
 
 from schemas import subjects
-from services.generator.session_lock import FREE
+from services.generator.session_lock import free_marker_of
 from services.shared.jetstream import ReplicasMismatch, ensure_layout
 from services.shared.settings import ServiceSettings, nats_servers
 from tests.nats_cluster import NatsCluster, running_cluster
@@ -148,7 +148,7 @@ async def held_locks(kv: nats.js.kv.KeyValue) -> list[str]:
     held = []
     for key in keys:
         try:
-            if (await kv.get(key)).value != FREE:
+            if free_marker_of((await kv.get(key)).value) is None:
                 held.append(key)
         except KeyNotFoundError:  # lapsed: the lease is over
             pass

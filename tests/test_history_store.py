@@ -340,3 +340,36 @@ async def test_retention_drops_old_entries_but_never_what_the_context_needs(
     # transcript shows them before its marker.
     assert left == ["q3", "a3", None, "q4", "a4"] and kept_from > 0
     assert (await HistoryStore(js).read(sid)).conversation == context
+
+
+async def test_a_caller_told_where_the_history_ends_trusts_a_view_that_ends_there(
+    store: HistoryStore, nc: NATS,
+) -> None:
+    """`at` (the lock's previous holder said where the history stood): a cached
+    view that ends there is returned as is, without asking the server (here the
+    claim is false, to show it is taken on trust); one that ends elsewhere sends
+    the read to the server."""
+    sid = new_sid()
+    mine = await store.append(sid, await store.read(sid), turn(1))
+    behind_our_back = HistoryStore(nc.jetstream())
+    theirs = await behind_our_back.append(sid, await behind_our_back.read(sid), turn(2))
+    assert await store.read(sid, at=mine.last_seq) == mine
+    fetched = await store.read(sid, at=theirs.last_seq)
+    assert fetched.last_seq == theirs.last_seq and len(fetched.conversation.messages) == 4
+
+
+async def test_following_tells_of_each_write_another_process_makes(nc: NATS) -> None:
+    """Only another process's writes are told of (the lock uses it to know its
+    own free marker is gone), not this process's own coming back."""
+    await ensure_layout(nc.jetstream())
+    told: list[str] = []
+    ours = HistoryStore(nc.jetstream(), on_foreign_write=told.append)
+    theirs = HistoryStore(nc.jetstream())
+    following = await ours.follow()
+    sid = new_sid()
+    await ours.append(sid, await ours.read(sid), turn(1))
+    await theirs.append(sid, await theirs.read(sid), turn(2))
+    # Delivered in the stream's order: ours came back before theirs was told.
+    await eventually(lambda: bool(told))
+    assert told == [sid]
+    await following.unsubscribe()

@@ -13,6 +13,7 @@ from nats.js.api import KeyValueConfig, StorageType
 
 from schemas import subjects
 from services.generator.session_lock import LockTimeout, SessionLocks
+from services.shared.bus import round_trip
 from services.shared.jetstream import ensure_layout, locks_bucket
 from tests.nats_server import NatsServer
 
@@ -211,3 +212,51 @@ async def test_a_release_the_server_does_not_answer_leaves_the_blocks_outcome(
     finally:
         private_nats.signal(signal.SIGCONT)
         await client.close()
+
+
+async def test_a_taker_finds_where_the_history_stood_at_the_release(locks: SessionLocks) -> None:
+    """A holder that knows where the session's history stands leaves it in its
+    free marker, and whoever takes the session over finds it there; a holder
+    that does not say (a compaction, a lease given back unused) leaves nothing.
+    A marker in the older form, without it, is free all the same."""
+    theirs = await other_holder(locks).acquire("s1", "query")
+    theirs.leaves_history_at = 42
+    await other_holder(locks).release(theirs)
+    assert await locks.purpose_of("s1") is None  # a marker, not a holder
+    ours = await locks.acquire("s1", "query")
+    assert not ours.resumed and ours.found_history_at == 42
+    await locks.release(ours)
+    after_us = await other_holder(locks).acquire("s1", "query")
+    assert after_us.found_history_at is None
+    await other_holder(locks).release(after_us)
+
+    await locks._kv.put("s2", b'{"free": true}')
+    older = await locks.try_acquire("s2", "query")
+    assert older is not None and older.found_history_at is None
+    await locks.release(older)
+
+
+async def test_a_release_someone_else_replaced_is_not_tried_again(
+        locks: SessionLocks, nc: NATS) -> None:
+    """Told that another process wrote the session since our release, the next
+    take goes straight to a take-over (a create, then the swap on their marker)
+    instead of first trying to swap our own marker, which is surely gone."""
+
+    async def writes_to_take(sid: str, forget: bool) -> int:
+        ours = await locks.acquire(sid, "query")
+        await locks.release(ours)
+        theirs = await other_holder(locks).acquire(sid, "query")
+        await other_holder(locks).release(theirs)
+        if forget:
+            locks.forget_release(sid)
+        seen = await nc.subscribe(f"$KV.{locks._kv._name}.{sid}")
+        await round_trip(nc)
+        taken = await locks.acquire(sid, "query")
+        await round_trip(nc)
+        writes = seen.pending_msgs
+        await seen.unsubscribe()
+        await locks.release(taken)
+        return writes
+
+    assert await writes_to_take("told", forget=True) == 2
+    assert await writes_to_take("not-told", forget=False) == 3

@@ -146,7 +146,7 @@ class Generator:
         self._settings = settings
         self._provider = provider
         self._live = LiveSettings(bus.js, settings)
-        self._history = HistoryStore(bus.js)
+        self._history = HistoryStore(bus.js, on_foreign_write=locks.forget_release)
         self._sessions = sessions
         self._locks = locks
         self._states = SessionStates(bus, settings.generator_id,

@@ -9,7 +9,12 @@ renewal, so a holder that dies (SIGKILL) stops renewing and the session frees
 itself within one lease. Release writes the free marker by compare-and-swap
 (a holder whose lease lapsed cannot free the next holder's lock) and
 remembers its revision, so this process takes the session again in one round
-trip; the marker itself expires with the lease.
+trip; the marker itself expires with the lease. A holder that knows where the
+session's history stands when it lets go says so in the marker, so that a
+process taking the session over can trust a view it already follows to that
+point instead of reading the history again. A process that learns someone
+else has written the session since its release forgets its marker's revision:
+the marker has been replaced, and trying to resume from it would only fail.
 
 The lock only prevents duplicate work. A holder frozen past its lease
 (SIGSTOP, a long GC) may wake up believing it still holds the lock; what
@@ -39,7 +44,6 @@ from services.shared.recent import Recent
 from services.shared.together import together
 
 Purpose = Literal["query", "compaction"]
-FREE = b'{"free": true}'
 MAX_REMEMBERED = 10_000
 # A waiter polls with backoff up to this: short, since sessions change hands
 # between processes all the time and a turn is often only milliseconds.
@@ -51,6 +55,33 @@ class LockTimeout(Exception):
     """The session stayed locked by someone else for longer than we may wait."""
 
 
+def free_marker(history_seq: int | None = None) -> bytes:
+    """What a released lock holds: free, and where the session's history
+    stood then when the holder knew it."""
+    marker: dict[str, object] = {"free": True}
+    if history_seq is not None:
+        marker["history"] = history_seq
+    return json.dumps(marker).encode()
+
+
+@dataclass(frozen=True)
+class FreeMarker:
+    history_seq: int | None
+
+
+def free_marker_of(value: bytes | None) -> FreeMarker | None:
+    """The free marker `value` holds, or None when it is a holder's."""
+    try:
+        marker = parse_json(value or b"")
+    except ValueError:
+        return None
+    if not isinstance(marker, dict) or marker.get("free") is not True:
+        return None
+    seq = marker.get("history")
+    known = isinstance(seq, int) and not isinstance(seq, bool) and seq >= 0
+    return FreeMarker(seq if known else None)
+
+
 @dataclass
 class Lease:
     session_id: str
@@ -59,6 +90,12 @@ class Lease:
     # Taken over this process's own free marker: nobody else has held the
     # session since we let it go, so what we know of its history is current.
     resumed: bool = False
+    # Where the previous holder's marker says the history stood (None: unsaid).
+    found_history_at: int | None = None
+    # Set by a holder that knows where the history stands as it lets go,
+    # for its marker; a holder that may have written without knowing the
+    # outcome leaves it None.
+    leaves_history_at: int | None = None
     lost: bool = field(default=False)
     # A renewal is on its way to the server.
     renewing: bool = field(default=False)
@@ -131,34 +168,45 @@ class SessionLocks:
                 revision = await self._kv.update(sid, value, last=freed_at)
                 return self._won(sid, purpose, revision, resumed=True)
         taken = await self._take_over(sid, value)
-        return None if taken is None else self._won(sid, purpose, taken, resumed=False)
+        if taken is None:
+            return None
+        revision, found = taken
+        return self._won(sid, purpose, revision, resumed=False, found_history_at=found)
 
-    def _won(self, sid: str, purpose: Purpose, revision: int, resumed: bool) -> Lease:
+    def forget_release(self, sid: str) -> None:
+        """Someone else has written the session since this process let it go:
+        its marker was replaced, so the next take starts with a take-over."""
+        self._freed_at.pop(sid)
+
+    def _won(self, sid: str, purpose: Purpose, revision: int, resumed: bool,
+             found_history_at: int | None = None) -> Lease:
         log.debug("lock_acquired", session_id=sid, purpose=purpose, revision=revision,
                   resumed=resumed)
-        return Lease(sid, purpose, revision, resumed)
+        return Lease(sid, purpose, revision, resumed, found_history_at)
 
-    async def _take_over(self, sid: str, value: bytes) -> int | None:
+    async def _take_over(self, sid: str, value: bytes) -> tuple[int, int | None] | None:
         """Create the key, or replace someone else's free marker: the new
-        revision, or None when the session is held. The create and the look-up
-        go out together: a session passing between processes costs a round
-        trip less, and one idle long enough for its key to expire pays for a
-        look-up it did not need."""
+        revision and where the marker says the history stood, or None when
+        the session is held. The create and the look-up go out together: a
+        session passing between processes costs a round trip less, and one
+        idle long enough for its key to expire pays for a look-up it did not
+        need."""
         created, entry = await together(self._kv.update(sid, value, last=0), self._kv.get(sid))
         if isinstance(created, int):
-            return created
+            return created, None
         if not isinstance(created, KeyWrongLastSequenceError):
             raise created
         if isinstance(entry, KeyNotFoundError):
             return None  # the marker expired after the create: free by now, not taken
         if isinstance(entry, Exception):
             raise entry
-        if entry.value != FREE or entry.revision is None:
+        marker = free_marker_of(entry.value)
+        if marker is None or entry.revision is None:
             return None
         with contextlib.suppress(KeyWrongLastSequenceError):
             revision = await self._kv.update(sid, value, last=entry.revision)
             metrics.generator().lock_takeovers.inc()
-            return revision
+            return revision, marker.history_seq
         return None
 
     async def purpose_of(self, sid: str) -> str | None:
@@ -167,7 +215,7 @@ class SessionLocks:
             entry = await self._kv.get(sid)
         except KeyNotFoundError:
             return None
-        if not entry.value or entry.value == FREE:
+        if not entry.value or free_marker_of(entry.value) is not None:
             return None
         purpose = parse_json(entry.value).get("purpose")
         return str(purpose) if purpose else None
@@ -178,7 +226,9 @@ class SessionLocks:
         marker of ours to resume from: our view was never brought up to their
         writes, so taking the session back must not count as resumed."""
         try:
-            freed_at = await self._kv.update(lease.session_id, FREE, last=lease.revision)
+            freed_at = await self._kv.update(lease.session_id,
+                                             free_marker(lease.leaves_history_at),
+                                             last=lease.revision)
         except APIError as err:
             lapsed = isinstance(err, KeyWrongLastSequenceError)
             if not (lapsed or err.err_code in WRONG_LAST_SEQUENCE):

@@ -218,13 +218,14 @@ class TurnRunner:
         bookkeeping (calibration, `response.generation`) that neither the caller
         nor the session's next query need wait for."""
         sid, query_id = env.payload.session_id, env.message_id
-        view = await self._history.read(sid, current=lease.resumed)
+        view = await self._history.read(sid, current=lease.resumed, at=lease.found_history_at)
         if view.last_seq == 0 and not await self._sessions.exists(sid):
             # Asked afresh only for an empty history: a session deleted while
             # this process kept its record must not be written again.
             raise SessionNotFound(sid)
         answered = _answered_before(view, sid, query_id)
         if answered is not None:
+            lease.leaves_history_at = view.last_seq
             return answered, None
         record = await self._with_window(record)
         turn, supersedes = self._new_turn(env, record, view)
@@ -239,6 +240,7 @@ class TurnRunner:
         await self._states.apply(sid, Action.publish, env.correlation_id)
         turn.view = await self._history.append(sid, turn.view, [*turn.messages, answer],
                                                supersedes)
+        lease.leaves_history_at = turn.view.last_seq
         if result.stopped:
             log.info("answer_stopped", chars=len(result.content))
         reply = Reply(session_id=sid, query_id=query_id, reply=result.content,

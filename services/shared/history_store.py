@@ -20,7 +20,7 @@ views as they happen.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from nats.aio.msg import Msg
@@ -71,8 +71,12 @@ class Cached:
 
 
 class HistoryStore:
-    def __init__(self, js: JetStreamContext, cached_sessions: int = 512) -> None:
+    def __init__(self, js: JetStreamContext, cached_sessions: int = 512,
+                 on_foreign_write: Callable[[str], None] = lambda sid: None) -> None:
         self._js = js
+        # Told of each write `follow` sees another process make to a session
+        # whose view this process keeps.
+        self._on_foreign_write = on_foreign_write
         # Bounded, so a long-lived process serving many sessions keeps only
         # the ones used lately in memory.
         self._cache: Recent[str, Cached] = Recent(cached_sessions)
@@ -117,6 +121,7 @@ class HistoryStore:
         expected = (msg.headers or {}).get(EXPECTED_LAST_SUBJECT_SEQ)
         if expected is not None and self._writing.get(sid) == expected:
             return  # our own write: its acknowledgement is on its way
+        self._on_foreign_write(sid)
         if expected == str(view.last_seq):
             with contextlib.suppress(ValidationError):
                 entry = HistoryEntry.model_validate_json(msg.data)
@@ -133,14 +138,17 @@ class HistoryStore:
             return None
         return kept.view
 
-    async def read(self, sid: str, current: bool = False) -> HistoryView:
+    async def read(self, sid: str, current: bool = False, at: int | None = None
+                   ) -> HistoryView:
         """The session's history. `current`: the caller knows nobody else has
         written it since this process did (it took the lock back from itself),
         so a cached view is returned without asking the server, unless
-        following has seen a later write; were that wrong, the next append's
-        compare-and-swap would still refuse it."""
-        known = self.cached(sid) if current else None
-        if known is not None:
+        following has seen a later write. `at`: the caller knows the history
+        ends at that sequence (the lock's previous holder said so), so a
+        cached view that ends there is returned likewise. Were either wrong,
+        the next append's compare-and-swap would still refuse it."""
+        known = self.cached(sid) if current or at is not None else None
+        if known is not None and (current or known.last_seq == at):
             self._cache.put(sid, Cached(known))  # used now
             return known
         subject = subjects.history(sid)
