@@ -218,11 +218,7 @@ class TurnRunner:
         bookkeeping (calibration, `response.generation`) that neither the caller
         nor the session's next query need wait for."""
         sid, query_id = env.payload.session_id, env.message_id
-        view = await self._history.read(sid, current=lease.resumed, at=lease.found_history_at)
-        if view.last_seq == 0 and not await self._sessions.exists(sid):
-            # Asked afresh only for an empty history: a session deleted while
-            # this process kept its record must not be written again.
-            raise SessionNotFound(sid)
+        view = await self._history_under(sid, lease)
         answered = _answered_before(view, sid, query_id)
         if answered is not None:
             lease.leaves_history_at = view.last_seq
@@ -254,6 +250,15 @@ class TurnRunner:
             await self._report(turn, result, turn.sent, tools, started)
 
         return reply, follow_up
+
+    async def _history_under(self, sid: str, lease: Lease) -> HistoryView:
+        """The session's history, read with its lock held."""
+        view = await self._history.read(sid, current=lease.resumed, at=lease.found_history_at)
+        if view.last_seq == 0 and not await self._sessions.exists(sid):
+            # Asked afresh only for an empty history: a session deleted while
+            # this process kept its record must not be written again.
+            raise SessionNotFound(sid)
+        return view
 
     @staticmethod
     def _new_turn(env: Envelope[Query], record: SessionRecord, view: HistoryView
