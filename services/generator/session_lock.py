@@ -66,6 +66,8 @@ def free_marker(history_seq: int | None = None) -> bytes:
 
 @dataclass(frozen=True)
 class FreeMarker:
+    """A released lock: where the session's history stood, if its holder said."""
+
     history_seq: int | None
 
 
