@@ -246,8 +246,8 @@ class TurnRunner:
 
         async def follow_up() -> None:
             turn.weigh_last_call(tools)
-            await self._recalibrate(turn, result, turn.sent)
-            await self._report(turn, result, turn.sent, tools, started)
+            await self._recalibrate(turn, result)
+            await self._report(turn, result, tools, started)
 
         return reply, follow_up
 
@@ -443,8 +443,8 @@ class TurnRunner:
             raise TurnError("empty_reply", f"the model returned an empty reply{where}")
         return result
 
-    async def _recalibrate(self, turn: Turn, result: ChatResult, sent: Size) -> None:
-        record, reused = turn.record, turn.reused
+    async def _recalibrate(self, turn: Turn, result: ChatResult) -> None:
+        record, sent, reused = turn.record, turn.sent, turn.reused
         previous = stored_calibration(record)
         updated = calibrate(previous, result.prompt_tokens, sent.chars, self.num_ctx(record),
                             messages=sent.messages, extra_bytes=sent.extra_bytes,
@@ -454,9 +454,9 @@ class TurnRunner:
             turn.record = with_calibration(record, updated)
             await self._sessions.put(turn.record)
 
-    async def _report(self, turn: Turn, result: ChatResult, sent: Size,
-                      tools: Messages, started: float) -> None:
-        conversation = turn.view.conversation
+    async def _report(self, turn: Turn, result: ChatResult, tools: Messages,
+                      started: float) -> None:
+        conversation, sent = turn.view.conversation, turn.sent
         weights = HistoryWeights.of(turn.record.system, conversation)
         compactable = {level.value: weights.compactable(self._boundary(conversation, level))
                        for level in Level}

@@ -147,7 +147,7 @@ class HistoryStore:
         ends at that sequence (the lock's previous holder said so), so a
         cached view that ends there is returned likewise. Were either wrong,
         the next append's compare-and-swap would still refuse it."""
-        known = self.cached(sid) if current or at is not None else None
+        known = self.cached(sid)
         if known is not None and (current or known.last_seq == at):
             self._cache.put(sid, Cached(known))  # used now
             return known
