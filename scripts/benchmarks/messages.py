@@ -13,13 +13,12 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
-import nats
 from nats.aio.msg import Msg
 
+from scripts.benchmarks.bus import watching_bus
 from scripts.benchmarks.client import Http, ask, http_client, new_session
 from scripts.benchmarks.harness import Env, Row
 from scripts.benchmarks.round_trips import bare_ask, running_bare_turn
-from services.shared.bus import round_trip
 
 if TYPE_CHECKING:
     from scripts.benchmarks.rows import Bench
@@ -47,21 +46,14 @@ async def counted(nats_url: str, ask_one: Callable[[str], Awaitable[object]]
     other (after one not counted, which warms the session up), and until a
     round trip after them: what a turn sets off after its reply counts too."""
     await ask_one("warm-up")
-    nc = await nats.connect(nats_url)
     kinds: Counter[str] = Counter()
 
     async def count(msg: Msg) -> None:
         kinds[kind_of(msg.subject)] += 1
 
-    try:
-        await nc.subscribe(">", cb=count)
-        await round_trip(nc)
+    async with watching_bus(nats_url, [">"], count):
         for index in range(COUNTED_TURNS):
             await ask_one(f"question {index}")
-        await asyncio.sleep(0.2)  # the follow-ups of the last turn: reports, acknowledgements
-        await round_trip(nc)
-    finally:
-        await nc.close()
     return kinds
 
 

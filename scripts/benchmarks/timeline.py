@@ -29,14 +29,14 @@ from collections import defaultdict
 from datetime import datetime
 from typing import TYPE_CHECKING
 
-import nats
 from nats.aio.msg import Msg
 
 from schemas import subjects
+from scripts.benchmarks.bus import watching_bus
 from scripts.benchmarks.client import ask, http_client, new_session
 from scripts.benchmarks.harness import Env, Row
 from scripts.benchmarks.measure import percentile
-from services.shared.bus import parse_json, round_trip
+from services.shared.bus import parse_json
 
 if TYPE_CHECKING:
     from scripts.benchmarks.rows import Bench
@@ -72,30 +72,22 @@ class Watcher:
         self.marks[env["correlation_id"]].setdefault(name, made)
 
 
-async def timed_turns(env: Env, turns: int) -> list[Marks]:
+async def timed_turns(env: Env, turns: int) -> tuple[list[Marks], int]:
     """`turns` questions asked one after another in one session, each with
-    the marks the bus showed for it."""
-    watcher = Watcher()
-    nc = await nats.connect(env.nats_url)
-    driver: list[Marks] = []
-    try:
-        async with http_client(env, 2) as http:
-            sid = await new_session(http)
-            await ask(http, sid, "warm-up")  # the session's first turn reads it all
-            for subject in (subjects.query(sid), subjects.state(sid), subjects.reply(sid),
-                            subjects.RESPONSE_GENERATION):
-                await nc.subscribe(subject, cb=watcher.on_message)
-            await round_trip(nc)
+    the marks the bus showed for it; and how many of them failed."""
+    watcher, driver, failed = Watcher(), [], 0
+    async with http_client(env, 2) as http:
+        sid = await new_session(http)
+        await ask(http, sid, "warm-up")  # the session's first turn reads it all
+        watched = (subjects.query(sid), subjects.state(sid), subjects.reply(sid),
+                   subjects.RESPONSE_GENERATION)
+        async with watching_bus(env.nats_url, watched, watcher.on_message):
             for index in range(turns):
                 sent = time.time()
                 answer = await ask(http, sid, f"timeline question {index}")
-                driver.append({"sent": sent, "answered": time.time(),
-                               "status": float(answer.status_code)})
-            await asyncio.sleep(0.2)  # the last turn's report comes after its reply
-            await round_trip(nc)
-    finally:
-        await nc.close()
-    return joined(driver, watcher.marks)
+                driver.append({"sent": sent, "answered": time.time()})
+                failed += answer.status_code != 200
+    return joined(driver, watcher.marks), failed
 
 
 def joined(driver: list[Marks], by_turn: dict[str, Marks]) -> list[Marks]:
@@ -121,8 +113,7 @@ def step_summary(turns: list[Marks]) -> dict[str, dict[str, float]]:
 
 def row_turn_timeline(bench: Bench) -> Row:
     env = bench.plain()
-    turns = asyncio.run(timed_turns(env, TIMED_TURNS))
-    failed = sum(1 for t in turns if t["status"] != 200)
+    turns, failed = asyncio.run(timed_turns(env, TIMED_TURNS))
     steps = step_summary(turns)
     total = percentile(sorted((t["answered"] - t["sent"]) * 1000 for t in turns), 50)
     detail = ", ".join(f"{step} {steps[step]['p50_ms']:.2f}" for step, _, _ in STEPS
