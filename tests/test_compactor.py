@@ -27,7 +27,7 @@ from services.generator.settings import GeneratorSettings
 from services.generator.states import SessionStates
 from services.shared.bus import Bus, decode
 from services.shared.history_store import HistoryConflict, HistoryStore, HistoryView
-from services.shared.jetstream import ensure_layout, locks_bucket, sessions_bucket
+from services.shared.jetstream import ensure_layout, locks_bucket
 from services.shared.live_config import LiveSettings
 from services.shared.sessions import SessionStore
 from tests.stub_server import running_stub
@@ -50,7 +50,7 @@ async def compactor_on(nc: NATS, stub: str, on_piece: PieceWritten | None = None
     settings = GeneratorSettings(**{"ollama_host": stub, "model": "stub-model",
                                     "compaction_model": "summariser",
                                     "compaction_tail_turns": 1, **settings_})
-    history, sessions = HistoryStore(js), SessionStore(await sessions_bucket(js))
+    history, sessions = HistoryStore(js), await SessionStore.open(js)
     locks = SessionLocks(await locks_bucket(js, None), "compactor-test", 5.0, 5.0)
     provider = OllamaProvider(stub, 30.0)
     compactor = Compactor(bus, LiveSettings(js, settings), provider, history, sessions, locks,

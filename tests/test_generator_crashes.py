@@ -28,7 +28,7 @@ from services.generator.session_lock import SessionLocks
 from services.generator.settings import GeneratorSettings
 from services.shared.bus import Bus, decode
 from services.shared.history_store import HistoryStore
-from services.shared.jetstream import ensure_layout, locks_bucket, sessions_bucket
+from services.shared.jetstream import ensure_layout, locks_bucket
 from services.shared.sessions import SessionStore
 from tests.events import eventually
 from tests.nats_server import NatsServer, running_nats
@@ -90,7 +90,7 @@ async def in_process_generator(nats_url: str, settings: GeneratorSettings,
     nc = await nats.connect(nats_url)
     bus = Bus(nc, "generator")
     await ensure_layout(bus.js, settings.lock_lease_s)
-    sessions = SessionStore(await sessions_bucket(bus.js))
+    sessions = await SessionStore.open(bus.js)
     await sessions.create(SessionRecord(session_id=SID))
     rig = Rig(bus, model or BrokenModel(), asyncio.Queue())
     generator = Generator(bus, settings, rig.model, sessions, SessionLocks(

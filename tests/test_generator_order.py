@@ -22,7 +22,7 @@ from services.generator.settings import GeneratorSettings
 from services.shared.bus import Bus, decode
 from services.shared.consumer import ensure_consumer
 from services.shared.history_store import HistoryStore
-from services.shared.jetstream import ensure_layout, sessions_bucket
+from services.shared.jetstream import ensure_layout
 from services.shared.sessions import SessionStore
 from tests.events import consumer_caught_up, watching
 from tests.nats_server import NatsServer, running_nats
@@ -62,7 +62,7 @@ async def generator_on(url: str, settings: GeneratorSettings
     nc = await nats.connect(url)
     bus = Bus(nc, "generator")
     await ensure_layout(bus.js, settings.lock_lease_s)
-    await SessionStore(await sessions_bucket(bus.js)).create(SessionRecord(session_id=SID))
+    await (await SessionStore.open(bus.js)).create(SessionRecord(session_id=SID))
     replies = Replies()
     await nc.subscribe(subjects.reply(SID), cb=replies.on_reply)
     generator = await build(bus, settings)

@@ -17,7 +17,7 @@ from services.generator.settings import GeneratorSettings
 from services.generator.slots import Slots
 from services.shared.bus import Bus
 from services.shared.history_store import HistoryStore
-from services.shared.jetstream import ensure_layout, sessions_bucket
+from services.shared.jetstream import ensure_layout
 from services.shared.sessions import SessionStore
 from tests.events import eventually, watching
 from tests.nats_server import NatsServer
@@ -60,7 +60,7 @@ async def test_a_query_gives_its_slot_back_as_its_reply_goes_out(
         ollama_host=stub_url, model="stub-model", max_concurrent_sessions=1))
     await generator.start()
     try:
-        sessions = SessionStore(await sessions_bucket(bus.js))
+        sessions = await SessionStore.open(bus.js)
         await sessions.create(SessionRecord(session_id="slots"))
         free_at_reply: asyncio.Queue[int] = asyncio.Queue()
 
@@ -90,7 +90,7 @@ async def test_compaction_requests_in_a_burst_run_one_at_a_time(
         generator = await build(bus, GeneratorSettings(
             ollama_host=stub, model="stub-model", compaction_model="summariser",
             compaction_tail_turns=1, max_concurrent_sessions=2))
-        sessions, history = SessionStore(await sessions_bucket(bus.js)), HistoryStore(bus.js)
+        sessions, history = (await SessionStore.open(bus.js)), HistoryStore(bus.js)
         sids = [f"burst{n}" for n in range(3)]
         for sid in sids:
             await sessions.create(SessionRecord(session_id=sid))
@@ -134,7 +134,7 @@ async def test_one_sessions_backlog_leaves_room_for_other_sessions(
         await ensure_layout(bus.js)
         generator = await build(bus, GeneratorSettings(
             ollama_host=stub, model="stub-model", max_concurrent_sessions=2))
-        sessions = SessionStore(await sessions_bucket(bus.js))
+        sessions = await SessionStore.open(bus.js)
         await sessions.create(SessionRecord(session_id="backlog", model="slow"))
         await sessions.create(SessionRecord(session_id="other"))
         answered: asyncio.Queue[str] = asyncio.Queue()

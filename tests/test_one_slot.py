@@ -23,7 +23,7 @@ from services.generator.service import build
 from services.generator.settings import GeneratorSettings
 from services.shared.bus import Bus
 from services.shared.history_store import HistoryStore
-from services.shared.jetstream import ensure_layout, sessions_bucket
+from services.shared.jetstream import ensure_layout
 from services.shared.sessions import SessionStore
 from tests.events import eventually, watching
 from tests.nats_server import NatsServer
@@ -52,7 +52,7 @@ def sent_while_the_answer_waited(log: list[dict[str, Any]]) -> list[dict[str, An
 
 
 async def seed_long_history(bus: Bus) -> None:
-    await SessionStore(await sessions_bucket(bus.js)).create(SessionRecord(session_id=SID))
+    await (await SessionStore.open(bus.js)).create(SessionRecord(session_id=SID))
     history = HistoryStore(bus.js)
     view = await history.read(SID)
     for turn in range(12):

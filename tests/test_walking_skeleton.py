@@ -18,7 +18,6 @@ from schemas import subjects
 from schemas.envelope import Envelope
 from schemas.messages import GenerationReport
 from services.core.tokens import Calibration, estimate_tokens
-from services.shared.jetstream import sessions_bucket
 from services.shared.sessions import SessionStore
 from tests.nats_server import NatsServer
 from tests.system import System, ask, new_session, running_system
@@ -77,7 +76,7 @@ async def test_each_generation_is_reported_with_the_providers_count(
         reply = (await http.post(f"/api/sessions/{sid}/messages",
                                  json={"content": "count me"})).json()
     report = await asyncio.wait_for(reports.get(), 10)
-    record = await SessionStore(await sessions_bucket(nc.jetstream())).get(sid)
+    record = await (await SessionStore.open(nc.jetstream())).get(sid)
     await nc.drain()
     # The page's gauge shows the next prompt as the generator and the decider
     # count it, the offered tools included.

@@ -27,7 +27,6 @@ from services.gateway.replies import ReplyRouter
 from services.gateway.settings import GatewaySettings
 from services.shared import metrics
 from services.shared.bus import Bus
-from services.shared.jetstream import sessions_bucket
 from services.shared.runner import Endpoint
 from services.shared.sessions import SessionStore
 
@@ -159,7 +158,7 @@ def with_token(settings: GatewaySettings) -> GatewaySettings:
 async def build(bus: Bus, settings: GatewaySettings) -> Gateway:
     settings = with_token(settings)
     # Uncached: the page shows the generator's latest calibration.
-    sessions = SessionStore(await sessions_bucket(bus.js), cached=False)
+    sessions = await SessionStore.open(bus.js, cached=False)
     replies = ReplyRouter(bus)
     live = LiveFeed(bus.nc)
     api = Api(bus, settings, sessions, replies, live)

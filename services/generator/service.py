@@ -42,7 +42,7 @@ from services.shared import metrics
 from services.shared.bus import MSG_ID_HEADER, Bus
 from services.shared.consumer import Delivery, PullLoop, ensure_consumer
 from services.shared.history_store import HistoryConflict, HistoryStore
-from services.shared.jetstream import locks_bucket, sessions_bucket
+from services.shared.jetstream import locks_bucket
 from services.shared.live_config import LiveSettings
 from services.shared.recent import Recent
 from services.shared.runner import Endpoint
@@ -532,7 +532,7 @@ class Generator:
 
 
 async def build(bus: Bus, settings: GeneratorSettings) -> Generator:
-    sessions = SessionStore(await sessions_bucket(bus.js))
+    sessions = await SessionStore.open(bus.js)
     locks = SessionLocks(await locks_bucket(bus.js, settings.lock_lease_s),
                          settings.generator_id, settings.lock_lease_s, settings.lock_wait_s)
     limits = settings.model_time_limits()

@@ -183,6 +183,30 @@ async def bucket_missing(kv: KeyValue) -> bool:
     return False
 
 
+# The server lists at most this many subjects in one stream info.
+MAX_LISTED_KEYS = 100_000
+
+
+async def bucket_keys(js: JetStreamContext, bucket: str) -> list[str]:
+    """Every key of a bucket whose last entry may be a value or a delete
+    marker, read from one snapshot the server takes under the stream's lock.
+
+    Not `KeyValue.keys()`: its replay ends on the first entry that reports
+    nothing pending, and under concurrent writes that report comes early;
+    against one server with four writers it gave none or only part of the
+    keys in one listing of five. Past `MAX_LISTED_KEYS` the server's answer
+    is cut, and so is this list (logged)."""
+    prefix = f"$KV.{bucket}."
+    try:
+        info = await js.stream_info(f"KV_{bucket}", subjects_filter=f"{prefix}>")
+    except NotFoundError:  # not even the bucket yet
+        return []
+    subjects = info.state.subjects or {}
+    if len(subjects) >= MAX_LISTED_KEYS:
+        log.warning("bucket_listing_cut", bucket=bucket, listed=len(subjects))
+    return [subject.removeprefix(prefix) for subject in subjects]
+
+
 async def sessions_bucket(js: JetStreamContext) -> KeyValue:
     return await _bucket(js, KeyValueConfig(bucket=s.SESSIONS_BUCKET, history=1,
                                             storage=StorageType.FILE))

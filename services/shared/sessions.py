@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 
 from nats.errors import NoRespondersError
-from nats.js.errors import KeyNotFoundError, NoKeysError, NotFoundError
+from nats.js import JetStreamContext
+from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 
+from schemas import subjects
 from schemas.session import SessionRecord
-from services.shared.jetstream import bucket_missing
+from services.shared.jetstream import bucket_keys, bucket_missing, sessions_bucket
 from services.shared.recent import Recent
 
 
@@ -25,10 +27,17 @@ class SessionStore:
     is harmless, a round trip on every turn is not.
     """
 
-    def __init__(self, kv: KeyValue, cached: bool = True, cached_sessions: int = 10_000) -> None:
+    def __init__(self, js: JetStreamContext, kv: KeyValue, cached: bool = True,
+                 cached_sessions: int = 10_000) -> None:
+        self._js = js
         self._kv = kv
         self._cached = cached
         self._cache: Recent[str, SessionRecord] = Recent(cached_sessions)
+
+    @classmethod
+    async def open(cls, js: JetStreamContext, cached: bool = True) -> SessionStore:
+        """The store over the `sessions` bucket, made if it is missing."""
+        return cls(js, await sessions_bucket(js), cached)
 
     async def create(self, record: SessionRecord) -> None:
         await self._kv.create(record.session_id, record.model_dump_json().encode())
@@ -66,10 +75,7 @@ class SessionStore:
 
     async def newest(self, limit: int) -> list[SessionRecord]:
         """Up to `limit` sessions, newest first."""
-        try:
-            keys = await self._kv.keys()
-        except (NoKeysError, NotFoundError):  # none yet, or not even the bucket yet
-            return []
+        keys = await bucket_keys(self._js, subjects.SESSIONS_BUCKET)
         records = await asyncio.gather(*(self._load_or_none(k) for k in keys))
         found = [r for r in records if r is not None]
         return sorted(found, key=lambda r: r.created_at, reverse=True)[:limit]
