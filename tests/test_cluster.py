@@ -15,12 +15,13 @@ from dataclasses import dataclass, field
 import httpx
 import nats
 import pytest
-from nats.js.errors import KeyNotFoundError, NoKeysError
+from nats.js import JetStreamContext
+from nats.js.errors import KeyNotFoundError
 from pydantic import ValidationError
 
 from schemas import subjects
 from services.generator.session_lock import free_marker_of
-from services.shared.jetstream import ReplicasMismatch, ensure_layout
+from services.shared.jetstream import ReplicasMismatch, bucket_keys, ensure_layout
 from services.shared.settings import ServiceSettings, nats_servers
 from tests.nats_cluster import NatsCluster, running_cluster
 from tests.nats_server import NatsServer
@@ -131,7 +132,7 @@ async def assert_no_lock_outlives_its_lease(url: str) -> None:
         kv = await nc.jetstream().key_value(subjects.LOCKS_BUCKET)
         deadline = time.monotonic() + 3 * LEASE_S
         while True:
-            held = await held_locks(kv)
+            held = await held_locks(nc.jetstream(), kv)
             if not held or time.monotonic() > deadline:
                 break
             await asyncio.sleep(0.1)
@@ -140,13 +141,9 @@ async def assert_no_lock_outlives_its_lease(url: str) -> None:
         await nc.close()
 
 
-async def held_locks(kv: nats.js.kv.KeyValue) -> list[str]:
-    try:
-        keys = await kv.keys()
-    except NoKeysError:
-        return []
+async def held_locks(js: JetStreamContext, kv: nats.js.kv.KeyValue) -> list[str]:
     held = []
-    for key in keys:
+    for key in await bucket_keys(js, subjects.LOCKS_BUCKET):
         try:
             if free_marker_of((await kv.get(key)).value) is None:
                 held.append(key)
