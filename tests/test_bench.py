@@ -175,8 +175,8 @@ def test_turn_timeline_reads_each_turns_steps_off_the_envelopes() -> None:
         watcher.take(envelope(Reply(session_id="s1", query_id="q", reply="a"),
                               correlation_id, at + 7))
     sent = start.timestamp()
-    driver = [{"sent": sent, "answered": sent + 0.008, "status": 200.0},
-              {"sent": sent + 0.1, "answered": sent + 0.109, "status": 200.0}]
+    driver = [{"sent": sent, "answered": sent + 0.008},
+              {"sent": sent + 0.1, "answered": sent + 0.109}]
 
     turns = joined(driver, watcher.marks)
     steps = step_summary(turns)

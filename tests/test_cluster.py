@@ -129,10 +129,11 @@ def assert_each_acknowledged_turn_once(session: dict[str, object], acked: list[s
 async def assert_no_lock_outlives_its_lease(url: str) -> None:
     nc = await nats.connect(url.split(","))
     try:
-        kv = await nc.jetstream().key_value(subjects.LOCKS_BUCKET)
+        js = nc.jetstream()
+        kv = await js.key_value(subjects.LOCKS_BUCKET)
         deadline = time.monotonic() + 3 * LEASE_S
         while True:
-            held = await held_locks(nc.jetstream(), kv)
+            held = await held_locks(js, kv)
             if not held or time.monotonic() > deadline:
                 break
             await asyncio.sleep(0.1)

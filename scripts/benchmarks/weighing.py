@@ -52,16 +52,15 @@ def after_the_reply(conversation: Conversation, prompt: Messages) -> None:
 
 def row_turn_weighing(bench: Bench) -> Row:
     conversation = long_history(WEIGHED_MESSAGES)
-    before, after, whole = [], [], []
+    before, after = [], []
     for _ in range(bench.params.splice_reps * 4):
         started = time.perf_counter()
         prompt = before_the_call(conversation)
         called = time.perf_counter()
         after_the_reply(conversation, prompt)
-        ended = time.perf_counter()
         before.append(called - started)
-        after.append(ended - called)
-        whole.append(ended - started)
+        after.append(time.perf_counter() - called)
+    whole = [b + a for b, a in zip(before, after, strict=True)]
     stats, first, last = summary_ms(whole), summary_ms(before), summary_ms(after)
     return Row(
         name="turn_weighing", value=stats["p50_ms"], unit="ms (p50)", target=None,
