@@ -33,7 +33,7 @@ from services.core.state_machine import Phase, session_state
 from services.core.tokens import prompt_budget, stored_calibration
 from services.gateway.controls import Controls
 from services.gateway.live import ListenerLimit, LiveFeed
-from services.gateway.replies import ReplyRouter, events_until_reply
+from services.gateway.replies import GatewayStopping, ReplyRouter, events_until_reply
 from services.gateway.settings import GatewaySettings
 from services.gateway.transcript import TranscriptRoutes
 from services.shared.bus import Bus, parse_json
@@ -88,6 +88,11 @@ class CompactBody(BaseModel):
 def error(status: int, code: str, message: str, **extra: Any) -> JSONResponse:
     return JSONResponse({"error": {"code": code, "message": message, **extra}},
                         status_code=status)
+
+
+STOPPING = {"code": "gateway_stopping",
+            "message": "the gateway is stopping before the answer came; the query stays "
+                       "queued, and its answer will be in the session's history"}
 
 
 def nats_away(exc: Exception) -> dict[str, str]:
@@ -228,6 +233,8 @@ class Api:
                         return self._reply_response(event)
             except TimeoutError:
                 pass
+            except GatewayStopping:
+                return error(503, **STOPPING)
         return error(504, "timeout", "no answer from a generator in time; the query stays "
                      "queued and will be answered when a generator is available")
 
@@ -252,6 +259,8 @@ class Api:
                     yield sse("token", {"text": event.text, "index": event.index})
             except TimeoutError:
                 yield sse("error", {"error": {"code": "timeout", "message": "no answer in time"}})
+            except GatewayStopping:
+                yield sse("error", {"error": STOPPING, "session_id": query.session_id})
 
     async def _submit(self, query: Query, correlation_id: str) -> None:
         sid = query.session_id

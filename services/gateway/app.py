@@ -31,6 +31,9 @@ from services.shared.runner import Endpoint
 from services.shared.sessions import SessionStore
 
 log = structlog.get_logger()
+# After the answers in flight are settled, what is still being sent (a large
+# export to a slow reader) gets this long before uvicorn cancels it.
+LAST_RESPONSES_S = 2
 # Any method name reaches us; only these are labels of their own.
 HTTP_METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 
@@ -105,7 +108,8 @@ class Gateway:
         self._live = live
         config = uvicorn.Config(build_app(api, policy_of(settings)), host=settings.gateway_host,
                                 port=settings.gateway_port, log_config=None,
-                                access_log=False, lifespan="off")
+                                access_log=False, lifespan="off",
+                                timeout_graceful_shutdown=LAST_RESPONSES_S)
         self._server = _Server(config)
         self._task: asyncio.Task[None] | None = None
 
@@ -121,7 +125,12 @@ class Gateway:
                  f"{self._settings.gateway_port}")
 
     async def stop(self) -> None:
+        """Stop taking connections, end the pages' event streams, give the
+        callers still waiting a grace for their answers, then tell them; all
+        well inside the runner's bound, so nobody's connection is just cut."""
         self._server.should_exit = True
+        self._live.end_streams()
+        await self._replies.stop_waiting(self._settings.stop_grace_s)
         if self._task:
             await self._task
         await self._replies.stop()

@@ -2,7 +2,9 @@
 reports, fanned out from NATS to every open `/api/events` stream.
 
 The gateway subscribes only while at least one page listens: otherwise every
-turn's state transitions would cross into this process for nobody."""
+turn's state transitions would cross into this process for nobody. When the
+gateway stops, every stream ends at once (the page's EventSource reconnects
+by itself) rather than holding the stop up until the runner's bound."""
 
 from __future__ import annotations
 
@@ -29,12 +31,15 @@ WATCHED = (
 KEEPALIVE_S = 15.0
 # A page that stops reading misses the newest events rather than growing our memory.
 QUEUE_LIMIT = 1000
+Listener = asyncio.Queue[tuple[str, dict[str, object]] | None]
+_END = None  # put in a listener's queue: its stream ends
 
 
 class LiveFeed:
     def __init__(self, nc: NATS) -> None:
         self._nc = nc
-        self._listeners: set[asyncio.Queue[tuple[str, dict[str, object]]]] = set()
+        self._listeners: set[Listener] = set()
+        self._ended = False
         self._subs: list[Subscription] = []
         # Listeners come and go concurrently; subscribing is not atomic.
         self._subscribing = asyncio.Lock()
@@ -46,6 +51,12 @@ class LiveFeed:
 
     async def start(self) -> None:
         pass  # subscriptions follow the listeners
+
+    def end_streams(self) -> None:
+        """Every open stream ends now, and any opened from here on at once."""
+        self._ended = True
+        for queue in self._listeners:
+            queue.put_nowait(_END)
 
     async def stop(self) -> None:
         self._listeners.clear()
@@ -79,17 +90,22 @@ class LiveFeed:
                 queue.put_nowait((msg.subject, envelope))
 
     async def stream(self, session_id: str | None) -> AsyncIterator[str]:
-        queue: asyncio.Queue[tuple[str, dict[str, object]]] = asyncio.Queue()
+        queue: Listener = asyncio.Queue()
+        if self._ended:
+            queue.put_nowait(_END)
         self._listeners.add(queue)
         try:
             await self._subscribe()
             yield ": connected\n\n"
             while True:
                 try:
-                    subject, envelope = await asyncio.wait_for(queue.get(), KEEPALIVE_S)
+                    event = await asyncio.wait_for(queue.get(), KEEPALIVE_S)
                 except TimeoutError:
                     yield ": keep-alive\n\n"
                     continue
+                if event is _END:
+                    return
+                subject, envelope = event
                 if session_id and envelope.get("session_id") != session_id:
                     continue
                 data = json.dumps({"subject": subject, **envelope})

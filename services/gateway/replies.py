@@ -4,6 +4,11 @@ waiting for them.
 One wildcard subscription per gateway process; each waiting request has a
 queue keyed by its correlation id. A reply that arrives for nobody (the
 caller gave up) is dropped.
+
+When the gateway stops, the requests still waiting get a short grace for
+their replies; then each is told the gateway is stopping (GatewayStopping),
+so its caller gets a clear answer instead of a connection cut at the
+runner's bound. Their queries stay queued and are answered into the history.
 """
 
 from __future__ import annotations
@@ -22,12 +27,21 @@ from services.shared.bus import Bus
 
 log = structlog.get_logger()
 Event = Reply | Token
+# Put in a waiting request's queue when the gateway stops before its reply.
+_STOPPING = None
+
+
+class GatewayStopping(Exception):
+    """The gateway stops before the reply came; the query stays queued."""
 
 
 class ReplyRouter:
     def __init__(self, bus: Bus) -> None:
         self._bus = bus
-        self._waiting: dict[str, asyncio.Queue[Event]] = {}
+        self._waiting: dict[str, asyncio.Queue[Event | None]] = {}
+        self._none_waiting = asyncio.Event()
+        self._none_waiting.set()
+        self._stopping = False
         self._subs: list[Subscription] = []
 
     async def start(self) -> None:
@@ -41,15 +55,30 @@ class ReplyRouter:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
 
+    async def stop_waiting(self, grace_s: float) -> None:
+        """The gateway stops: the requests waiting get up to `grace_s` for
+        their replies, then each (and any that arrives later) is told."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(grace_s):
+                await self._none_waiting.wait()
+        self._stopping = True
+        for queue in self._waiting.values():
+            queue.put_nowait(_STOPPING)
+
     @contextlib.contextmanager
-    def expect(self, correlation_id: str) -> Iterator[tuple[str, asyncio.Queue[Event]]]:
+    def expect(self, correlation_id: str) -> Iterator[tuple[str, asyncio.Queue[Event | None]]]:
         """Register before publishing, so no reply can arrive unseen."""
-        queue: asyncio.Queue[Event] = asyncio.Queue()
+        queue: asyncio.Queue[Event | None] = asyncio.Queue()
+        if self._stopping:
+            queue.put_nowait(_STOPPING)
         self._waiting[correlation_id] = queue
+        self._none_waiting.clear()
         try:
             yield correlation_id, queue
         finally:
             self._waiting.pop(correlation_id, None)
+            if not self._waiting:
+                self._none_waiting.set()
 
     async def _on_reply(self, msg: Msg) -> None:
         await self._route(msg, Reply)
@@ -66,9 +95,10 @@ class ReplyRouter:
             queue.put_nowait(env.payload)
 
 
-async def events_until_reply(queue: asyncio.Queue[Event], timeout_s: float
+async def events_until_reply(queue: asyncio.Queue[Event | None], timeout_s: float
                              ) -> AsyncIterator[Event]:
-    """Tokens as they come, then the reply; TimeoutError if the reply is late.
+    """Tokens as they come, then the reply; TimeoutError if the reply is
+    late, GatewayStopping if the gateway stops first.
 
     The deadline covers only the waits here, never the `yield`: a deadline
     passing while the caller is away sending the last token would cancel the
@@ -77,6 +107,8 @@ async def events_until_reply(queue: asyncio.Queue[Event], timeout_s: float
     while True:
         async with asyncio.timeout_at(deadline):
             event = await queue.get()
+        if event is _STOPPING:
+            raise GatewayStopping
         yield event
         if isinstance(event, Reply):
             return

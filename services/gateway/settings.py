@@ -29,6 +29,10 @@ class GatewaySettings(ServiceSettings):
     # Over the largest valid message (1,000,000 characters of up to 4 bytes
     # in UTF-8) and at NATS's max_payload, which no larger query could cross.
     max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
+    # When the gateway stops, how long a caller still waiting may get its
+    # answer before it is told 503 `gateway_stopping` (kept below the
+    # services' bound on stopping, SHUTDOWN_TIMEOUT_S).
+    stop_grace_s: float = Field(default=5.0, ge=0, le=6)
     # Open /api/events streams per client address (a tab holds one).
     max_event_streams_per_client: int = Field(default=16, ge=1)
 
