@@ -55,13 +55,15 @@ METRICS_PORTS = tuple(int(port) for port in
 STAND_IN = f"http://127.0.0.1:{STUB_PORT}"
 # The generator's own default (services/generator/settings.py).
 DEFAULT_MODEL = "llama3.2"
+# How long a child may take to stop before it is killed; once hurried, one second.
+STOP_WAIT_S = 15.0
+HURRIED_WAIT_S = 1.0
 # A pull may stall for a while between two progress lines (verifying a large layer).
 PULL_READ_TIMEOUT_S = 600
 
 
 def main() -> int:
-    for stop_signal in (signal.SIGTERM, signal.SIGHUP):  # stopped as by Ctrl-C
-        signal.signal(stop_signal, signal.default_int_handler)
+    signals = StopSignals()
     env = dict(os.environ)
     children: list[subprocess.Popen[bytes]] = []
     try:
@@ -83,7 +85,7 @@ def main() -> int:
     except KeyboardInterrupt:
         return 0
     finally:
-        stop(children)
+        stop(children, signals)
 
 
 def gateway_token(wanted: str) -> str:
@@ -328,15 +330,51 @@ def ensure_free(port: int, what: str, advice: str) -> None:
     raise SystemExit(f"port {port}, wanted for {what}, is in use; {advice}")
 
 
-def stop(children: list[subprocess.Popen[bytes]]) -> None:
-    # One at a time, newest first: services drain while NATS is still up.
+class StopSignals:
+    """Ctrl-C, SIGTERM and SIGHUP. The first one stops everything in order: a
+    KeyboardInterrupt out of whatever the launcher was doing. Any signal once
+    the stop is under way hurries it instead of cutting it short, which would
+    leave NATS and the stand-in (in sessions of their own) running for good."""
+
+    def __init__(self) -> None:
+        self.stopping = False
+        self.hurried_at: float | None = None
+        for stop_signal in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(stop_signal, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        if not self.stopping:
+            self.stopping = True
+            raise KeyboardInterrupt
+        if self.hurried_at is None:
+            self.hurried_at = time.monotonic()
+            print("hurrying: what has not stopped within a second is killed",
+                  file=sys.stderr, flush=True)
+
+
+def stop(children: list[subprocess.Popen[bytes]], signals: StopSignals) -> None:
+    """One at a time, newest first: services drain while NATS is still up."""
+    signals.stopping = True
+    if any(child.poll() is None for child in children):
+        print("stopping: the services finish what they hold, then NATS stops"
+              " (Ctrl-C again to hurry)", file=sys.stderr, flush=True)
     for child in reversed(children):
         if child.poll() is None:
             child.send_signal(signal.SIGTERM)
-        try:
-            child.wait(15)
-        except subprocess.TimeoutExpired:
+        wait_or_kill(child, signals)
+
+
+def wait_or_kill(child: subprocess.Popen[bytes], signals: StopSignals) -> None:
+    asked = time.monotonic()
+    while child.poll() is None:
+        deadline = asked + STOP_WAIT_S
+        if signals.hurried_at is not None:
+            deadline = min(deadline, max(asked, signals.hurried_at) + HURRIED_WAIT_S)
+        if time.monotonic() >= deadline:
             child.kill()
+            child.wait()
+            return
+        time.sleep(0.05)
 
 
 if __name__ == "__main__":

@@ -8,13 +8,21 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 import pytest
 
-from scripts.run import answers, check_models, ollama_url, page_url, pulled_models
+from scripts.run import (
+    DEFAULT_MODEL,
+    answers,
+    check_models,
+    ollama_url,
+    page_url,
+    pulled_models,
+)
 from tests.events import until
 from tests.nats_server import free_port
 from tests.processes import REPO_ROOT
@@ -110,6 +118,43 @@ def test_the_launcher_starts_everything_and_stops_it_all(tmp_path: Path, stop: s
     with pytest.raises(ProcessLookupError):  # nothing of the launcher's group is left
         os.killpg(proc.pid, 0)
     # NATS and the stand-in run in sessions of their own: stopped by the launcher.
+    assert not any(listening(port) for port in (ports.nats, ports.stub, ports.gateway))
+
+
+GATEWAY_STOPPING = '"event": "service_stopping", "service": "gateway"'
+
+
+def ask_until_cut_off(base: str, sid: str) -> None:
+    with contextlib.suppress(httpx.TransportError):
+        httpx.post(f"{base}/api/sessions/{sid}/messages", json={"content": "hi"}, timeout=60)
+
+
+def model_called(stub: str) -> bool:
+    return int(httpx.get(f"{stub}/_stub/stats").json()["requests"]) > 0
+
+
+def test_a_second_ctrl_c_hurries_the_stop_and_leaves_nothing_running(tmp_path: Path) -> None:
+    ports = Ports()
+    proc = launch(tmp_path, ports)
+    log = tmp_path / "run.log"
+    try:
+        wait_until_announced(log, proc, 60)
+        base, stub = f"http://127.0.0.1:{ports.gateway}", f"http://127.0.0.1:{ports.stub}"
+        sid = httpx.post(f"{base}/api/sessions", json={}).json()["session_id"]
+        # An answer that never comes: the services' stops wait on it for seconds.
+        httpx.post(f"{stub}/_stub/config", json={"held_models": [DEFAULT_MODEL]})
+        threading.Thread(target=ask_until_cut_off, args=(base, sid), daemon=True).start()
+        until(lambda: model_called(stub), "the model called", 30)
+        os.killpg(proc.pid, signal.SIGINT)
+        until(lambda: GATEWAY_STOPPING in log.read_text(), "the stop begun", 30)
+        os.killpg(proc.pid, signal.SIGINT)  # the impatient second Ctrl-C
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert "hurrying" in log.read_text()
+    with pytest.raises(ProcessLookupError):
+        os.killpg(proc.pid, 0)
     assert not any(listening(port) for port in (ports.nats, ports.stub, ports.gateway))
 
 
