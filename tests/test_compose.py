@@ -21,6 +21,7 @@ import yaml
 from schemas import subjects
 from services.shared.jetstream import MAX_MESSAGE_BYTES, ensure_layout
 from services.shared.nats_auth import inbox_prefix
+from services.shared.runner import SHUTDOWN_TIMEOUT_S
 from tests.compose_stack import Stack, prepare_images, why_docker_cannot_run
 from tests.events import server_sent_events
 from tests.nats_server import running_shipped_nats
@@ -61,6 +62,13 @@ def test_every_service_waits_for_a_healthy_nats_and_has_a_healthcheck() -> None:
     for service in services.values():
         for port in service.get("ports", []):
             assert port.startswith("127.0.0.1:"), port  # loopback only
+
+
+def test_every_service_may_finish_its_own_stop_before_docker_kills_it() -> None:
+    services = compose()["services"]
+    for name in ("gateway", "generator", "compaction-decider", "tools"):
+        grace = services[name]["stop_grace_period"]
+        assert grace.endswith("s") and float(grace[:-1]) > SHUTDOWN_TIMEOUT_S + 2, name
 
 
 async def test_the_nats_configuration_takes_the_largest_history_entry(tmp_path: Path) -> None:
