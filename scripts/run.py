@@ -120,6 +120,9 @@ def ollama_or_stand_in(wanted: str | None, children: list[subprocess.Popen[bytes
     ollama = ollama_url(wanted)
     if answers(ollama):
         return ollama
+    # Else a stand-in left over from an earlier run would answer in its place.
+    ensure_free(STUB_PORT, "the Ollama stand-in",
+                "stop what listens there, or set OLLAMA_STUB_PORT")
     children.append(start_stub(ollama))
     wait_for(f"{STAND_IN}/api/version", 10, children[-1])
     return STAND_IN

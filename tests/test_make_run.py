@@ -166,6 +166,16 @@ def test_the_launcher_refuses_a_nats_port_someone_else_listens_on(tmp_path: Path
     assert f"port {ports.nats}, wanted for NATS, is in use" in (tmp_path / "run.log").read_text()
 
 
+def test_the_launcher_refuses_a_stand_in_port_someone_else_listens_on(tmp_path: Path) -> None:
+    ports = Ports()
+    with socket.create_server(("127.0.0.1", ports.stub)):
+        proc = launch(tmp_path, ports)
+        assert proc.wait(30) != 0
+    told = (tmp_path / "run.log").read_text()
+    assert f"port {ports.stub}, wanted for the Ollama stand-in, is in use" in told
+    assert not listening(ports.nats)  # what had started was stopped
+
+
 def test_ollama_is_found_by_its_short_address_and_not_through_a_proxy(
         stub_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("http_proxy", "http://127.0.0.1:9")  # nothing listens there
