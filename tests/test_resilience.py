@@ -12,6 +12,7 @@ from typing import Any
 
 import httpx
 import nats
+import pytest
 from nats.js.errors import NotFoundError
 
 from schemas import subjects
@@ -62,6 +63,17 @@ def test_sigterm_while_nats_is_away_exits_cleanly(private_nats: NatsServer,
             assert "Traceback" not in log, log[-3000:]
             assert log.count("nats_unreachable_at_shutdown") == 1, log[-3000:]
             assert "service_stopped" in log
+
+
+@pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
+def test_each_stop_signal_drains_the_service(nats_url: str, stub_url: str,
+                                             stop_signal: signal.Signals) -> None:
+    """SIGHUP is what a service of `make run` gets when its terminal closes."""
+    with running_system(nats_url, stub_url, services=("generator",)) as system:
+        generator = system["generator"]
+        generator.signal(stop_signal)
+        assert generator.proc is not None and generator.proc.wait(SHUTDOWN_TIMEOUT_S + 5) == 0
+        assert "service_stopped" in generator.log()
 
 
 def no_uncaught_traceback(log: str) -> bool:

@@ -1,5 +1,5 @@
 """How every service process lives: connect, set up JetStream, register as a
-NATS micro service, run until SIGTERM or SIGINT, then drain and exit. Each
+NATS micro service, run until SIGTERM, SIGINT or SIGHUP, then drain and exit. Each
 time NATS comes back the JetStream layout is made sure of again, and the
 service's `reconnected()` makes again what it keeps in the server.
 
@@ -173,9 +173,11 @@ async def _close(nc: NATS) -> None:
 
 
 def _stop_on_signals() -> asyncio.Event:
+    """SIGHUP too: the terminal `make run` ran in was closed. The launcher
+    then stops everything in order, and a service must drain, not die."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         loop.add_signal_handler(sig, stop.set)
     return stop
 
