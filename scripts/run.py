@@ -17,7 +17,8 @@ SIGTERM, or the terminal closing).
 
 NATS and the stand-in run in sessions of their own, so a Ctrl-C reaches only
 the launcher and the services: the services drain while NATS is still up, and
-the launcher stops NATS last.
+the launcher stops NATS last. Until then, any of them that exits is started
+again (scripts/supervision.py).
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import signal
 import socket
 import subprocess
 import sys
@@ -33,6 +33,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,7 @@ from ollama._client import _parse_host as ollama_url  # the client's own reading
 from tqdm import tqdm
 
 from scripts.nats_passwords import kept_passwords, service_credentials
+from scripts.supervision import Child, StopSignals, keep_running, stop
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = Path(os.environ.get("DATA_DIR", ROOT / ".data"))
@@ -55,9 +57,6 @@ METRICS_PORTS = tuple(int(port) for port in
 STAND_IN = f"http://127.0.0.1:{STUB_PORT}"
 # The generator's own default (services/generator/settings.py).
 DEFAULT_MODEL = "llama3.2"
-# How long a child may take to stop before it is killed; once hurried, one second.
-STOP_WAIT_S = 15.0
-HURRIED_WAIT_S = 1.0
 # A pull may stall for a while between two progress lines (verifying a large layer).
 PULL_READ_TIMEOUT_S = 600
 
@@ -65,7 +64,7 @@ PULL_READ_TIMEOUT_S = 600
 def main() -> int:
     signals = StopSignals()
     env = dict(os.environ)
-    children: list[subprocess.Popen[bytes]] = []
+    children: list[Child] = []
     try:
         passwords = None  # a NATS_URL given comes with the credentials env names
         if not env.get("NATS_URL"):
@@ -78,10 +77,7 @@ def main() -> int:
         url = start_services(env, children, passwords)
         page = f"{url}?token={env['GATEWAY_TOKEN']}" if env["GATEWAY_TOKEN"] else url
         print(f"\n  Chat is ready: {page}   (Ctrl-C stops everything)\n", flush=True)
-        while all(child.poll() is None for child in children):
-            time.sleep(0.5)
-        print("a process exited; stopping the rest", file=sys.stderr)
-        return 1
+        keep_running(children)
     except KeyboardInterrupt:
         return 0
     finally:
@@ -105,17 +101,17 @@ def gateway_token(wanted: str) -> str:
 # Each starter adds what it starts to `children` before waiting for it, so
 # that a start that times out still stops it.
 
-def embedded_nats(children: list[subprocess.Popen[bytes]], passwords: dict[str, str]) -> str:
+def embedded_nats(children: list[Child], passwords: dict[str, str]) -> str:
     port = int(os.environ.get("NATS_PORT", "4222"))
     ensure_free(port, "NATS", "set NATS_URL to use that server, or NATS_PORT")
-    children.append(start_nats(port, passwords))
-    wait_for_port(port, 10, children[-1])
+    children.append(Child("nats-server", partial(start_nats, port, passwords)))
+    wait_for_port(port, 10, children[-1].proc)
     print(f"  NATS at nats://127.0.0.1:{port}; its users' passwords are in {NATS_PASSWORDS}"
           f" (`nats sub` as user admin)", flush=True)
     return f"nats://127.0.0.1:{port}"
 
 
-def ollama_or_stand_in(wanted: str | None, children: list[subprocess.Popen[bytes]]) -> str:
+def ollama_or_stand_in(wanted: str | None, children: list[Child]) -> str:
     """OLLAMA_HOST as the generator's client reads it, or the stand-in's address."""
     ollama = ollama_url(wanted)
     if answers(ollama):
@@ -123,8 +119,8 @@ def ollama_or_stand_in(wanted: str | None, children: list[subprocess.Popen[bytes
     # Else a stand-in left over from an earlier run would answer in its place.
     ensure_free(STUB_PORT, "the Ollama stand-in",
                 "stop what listens there, or set OLLAMA_STUB_PORT")
-    children.append(start_stub(ollama))
-    wait_for(f"{STAND_IN}/api/version", 10, children[-1])
+    children.append(Child("the stand-in", partial(start_stub, ollama)))
+    wait_for(f"{STAND_IN}/api/version", 10, children[-1].proc)
     return STAND_IN
 
 
@@ -207,7 +203,7 @@ def pull_progress(ollama: str, model: str) -> Iterator[dict[str, Any]]:
         yield json.loads(err.read() or b"{}") or {"error": f"HTTP {err.code}"}
 
 
-def start_services(env: dict[str, str], children: list[subprocess.Popen[bytes]],
+def start_services(env: dict[str, str], children: list[Child],
                    passwords: dict[str, str] | None) -> str:
     """Start the four services; returns the page's address once it answers."""
     port = env.get("GATEWAY_PORT", "8080")
@@ -215,12 +211,15 @@ def start_services(env: dict[str, str], children: list[subprocess.Popen[bytes]],
     for metrics_port in METRICS_PORTS:
         ensure_free(metrics_port, "metrics", "set METRICS_PORTS to three others")
     for module, service_env in zip(SERVICES, service_envs(env, passwords), strict=True):
-        children.append(subprocess.Popen([sys.executable, "-m", module], cwd=ROOT,
-                                         env=service_env))
+        children.append(Child(module, partial(start_service, module, service_env)))
     url = page_url(env.get("GATEWAY_HOST", "127.0.0.1"), port)
-    wait_for(f"{url}healthz", 30, children[-1])
+    wait_for(f"{url}healthz", 30, children[-1].proc)
     print_metrics_addresses(url)
     return url
+
+
+def start_service(module: str, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-m", module], cwd=ROOT, env=env)
 
 
 def service_envs(env: dict[str, str], passwords: dict[str, str] | None
@@ -331,53 +330,6 @@ def ensure_free(port: int, what: str, advice: str) -> None:
     except OSError:
         return
     raise SystemExit(f"port {port}, wanted for {what}, is in use; {advice}")
-
-
-class StopSignals:
-    """Ctrl-C, SIGTERM and SIGHUP. The first one stops everything in order: a
-    KeyboardInterrupt out of whatever the launcher was doing. Any signal once
-    the stop is under way hurries it instead of cutting it short, which would
-    leave NATS and the stand-in (in sessions of their own) running for good."""
-
-    def __init__(self) -> None:
-        self.stopping = False
-        self.hurried_at: float | None = None
-        for stop_signal in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(stop_signal, self._on_signal)
-
-    def _on_signal(self, signum: int, frame: object) -> None:
-        if not self.stopping:
-            self.stopping = True
-            raise KeyboardInterrupt
-        if self.hurried_at is None:
-            self.hurried_at = time.monotonic()
-            print("hurrying: what has not stopped within a second is killed",
-                  file=sys.stderr, flush=True)
-
-
-def stop(children: list[subprocess.Popen[bytes]], signals: StopSignals) -> None:
-    """One at a time, newest first: services drain while NATS is still up."""
-    signals.stopping = True
-    if any(child.poll() is None for child in children):
-        print("stopping: the services finish what they hold, then NATS stops"
-              " (Ctrl-C again to hurry)", file=sys.stderr, flush=True)
-    for child in reversed(children):
-        if child.poll() is None:
-            child.send_signal(signal.SIGTERM)
-        wait_or_kill(child, signals)
-
-
-def wait_or_kill(child: subprocess.Popen[bytes], signals: StopSignals) -> None:
-    asked = time.monotonic()
-    while child.poll() is None:
-        deadline = asked + STOP_WAIT_S
-        if signals.hurried_at is not None:
-            deadline = min(deadline, max(asked, signals.hurried_at) + HURRIED_WAIT_S)
-        if time.monotonic() >= deadline:
-            child.kill()
-            child.wait()
-            return
-        time.sleep(0.05)
 
 
 if __name__ == "__main__":

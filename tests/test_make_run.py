@@ -158,6 +158,52 @@ def test_a_second_ctrl_c_hurries_the_stop_and_leaves_nothing_running(tmp_path: P
     assert not any(listening(port) for port in (ports.nats, ports.stub, ports.gateway))
 
 
+def launched_by(launcher: int, command: str) -> int:
+    """The pid of the launcher's child whose command line holds `command`."""
+    for entry in Path("/proc").iterdir():
+        with contextlib.suppress(OSError):
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if parent == launcher and command in (entry / "cmdline").read_text():
+                return int(entry.name)
+    raise AssertionError(f"the launcher runs no {command!r}")
+
+
+def answered(base: str) -> bool:
+    """A new session's first question answers: NATS away, or the gateway not
+    back on it yet, is only asked again."""
+    try:
+        created = httpx.post(f"{base}/api/sessions", json={})
+        if created.status_code != 201:
+            return False
+        sid = created.json()["session_id"]
+        reply = httpx.post(f"{base}/api/sessions/{sid}/messages", json={"content": "hi"},
+                           timeout=60)
+    except httpx.TransportError:
+        return False
+    return reply.status_code == 200 and reply.json()["reply"] == "Echo: hi (turn 1)"
+
+
+def test_a_process_that_dies_is_started_again_and_the_chat_goes_on(tmp_path: Path) -> None:
+    ports = Ports()
+    proc = launch(tmp_path, ports)
+    log = tmp_path / "run.log"
+    base = f"http://127.0.0.1:{ports.gateway}"
+    try:
+        wait_until_announced(log, proc, 60)
+        for command, name in (("services.generator", "services.generator"),
+                              ("nats-server", "nats-server")):
+            os.kill(launched_by(proc.pid, command), signal.SIGKILL)
+            until(lambda name=name: f"{name} exited with -9" in log.read_text(),
+                  f"the launcher saw {name} die", 30)
+            until(lambda: answered(base), f"an answer after {name} died", 60)
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert not any(listening(port) for port in (ports.nats, ports.stub, ports.gateway))
+
+
 def test_the_launcher_refuses_a_nats_port_someone_else_listens_on(tmp_path: Path) -> None:
     ports = Ports()
     with socket.create_server(("127.0.0.1", ports.nats)):

@@ -1,0 +1,122 @@
+"""The launcher's children (NATS, the stand-in, the services) once started:
+each one that exits on its own is started again, as compose's
+`restart: unless-stopped` does, and at the end all are stopped in order.
+
+A crash of one process must not take the chat down until someone notices:
+the services reconnect to a NATS started again on its store, and a service
+started again takes up the queues where its last run left them.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import NoReturn
+
+# How long a child may take to stop before it is killed; once hurried, one second.
+STOP_WAIT_S = 15.0
+HURRIED_WAIT_S = 1.0
+# A child that ran this long before exiting is started again at once; one that
+# exits sooner waits 1, 2, 4 ... up to MAX_PAUSE_S, so a child that cannot
+# start does not spin.
+STABLE_S = 30.0
+MAX_PAUSE_S = 30.0
+POLL_S = 0.2
+
+Start = Callable[[], "subprocess.Popen[bytes]"]
+
+
+class StopSignals:
+    """Ctrl-C, SIGTERM and SIGHUP. The first one stops everything in order: a
+    KeyboardInterrupt out of whatever the launcher was doing. Any signal once
+    the stop is under way hurries it instead of cutting it short, which would
+    leave NATS and the stand-in (in sessions of their own) running for good."""
+
+    def __init__(self) -> None:
+        self.stopping = False
+        self.hurried_at: float | None = None
+        for stop_signal in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(stop_signal, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        if not self.stopping:
+            self.stopping = True
+            raise KeyboardInterrupt
+        if self.hurried_at is None:
+            self.hurried_at = time.monotonic()
+            say("hurrying: what has not stopped within a second is killed")
+
+
+@dataclass
+class Child:
+    name: str
+    start: Start
+    proc: subprocess.Popen[bytes] = field(init=False)
+    started_at: float = field(init=False)
+    quick_exits: int = 0
+    restart_at: float | None = None
+
+    def __post_init__(self) -> None:
+        self.launch()
+
+    def launch(self) -> None:
+        self.proc = self.start()
+        self.started_at = time.monotonic()
+        self.restart_at = None
+
+    def looked_after(self, now: float) -> None:
+        """Started again if it exited: at once, or after its pause."""
+        if self.proc.poll() is None:
+            return
+        if self.restart_at is None:
+            self.restart_at = now + self._pause(now)
+            say(f"{self.name} exited with {self.proc.returncode}; starting it again"
+                + (f" in {self.restart_at - now:g} s" if self.restart_at > now else ""))
+        if now >= self.restart_at:
+            self.launch()
+
+    def _pause(self, now: float) -> float:
+        self.quick_exits = self.quick_exits + 1 if now - self.started_at < STABLE_S else 0
+        return 0.0 if not self.quick_exits else min(2.0 ** (self.quick_exits - 1), MAX_PAUSE_S)
+
+
+def keep_running(children: list[Child]) -> NoReturn:
+    """Look after the children until a stop signal ends the wait."""
+    while True:
+        now = time.monotonic()
+        for child in children:
+            child.looked_after(now)
+        time.sleep(POLL_S)
+
+
+def stop(children: list[Child], signals: StopSignals) -> None:
+    """One at a time, newest first: services drain while NATS is still up."""
+    signals.stopping = True
+    if any(child.proc.poll() is None for child in children):
+        say("stopping: the services finish what they hold, then NATS stops"
+            " (Ctrl-C again to hurry)")
+    for child in reversed(children):
+        if child.proc.poll() is None:
+            child.proc.send_signal(signal.SIGTERM)
+        wait_or_kill(child.proc, signals)
+
+
+def wait_or_kill(proc: subprocess.Popen[bytes], signals: StopSignals) -> None:
+    asked = time.monotonic()
+    while proc.poll() is None:
+        deadline = asked + STOP_WAIT_S
+        if signals.hurried_at is not None:
+            deadline = min(deadline, max(asked, signals.hurried_at) + HURRIED_WAIT_S)
+        if time.monotonic() >= deadline:
+            proc.kill()
+            proc.wait()
+            return
+        time.sleep(0.05)
+
+
+def say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
