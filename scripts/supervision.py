@@ -81,7 +81,13 @@ class Child:
 
     def _pause(self, now: float) -> float:
         self.quick_exits = self.quick_exits + 1 if now - self.started_at < STABLE_S else 0
-        return 0.0 if not self.quick_exits else min(2.0 ** (self.quick_exits - 1), MAX_PAUSE_S)
+        return pause_before_restart(self.quick_exits)
+
+
+def pause_before_restart(quick_exits: int) -> float:
+    """No pause after a run that lasted; 1, 2, 4 ... s up to MAX_PAUSE_S after
+    that many exits in a row, each soon after its start."""
+    return 0.0 if not quick_exits else min(2.0 ** (quick_exits - 1), MAX_PAUSE_S)
 
 
 def keep_running(children: list[Child]) -> NoReturn:
