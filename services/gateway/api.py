@@ -16,7 +16,12 @@ from nats.errors import (
     NoRespondersError,
 )
 from nats.errors import TimeoutError as NatsTimeout
-from nats.js.errors import NoStreamResponseError, NotFoundError, ServiceUnavailableError
+from nats.js.errors import (
+    APIError,
+    NoStreamResponseError,
+    NotFoundError,
+    ServiceUnavailableError,
+)
 from nats.js.kv import KeyValue
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import Request
@@ -38,7 +43,7 @@ from services.gateway.settings import GatewaySettings
 from services.gateway.transcript import TranscriptRoutes
 from services.shared.bus import Bus, parse_json
 from services.shared.history_store import HistoryStore
-from services.shared.jetstream import missing
+from services.shared.jetstream import NO_ROOM, missing, no_room
 from services.shared.sessions import SessionNotFound, SessionStore
 from services.shared.tool_catalogue import ToolCatalogue
 
@@ -65,6 +70,7 @@ ERROR_STATUS = {
     "tool_loop_limit": 502,
     "nothing_to_retry": 409,
     "retry_outdated": 409,
+    "storage_full": 507,
 }
 
 
@@ -93,6 +99,9 @@ def error(status: int, code: str, message: str, **extra: Any) -> JSONResponse:
 STOPPING = {"code": "gateway_stopping",
             "message": "the gateway is stopping before the answer came; the query stays "
                        "queued, and its answer will be in the session's history"}
+
+
+STORAGE_FULL = {"code": "storage_full", "message": f"nothing was stored: {NO_ROOM}"}
 
 
 def nats_away(exc: Exception) -> dict[str, str]:
@@ -244,6 +253,11 @@ class Api:
                 await self._submit(query, correlation_id)
             except NATS_AWAY as err:  # the stream is under way: say it as its end
                 yield sse("error", {"error": nats_away(err), "session_id": query.session_id})
+                return
+            except APIError as err:
+                if not no_room(err):
+                    raise
+                yield sse("error", {"error": STORAGE_FULL, "session_id": query.session_id})
                 return
             next_index = 0
             try:

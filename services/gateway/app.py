@@ -11,6 +11,7 @@ from typing import Any
 
 import structlog
 import uvicorn
+from nats.js.errors import APIError
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -21,12 +22,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.gateway.access import AccessGuard
 from services.gateway.access_rules import WILDCARD_BINDS, Policy, host_names, origins
-from services.gateway.api import NATS_AWAY, Api, HttpError, error, nats_away
+from services.gateway.api import NATS_AWAY, STORAGE_FULL, Api, HttpError, error, nats_away
 from services.gateway.live import LiveFeed
 from services.gateway.replies import ReplyRouter
 from services.gateway.settings import GatewaySettings
 from services.shared import metrics
 from services.shared.bus import Bus
+from services.shared.jetstream import no_room
 from services.shared.runner import Endpoint
 from services.shared.sessions import SessionStore
 
@@ -58,13 +60,19 @@ def build_app(api: Api, policy: Policy) -> Starlette:
         log.exception("request_failed", path=request.url.path)
         return error(500, "internal_error", f"{type(exc).__name__}: {exc}")
 
+    async def on_refused(request: Request, exc: Exception) -> Response:
+        if not no_room(exc):
+            return await on_unexpected(request, exc)
+        log.warning("request_failed_no_room", path=request.url.path, error=str(exc))
+        return error(507, **STORAGE_FULL)
+
     return Starlette(
         routes=[*api.routes(), Route("/metrics", serve_metrics)],
         # Counted first, so refusals show in the metrics too.
         middleware=[Middleware(CountResponses), Middleware(AccessGuard, policy=policy)],
         exception_handlers={HttpError: on_http_error, HTTPException: on_no_route,
                             **dict.fromkeys(NATS_AWAY, on_nats_away),
-                            Exception: on_unexpected},
+                            APIError: on_refused, Exception: on_unexpected},
     )
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
+from nats.js.errors import APIError
 
 from schemas import subjects
 from schemas.envelope import Envelope
@@ -64,6 +65,7 @@ from services.generator.token_stream import TokenStream
 from services.generator.toolbox import Toolbox
 from services.shared.bus import Bus
 from services.shared.history_store import HistoryStore, HistoryView
+from services.shared.jetstream import NO_ROOM, no_room
 from services.shared.live_config import LiveSettings
 from services.shared.sessions import SessionNotFound, SessionStore
 
@@ -234,8 +236,7 @@ class TurnRunner:
         answer = ChatMessage(role="assistant", content=result.content, query_id=query_id,
                              stopped=result.stopped)
         await self._states.apply(sid, Action.publish, env.correlation_id)
-        turn.view = await self._history.append(sid, turn.view, [*turn.messages, answer],
-                                               supersedes)
+        await self._store(turn, answer, supersedes)
         lease.leaves_history_at = turn.view.last_seq
         if result.stopped:
             log.info("answer_stopped", chars=len(result.content))
@@ -250,6 +251,17 @@ class TurnRunner:
             await self._report(turn, result, tools, started)
 
         return reply, follow_up
+
+    async def _store(self, turn: Turn, answer: ChatMessage, supersedes: str | None) -> None:
+        """Append the turn; a server without room is the caller's to hear of,
+        not a crash to try again (each try would ask the model anew)."""
+        try:
+            turn.view = await self._history.append(turn.sid, turn.view,
+                                                   [*turn.messages, answer], supersedes)
+        except APIError as err:
+            if not no_room(err):
+                raise
+            raise TurnError("storage_full", f"the answer was not kept: {NO_ROOM}") from err
 
     async def _history_under(self, sid: str, lease: Lease) -> HistoryView:
         """The session's history, read with its lock held."""
