@@ -67,7 +67,9 @@ def test_an_open_event_stream_ends_cleanly_when_the_gateway_stops(
 
 async def test_callers_waiting_when_the_gateway_stops_are_told_and_lose_nothing(
         nats_url: str, stub: str) -> None:
-    with running_system(nats_url, stub, {"STOP_GRACE_S": "0"}) as system:
+    # A grace longer than uvicorn's own 2 s for the last responses: the callers
+    # must be told at its end, not cancelled by uvicorn before it.
+    with running_system(nats_url, stub, {"STOP_GRACE_S": "3"}) as system:
         async with system.http(timeout=60) as http:
             sids = [(await http.post("/api/sessions", json={})).json()["session_id"]
                     for _ in range(2)]

@@ -99,8 +99,6 @@ def error(status: int, code: str, message: str, **extra: Any) -> JSONResponse:
 STOPPING = {"code": "gateway_stopping",
             "message": "the gateway is stopping before the answer came; the query stays "
                        "queued, and its answer will be in the session's history"}
-
-
 STORAGE_FULL = {"code": "storage_full", "message": f"nothing was stored: {NO_ROOM}"}
 
 

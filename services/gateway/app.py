@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import secrets
 from collections.abc import Iterator
 from typing import Any
@@ -117,7 +118,10 @@ class Gateway:
         config = uvicorn.Config(build_app(api, policy_of(settings)), host=settings.gateway_host,
                                 port=settings.gateway_port, log_config=None,
                                 access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=LAST_RESPONSES_S)
+                                # uvicorn's count starts as the stop does: it
+                                # must outlast the waiting callers' grace.
+                                timeout_graceful_shutdown=math.ceil(settings.stop_grace_s)
+                                + LAST_RESPONSES_S)
         self._server = _Server(config)
         self._task: asyncio.Task[None] | None = None
 
