@@ -152,6 +152,8 @@ async def test_paging_returns_every_item_exactly_once(
     exported = await http.get(f"/api/sessions/{sid}/export", params={"format": "json"})
     assert exported.json()["items"] == whole
     assert "attachment" in exported.headers["content-disposition"]
+    # Sent as it is read, so a long transcript never sits whole in the gateway's memory.
+    assert "content-length" not in exported.headers
     text = (await http.get(f"/api/sessions/{sid}/export")).text
     assert text.index("question 5 !long 60") < text.index("compacted · manual") < text.index(
         "question 6 !long 60")

@@ -73,3 +73,37 @@ def row_memory_sessions(bench: Bench) -> Row:
              "batch": MEMORY_BATCH, "peak_rss_kb_after_first": peaks["early"],
              "peak_rss_kb_after_all": peaks["late"], "growth_kb_per_session": growth},
     )
+
+
+# Row memory_export: one long session exported whole, in both forms.
+EXPORT_TURNS = (300, 2000)  # quick, full
+EXPORT_QUESTION_CHARS = 6000
+
+
+async def export_peaks(env: Env, turns: int) -> tuple[int, dict[str, int], dict[str, int]]:
+    """Transcript bytes, and the gateway's peak RSS (KB) before and after
+    exporting it as Markdown and as JSON."""
+    async with http_client(env, 2) as http:
+        sid = await new_session(http)
+        for turn in range(turns):
+            await ask_ok(http, sid, f"question {turn} " + "x" * EXPORT_QUESTION_CHARS)
+        before = peak_rss_kb(env.system)
+        sizes = {form: len((await http.get(f"/api/sessions/{sid}/export?format={form}")).text)
+                 for form in ("markdown", "json")}
+    return sizes["markdown"], before, peak_rss_kb(env.system)
+
+
+def row_memory_export(bench: Bench) -> Row:
+    turns = EXPORT_TURNS[0] if bench.params.quick else EXPORT_TURNS[1]
+    with running_env() as env:  # a fresh system: its peaks are this row's alone
+        size, before, after = asyncio.run(export_peaks(env, turns))
+    grown_mb = (after["gateway"] - before["gateway"]) / 1024
+    return Row(
+        name="memory_export", value=grown_mb, unit="MB (gateway peak RSS growth)",
+        target=None,
+        detail=f"a session of {turns:,} turns ({size / 1e6:.1f} MB of Markdown) exported as "
+               f"Markdown and as JSON: the gateway's peak RSS {before['gateway'] / 1024:.0f} "
+               f"→ {after['gateway'] / 1024:.0f} MB",
+        raw={"turns": turns, "markdown_bytes": size, "peak_rss_kb_before": before,
+             "peak_rss_kb_after": after},
+    )

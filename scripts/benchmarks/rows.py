@@ -14,7 +14,7 @@ from collections.abc import Callable
 from scripts.benchmarks.compaction import row_compaction, row_compaction_one_slot
 from scripts.benchmarks.estimate import ESTIMATE_SCRIPT, row_estimate
 from scripts.benchmarks.harness import Env, Params, Row, running_env
-from scripts.benchmarks.memory import row_memory_sessions
+from scripts.benchmarks.memory import row_memory_export, row_memory_sessions
 from scripts.benchmarks.messages import row_turn_messages
 from scripts.benchmarks.round_trips import (
     Measured,
@@ -56,6 +56,7 @@ RUN_ORDER = (
     "compaction_one_slot",
     "stop_latency",
     "memory_sessions",
+    "memory_export",
     "soak_1_generator",
     "soak_2_generators",
 )
@@ -103,6 +104,7 @@ ROW_FUNCTIONS: dict[str, RowFunction] = {
     "estimate_error": row_estimate,
     "transcript_overhead": row_transcript_overhead,
     "memory_sessions": row_memory_sessions,
+    "memory_export": row_memory_export,
     "soak_1_generator": row_soak_1,
     "soak_2_generators": row_soak_2,
 }
@@ -136,7 +138,8 @@ class Bench:
             return Row(name=name, value=None, unit="", target=None, detail="skipped",
                        skipped="needs processes (--in-process)")
         if name in ("compaction_latency", "compaction_one_slot", "stop_latency",
-                    "memory_sessions", "soak_1_generator", "soak_2_generators"):
+                    "memory_sessions", "memory_export", "soak_1_generator",
+                    "soak_2_generators"):
             self.close_plain()  # it starts systems of its own
         started = time.perf_counter()
         load = os.getloadavg()[0]

@@ -10,6 +10,7 @@ the transcript, so a snapshot becomes one compaction marker and nothing else.
 from __future__ import annotations
 
 import re
+from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -116,10 +117,34 @@ def page_limit(raw: str | None) -> int:
 
 
 def markdown(session_id: str, items: Iterable[Item]) -> str:
-    lines = [f"# Session {session_id}", ""]
-    for item in items:
-        lines.extend(_markdown_item(item.body))
-    return "\n".join(lines).rstrip() + "\n"
+    writer = MarkdownWriter(session_id)
+    return writer.head() + "".join(writer.item(item) for item in items) + writer.end()
+
+
+class MarkdownWriter:
+    """A transcript's Markdown, an item at a time: what `markdown` makes whole,
+    in pieces an export sends while it reads, so its memory never holds the
+    whole transcript. Trailing white space is held back, since the document
+    ends without it."""
+
+    def __init__(self, session_id: str) -> None:
+        self._session_id = session_id
+        self._held = ""
+
+    def head(self) -> str:
+        return self._take(f"# Session {self._session_id}\n")
+
+    def item(self, item: Item) -> str:
+        return self._take("\n" + "\n".join(_markdown_item(item.body)))
+
+    def end(self) -> str:
+        return "\n"
+
+    def _take(self, text: str) -> str:
+        text = self._held + text
+        shown = text.rstrip()
+        self._held = text[len(shown):]
+        return shown
 
 
 def _markdown_item(body: dict[str, Any]) -> list[str]:
@@ -161,11 +186,26 @@ _WORD = re.compile(r"\w+", re.UNICODE)
 
 def recall(items: Iterable[Item], query: str, limit: int) -> list[Item]:
     """Messages holding every word of `query` (case-insensitive), newest first."""
-    words = {w.casefold() for w in _WORD.findall(query)}
-    if not words or limit < 1:
-        return []
-    found = [i for i in items if i.kind == "message" and words <= _words_of(i.body)]
-    return found[::-1][:limit]
+    search = Recall(query, limit)
+    search.take(items)
+    return search.found()
+
+
+class Recall:
+    """`recall`, fed as the transcript is read: only the `limit` newest
+    matches are ever held, however long the transcript."""
+
+    def __init__(self, query: str, limit: int) -> None:
+        self._words = {w.casefold() for w in _WORD.findall(query)}
+        self._found: deque[Item] = deque(maxlen=max(limit, 0))
+
+    def take(self, items: Iterable[Item]) -> None:
+        if self._words:
+            self._found.extend(i for i in items
+                               if i.kind == "message" and self._words <= _words_of(i.body))
+
+    def found(self) -> list[Item]:
+        return list(reversed(self._found))
 
 
 def _words_of(body: dict[str, Any]) -> set[str]:

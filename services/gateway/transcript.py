@@ -8,23 +8,22 @@ then answers and purges the queued queries, then purges the history subject
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import Awaitable, Callable
 
 import structlog
 from nats.js.errors import KeyNotFoundError, NotFoundError
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from schemas import subjects
 from schemas.envelope import Envelope
 from schemas.messages import Query, Reply
-from services.core.transcript import InvalidCursor, Position, markdown, page_limit
+from services.core.transcript import InvalidCursor, Position, page_limit
 from services.shared.bus import Bus, decode
 from services.shared.history_store import HistoryStore
 from services.shared.sessions import SessionStore
-from services.shared.transcript import every_item, page, page_before
+from services.shared.transcript import json_export, markdown_export, page, page_before
 
 log = structlog.get_logger()
 Check = Callable[[Request], Awaitable[str]]
@@ -77,13 +76,14 @@ class TranscriptRoutes:
         form = request.query_params.get("format", "markdown")
         if form not in ("markdown", "json"):
             return error(400, "invalid_field", "format: markdown or json", field="format")
-        items = await every_item(self._bus.js, sid)
+        # Sent as it is read: a long transcript never sits whole in memory.
         if form == "json":
-            body = json.dumps({"session_id": sid, "items": [i.as_json() for i in items]})
-            return Response(body, media_type="application/json",
-                            headers=_download(f"session-{sid}.json"))
-        return Response(markdown(sid, items), media_type="text/markdown; charset=utf-8",
-                        headers=_download(f"session-{sid}.md"))
+            return StreamingResponse(json_export(self._bus.js, sid),
+                                     media_type="application/json",
+                                     headers=_download(f"session-{sid}.json"))
+        return StreamingResponse(markdown_export(self._bus.js, sid),
+                                 media_type="text/markdown; charset=utf-8",
+                                 headers=_download(f"session-{sid}.md"))
 
     async def delete(self, request: Request) -> Response:
         sid = await self._existing(request)

@@ -1,8 +1,10 @@
-"""Reading a session's transcript from its history subject, a page at a time,
-and trimming it to the retention setting without touching the context."""
+"""Reading a session's transcript from its history subject, a page at a time
+or as an export sent while it is read, and trimming it to the retention
+setting without touching the context."""
 
 from __future__ import annotations
 
+import json
 from collections import deque
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
@@ -12,7 +14,7 @@ from nats.js.errors import NotFoundError
 
 from schemas import subjects
 from schemas.history import HistoryEntry
-from services.core.transcript import Item, Position, StoredEntry, items_of
+from services.core.transcript import Item, MarkdownWriter, Position, StoredEntry, items_of
 
 
 async def stored_entries(js: JetStreamContext, sid: str,
@@ -71,6 +73,27 @@ async def page_before(js: JetStreamContext, sid: str, before: Position | None,
 
 async def every_item(js: JetStreamContext, sid: str) -> list[Item]:
     return [item async for stored in stored_entries(js, sid) for item in items_of(stored)]
+
+
+async def markdown_export(js: JetStreamContext, sid: str) -> AsyncIterator[str]:
+    """The session's transcript as Markdown, a stored entry at a time: an
+    export's memory holds one entry, however long the transcript."""
+    writer = MarkdownWriter(sid)
+    yield writer.head()
+    async for stored in stored_entries(js, sid):
+        yield "".join(writer.item(item) for item in items_of(stored))
+    yield writer.end()
+
+
+async def json_export(js: JetStreamContext, sid: str) -> AsyncIterator[str]:
+    """`{"session_id": ..., "items": [...]}`, a stored entry at a time."""
+    yield f'{{"session_id": {json.dumps(sid)}, "items": ['
+    separator = ""
+    async for stored in stored_entries(js, sid):
+        for item in items_of(stored):
+            yield separator + json.dumps(item.as_json())
+            separator = ", "
+    yield "]}"
 
 
 async def trim(js: JetStreamContext, sid: str, base_seq: int, max_age_s: float,

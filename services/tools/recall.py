@@ -12,8 +12,8 @@ from typing import Any
 from nats.js import JetStreamContext
 
 from schemas.messages import ToolOutcome
-from services.core.transcript import recall
-from services.shared.transcript import every_item
+from services.core.transcript import Recall, items_of
+from services.shared.transcript import stored_entries
 
 NAME = "recall"
 DEFAULT_LIMIT = 5
@@ -42,7 +42,11 @@ async def run_recall(js: JetStreamContext, session_id: str | None,
         return ToolOutcome(name=NAME, error="bad arguments: query must be a non-empty string")
     if not isinstance(limit, int) or isinstance(limit, bool) or not 1 <= limit <= MAX_LIMIT:
         return ToolOutcome(name=NAME, error=f"bad arguments: limit must be 1 to {MAX_LIMIT}")
-    found = recall(await every_item(js, session_id), query, limit)
+    # Read an entry at a time: only the newest matches are held, never the transcript.
+    search = Recall(query, limit)
+    async for stored in stored_entries(js, session_id):
+        search.take(items_of(stored))
+    found = search.found()
     matches = [{"position": str(i.position), "role": i.body["role"],
                 "content": str(i.body["content"])[:MAX_MATCH_CHARS]} for i in found]
     return ToolOutcome(name=NAME, content=json.dumps({"matches": matches}))

@@ -9,7 +9,9 @@ import pytest
 from schemas.history import ChatMessage, HistoryEntry, Snapshot, ToolCall
 from services.core.transcript import (
     InvalidCursor,
+    MarkdownWriter,
     Position,
+    Recall,
     StoredEntry,
     divider,
     items_after,
@@ -17,6 +19,7 @@ from services.core.transcript import (
     page_limit,
     recall,
 )
+from services.core.transcript import _markdown_item as markdown_lines
 
 AT = datetime(2026, 1, 2, 14, 2, tzinfo=UTC)
 
@@ -83,6 +86,20 @@ def test_markdown_shows_each_compaction_as_a_divider() -> None:
                     "at": None}) == "compacted · manual · emergency"
 
 
+@pytest.mark.parametrize("last", ["answer", "ends in spaces   ", "two blank lines\n\n", " "])
+def test_markdown_written_piece_by_piece_is_the_whole_document(last: str) -> None:
+    stored = [*entries(), StoredEntry(5, AT, HistoryEntry.of_turn((
+        ChatMessage(role="user", content="  lead and trail  "),
+        ChatMessage(role="assistant", content=last))))]
+    items = list(items_after(stored, None))
+    # The document as one string: its head, every item's lines, no trailing blank.
+    lines = ["# Session s1", "", *(line for item in items for line in markdown_lines(item.body))]
+    whole = "\n".join(lines).rstrip() + "\n"
+    writer = MarkdownWriter("s1")
+    pieces = [writer.head(), *(writer.item(item) for item in items), writer.end()]
+    assert "".join(pieces) == whole == markdown("s1", items)
+
+
 def test_recall_matches_every_word_case_insensitively_newest_first() -> None:
     messages = (ChatMessage(role="user", content="The locker code is 4711"),
                 ChatMessage(role="assistant", content="", tool_calls=(
@@ -94,3 +111,17 @@ def test_recall_matches_every_word_case_insensitively_newest_first() -> None:
     assert recall(items_after(stored, None), "locker code", 1)[0].position == Position(1, 1)
     assert recall(items_after(stored, None), "  ", 5) == []
     assert recall(items_after(stored, None), "notes", 5) == []  # markers are not messages
+
+
+def test_recall_fed_an_entry_at_a_time_finds_what_it_finds_whole() -> None:
+    stored = [StoredEntry(n, AT, HistoryEntry.of_turn((
+        ChatMessage(role="user", content=f"the code is {n}"),
+        ChatMessage(role="assistant", content="noted")))) for n in range(1, 41)]
+    items = list(items_after(stored, None))
+    for limit in (0, 1, 3, 40, 100):
+        search = Recall("CODE", limit)
+        for entry in stored:
+            search.take(items_after([entry], None))
+        assert search.found() == recall(items, "CODE", limit)
+        assert [i.body["content"] for i in search.found()][:2] == [
+            f"the code is {n}" for n in (40, 39)][:limit]
