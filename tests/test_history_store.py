@@ -14,9 +14,10 @@ from nats.aio.client import Client as NATS
 
 from schemas import subjects
 from schemas.history import ChatMessage, HistoryEntry, Snapshot
+from services.core.transcript import items_of
 from services.shared.history_store import HistoryConflict, HistoryStore, HistoryView
 from services.shared.jetstream import ensure_layout
-from services.shared.transcript import every_item, trim
+from services.shared.transcript import stored_entries, trim
 from tests.events import eventually
 from tests.nats_server import NatsServer
 
@@ -335,7 +336,8 @@ async def test_retention_drops_old_entries_but_never_what_the_context_needs(
     assert await trim(js, sid, view.base_seq, 3600.0) == 0  # nothing old enough yet
 
     kept_from = await trim(js, sid, view.base_seq, 60.0, now=later)
-    left = [item.body.get("content") for item in await every_item(js, sid)]
+    left = [item.body.get("content") async for stored in stored_entries(js, sid)
+            for item in items_of(stored)]
     # Turns 0-2 went; turn 3 stays: the snapshot kept its messages, and the
     # transcript shows them before its marker.
     assert left == ["q3", "a3", None, "q4", "a4"] and kept_from > 0

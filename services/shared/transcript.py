@@ -71,10 +71,6 @@ async def page_before(js: JetStreamContext, sid: str, before: Position | None,
     return items, None
 
 
-async def every_item(js: JetStreamContext, sid: str) -> list[Item]:
-    return [item async for stored in stored_entries(js, sid) for item in items_of(stored)]
-
-
 async def markdown_export(js: JetStreamContext, sid: str) -> AsyncIterator[str]:
     """The session's transcript as Markdown, a stored entry at a time: an
     export's memory holds one entry, however long the transcript."""
