@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -9,6 +12,8 @@ import pytest
 from services.compaction_decider.settings import DeciderSettings
 from services.gateway.settings import GatewaySettings
 from services.generator.settings import GeneratorSettings
+from tests.processes import REPO_ROOT
+from tests.system import SERVICE_MODULES
 
 
 @pytest.fixture(autouse=True)
@@ -60,3 +65,14 @@ def test_invalid_settings_fail_loudly(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("COMPACTION_THRESHOLD", "1.5")
     with pytest.raises(ValueError, match="compaction_threshold"):
         DeciderSettings()
+
+
+@pytest.mark.parametrize("module", sorted(SERVICE_MODULES.values()))
+def test_a_service_with_a_bad_setting_says_which_in_a_line_and_stops(module: str) -> None:
+    env = {**os.environ, "JETSTREAM_REPLICAS": "9", "NATS_URL": "nats://127.0.0.1:1"}
+    done = subprocess.run([sys.executable, "-m", module], cwd=REPO_ROOT, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0
+    assert "JETSTREAM_REPLICAS='9': Input should be less than or equal to 5" in done.stderr
+    assert "not started, 1 setting(s) not valid" in done.stderr
+    assert "Traceback" not in done.stderr, done.stderr

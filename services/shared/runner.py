@@ -27,6 +27,7 @@ from nats.errors import ConnectionClosedError, ConnectionReconnectingError
 from nats.micro import add_service
 from nats.micro.request import Request
 from nats.micro.service import Service
+from pydantic import ValidationError
 
 from services.shared import metrics
 from services.shared.bus import Bus, connect
@@ -184,9 +185,26 @@ def _stop_on_signals() -> asyncio.Event:
 
 def main(coro: Awaitable[None]) -> None:
     _collect_garbage_less_often()
-    with (contextlib.suppress(KeyboardInterrupt),
-          asyncio.Runner(loop_factory=_loop_factory()) as runner):
-        runner.run(coro)  # type: ignore[arg-type]
+    try:
+        with (contextlib.suppress(KeyboardInterrupt),
+              asyncio.Runner(loop_factory=_loop_factory()) as runner):
+            runner.run(coro)  # type: ignore[arg-type]
+    except ValidationError as err:
+        if not err.title.endswith("Settings"):
+            raise  # a bug, with its traceback
+        raise SystemExit(settings_refused(err)) from None
+
+
+def settings_refused(err: ValidationError) -> str:
+    """What a person reads when a setting is wrong: each one named as the
+    environment names it, with what was given and what is wanted, and no
+    traceback (a supervisor starting the service again repeats it)."""
+    lines = [f"{err.title}: not started, {err.error_count()} setting(s) not valid:"]
+    for error in err.errors(include_url=False):
+        name = "_".join(str(part) for part in error["loc"]).upper()
+        given = repr(error.get("input"))[:80]
+        lines.append(f"  {name}={given}: {error['msg']}")
+    return "\n".join(lines)
 
 
 def _collect_garbage_less_often() -> None:
