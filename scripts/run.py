@@ -49,11 +49,27 @@ SERVICES = ("services.generator", "services.compaction_decider", "services.tools
             "services.gateway")
 NATS_CONFIG = ROOT / "nats.conf"
 NATS_PASSWORDS = DATA / "nats-passwords.env"
-STUB_PORT = int(os.environ.get("OLLAMA_STUB_PORT", "11435"))
+
+
+def ports_from(name: str, default: str) -> tuple[int, ...]:
+    """The port numbers the variable `name` gives (comma-separated), or a
+    one-line refusal naming it."""
+    given = os.environ.get(name) or default
+    try:
+        ports = tuple(int(part) for part in given.split(","))
+    except ValueError:
+        ports = ()
+    if not ports or not all(0 < port < 65536 for port in ports):
+        raise SystemExit(f"{name}={given!r}: not a port number from 1 to 65535"
+                         + (" (several: separated by commas)" if "," in default else ""))
+    return ports
+
+
+STUB_PORT = ports_from("OLLAMA_STUB_PORT", "11435")[0]
+GATEWAY_PORT = ports_from("GATEWAY_PORT", "8080")[0]
 # /metrics of the services without an HTTP port of their own, in the order of
 # SERVICES (generator, decider, tools); the gateway serves its own at /metrics.
-METRICS_PORTS = tuple(int(port) for port in
-                      os.environ.get("METRICS_PORTS", "9101,9102,9103").split(","))
+METRICS_PORTS = ports_from("METRICS_PORTS", "9101,9102,9103")
 STAND_IN = f"http://127.0.0.1:{STUB_PORT}"
 # The generator's own default (services/generator/settings.py).
 DEFAULT_MODEL = "llama3.2"
@@ -102,7 +118,7 @@ def gateway_token(wanted: str) -> str:
 # that a start that times out still stops it.
 
 def embedded_nats(children: list[Child], passwords: dict[str, str]) -> str:
-    port = int(os.environ.get("NATS_PORT", "4222"))
+    port = ports_from("NATS_PORT", "4222")[0]
     ensure_free(port, "NATS", "set NATS_URL to use that server, or NATS_PORT")
     children.append(Child("nats-server", partial(start_nats, port, passwords)))
     wait_for_port(port, 10, children[-1].proc)
@@ -206,13 +222,12 @@ def pull_progress(ollama: str, model: str) -> Iterator[dict[str, Any]]:
 def start_services(env: dict[str, str], children: list[Child],
                    passwords: dict[str, str] | None) -> str:
     """Start the four services; returns the page's address once it answers."""
-    port = env.get("GATEWAY_PORT", "8080")
-    ensure_free(int(port), "the gateway", "set GATEWAY_PORT to another")
+    ensure_free(GATEWAY_PORT, "the gateway", "set GATEWAY_PORT to another")
     for metrics_port in METRICS_PORTS:
         ensure_free(metrics_port, "metrics", "set METRICS_PORTS to three others")
     for module, service_env in zip(SERVICES, service_envs(env, passwords), strict=True):
         children.append(Child(module, partial(start_service, module, service_env)))
-    url = page_url(env.get("GATEWAY_HOST", "127.0.0.1"), port)
+    url = page_url(env.get("GATEWAY_HOST", "127.0.0.1"), str(GATEWAY_PORT))
     wait_for(f"{url}healthz", 30, children[-1].proc)
     print_metrics_addresses(url)
     return url

@@ -224,6 +224,17 @@ def test_the_launcher_refuses_a_stand_in_port_someone_else_listens_on(tmp_path: 
     assert not listening(ports.nats)  # what had started was stopped
 
 
+@pytest.mark.parametrize(("name", "value"), [("GATEWAY_PORT", "80a"), ("NATS_PORT", "0"),
+                                           ("METRICS_PORTS", "9101,x,9103")])
+def test_a_port_that_is_not_one_is_named_before_anything_starts(
+        tmp_path: Path, name: str, value: str) -> None:
+    proc = launch(tmp_path, Ports(), **{name: value})
+    assert proc.wait(30) != 0
+    told = (tmp_path / "run.log").read_text()
+    assert f"{name}={value!r}: not a port number" in told
+    assert "Traceback" not in told and "Starting nats-server" not in told
+
+
 def test_ollama_is_found_by_its_short_address_and_not_through_a_proxy(
         stub_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("http_proxy", "http://127.0.0.1:9")  # nothing listens there
