@@ -113,6 +113,14 @@ class Conversation(Strict):
     # with this summary yet, so a prompt cache can share only the system prompt.
     just_compacted: bool = False
 
+    def answer_to(self, query_id: str) -> ChatMessage | None:
+        """The final answer stored for a query, while the context holds it."""
+        for message in reversed(self.messages):
+            if message.query_id == query_id and message.role == "assistant" \
+                    and not message.tool_calls:
+                return message
+        return None
+
     def apply(self, entry: HistoryEntry) -> Conversation:
         if entry.kind == "snapshot" and entry.snapshot is not None:
             snap = entry.snapshot

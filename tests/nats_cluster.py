@@ -22,7 +22,7 @@ from tests.nats_server import NatsServer, free_port
 
 
 class NatsCluster:
-    def __init__(self, root: Path, size: int = 3) -> None:
+    def __init__(self, root: Path, size: int = 3, advertise: bool = True) -> None:
         self.names = [f"n{i}" for i in range(1, size + 1)]
         route_ports = {name: free_port() for name in self.names}
         self.nodes: dict[str, NatsServer] = {}
@@ -34,7 +34,7 @@ class NatsCluster:
             self.nodes[name] = NatsServer(str(store), extra_config=(
                 f"server_name: {name}\n"
                 f"cluster {{ name: chat, listen: 127.0.0.1:{route_ports[name]},"
-                f" routes: [{routes}] }}\n"))
+                f" routes: [{routes}], no_advertise: {str(not advertise).lower()} }}\n"))
 
     @property
     def url(self) -> str:
@@ -79,9 +79,10 @@ async def wait_for_jetstream(url: str, replicas: int, timeout_s: float = 30.0) -
 
 
 @contextlib.asynccontextmanager
-async def running_cluster(size: int = 3) -> AsyncIterator[NatsCluster]:
+async def running_cluster(size: int = 3, advertise: bool = True) -> AsyncIterator[NatsCluster]:
+    """`advertise=False`: clients learn no other node than the ones they name."""
     root = Path(tempfile.mkdtemp(prefix="nats-cluster-"))
-    cluster = NatsCluster(root, size)
+    cluster = NatsCluster(root, size, advertise)
     try:
         cluster.start()
         await wait_for_jetstream(cluster.url, size)

@@ -23,9 +23,10 @@ from schemas import subjects
 from services.generator.session_lock import free_marker_of
 from services.shared.jetstream import ReplicasMismatch, bucket_keys, ensure_layout
 from services.shared.settings import ServiceSettings, nats_servers
+from tests.events import eventually, watching
 from tests.nats_cluster import NatsCluster, running_cluster
 from tests.nats_server import NatsServer
-from tests.stub_server import running_stub
+from tests.stub_server import configure_stub, running_stub
 from tests.system import System
 
 SESSIONS = 32
@@ -199,6 +200,44 @@ async def run_and_check(cluster: NatsCluster, system: System, http: httpx.AsyncC
     await assert_no_lock_outlives_its_lease(cluster.url)
     assert load.error_seconds() <= MOST_ERROR_SECONDS
     await assert_replicated(cluster.url, 3)
+
+
+async def test_a_reply_sent_while_the_gateway_was_away_still_reaches_its_caller() -> None:
+    """Replies are core NATS messages: one sent while the gateway's node is
+    down is lost. The turn is stored first, so the gateway, back, finds it."""
+    async with running_cluster(3, advertise=False) as cluster, watching(
+            cluster.nodes["n2"].url, f"{subjects.REPLY_PREFIX}.*") as replies:
+        with running_stub() as stub:
+            # No redelivery within the test: only the gateway's own look can save the reply.
+            system = System(cluster.nodes["n2"].url, stub, {**ENV, "QUERY_ACK_WAIT_S": "120"},
+                            services=("generator",))
+            gateway = system.add("gateway", "services.gateway",
+                                 {"NATS_URL": cluster.nodes["n1"].url, "REPLY_TIMEOUT_S": "30"})
+            system.start()
+            try:
+                async with system.http(timeout=60) as http:
+                    sid = (await http.post("/api/sessions", json={})).json()["session_id"]
+                    await configure_stub(stub, held_models=["stub-model"])
+                    asking = asyncio.create_task(http.post(f"/api/sessions/{sid}/messages",
+                                                           json={"content": "while away"}))
+                    await eventually(lambda: model_called(stub), "the model called")
+                    cluster.kill("n1")
+                    await eventually(lambda: "nats_disconnected" in gateway.log(),
+                                     "the gateway cut off")
+                    await configure_stub(stub, held_models=[])
+                    await replies.wait_for(lambda e: e["payload"]["session_id"] == sid)
+                    cluster.restart("n1")
+                    answer = await asyncio.wait_for(asking, 60)
+            finally:
+                system.stop()
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["reply"] == "Echo: while away (turn 1)"
+    assert "missed_reply_recovered" in gateway.log()
+
+
+async def model_called(stub: str) -> bool:
+    async with httpx.AsyncClient() as client:
+        return int((await client.get(f"{stub}/_stub/stats")).json()["requests"]) > 0
 
 
 async def test_a_layout_made_with_one_replica_is_moved_to_three(cluster: NatsCluster) -> None:

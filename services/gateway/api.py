@@ -232,8 +232,10 @@ class Api:
             streamed = query.model_copy(update={"stream": True})
             return StreamingResponse(self._stream_answer(streamed),
                                      media_type="text/event-stream")
-        with self._replies.expect(new_id()) as (correlation_id, queue):
-            await self._submit(query, correlation_id)
+        query_id = new_id()
+        with self._replies.expect(new_id(), query.session_id, query_id) as (correlation_id,
+                                                                             queue):
+            await self._submit(query, correlation_id, query_id)
             try:
                 async for event in events_until_reply(queue, self._settings.reply_timeout_s):
                     if isinstance(event, Reply):
@@ -246,9 +248,11 @@ class Api:
                      "queued and will be answered when a generator is available")
 
     async def _stream_answer(self, query: Query) -> AsyncIterator[str]:
-        with self._replies.expect(new_id()) as (correlation_id, queue):
+        query_id = new_id()
+        with self._replies.expect(new_id(), query.session_id, query_id) as (correlation_id,
+                                                                             queue):
             try:
-                await self._submit(query, correlation_id)
+                await self._submit(query, correlation_id, query_id)
             except NATS_AWAY as err:  # the stream is under way: say it as its end
                 yield sse("error", {"error": nats_away(err), "session_id": query.session_id})
                 return
@@ -274,10 +278,10 @@ class Api:
             except GatewayStopping:
                 yield sse("error", {"error": STOPPING, "session_id": query.session_id})
 
-    async def _submit(self, query: Query, correlation_id: str) -> None:
+    async def _submit(self, query: Query, correlation_id: str, query_id: str) -> None:
         sid = query.session_id
-        await self._bus.js_publish(subjects.query(sid), query,
-                                   correlation_id=correlation_id, session_id=sid)
+        await self._bus.js_publish(subjects.query(sid), query, correlation_id=correlation_id,
+                                   session_id=sid, message_id=query_id)
 
     async def compact(self, request: Request) -> Response:
         sid = session_id_of(request)

@@ -29,6 +29,7 @@ from services.gateway.replies import ReplyRouter
 from services.gateway.settings import GatewaySettings
 from services.shared import metrics
 from services.shared.bus import Bus
+from services.shared.history_store import HistoryStore
 from services.shared.jetstream import no_room
 from services.shared.runner import Endpoint
 from services.shared.sessions import SessionStore
@@ -152,8 +153,10 @@ class Gateway:
         return []
 
     async def reconnected(self) -> None:
-        # Replies and the live feed are plain subscriptions: nats-py renews them.
+        # Replies and the live feed are plain subscriptions: nats-py renews them,
+        # but what was sent meanwhile is lost.
         self._api.reconnected()
+        await self._replies.recover_missed()
 
     def status(self) -> dict[str, Any]:
         return {"http": f"{self._settings.gateway_host}:{self._settings.gateway_port}"}
@@ -180,7 +183,7 @@ async def build(bus: Bus, settings: GatewaySettings) -> Gateway:
     settings = with_token(settings)
     # Uncached: the page shows the generator's latest calibration.
     sessions = await SessionStore.open(bus.js, cached=False)
-    replies = ReplyRouter(bus)
+    replies = ReplyRouter(bus, HistoryStore(bus.js))
     live = LiveFeed(bus.nc)
     api = Api(bus, settings, sessions, replies, live)
     return Gateway(bus, settings, api, replies, live)

@@ -5,6 +5,11 @@ One wildcard subscription per gateway process; each waiting request has a
 queue keyed by its correlation id. A reply that arrives for nobody (the
 caller gave up) is dropped.
 
+Replies are core NATS messages, kept nowhere: one sent while this process's
+connection was away (a NATS node lost, a restart) never arrives. The turn is
+stored before its reply is sent, so when NATS is back each request still
+waiting looks for its answer in the session's history.
+
 When the gateway stops, the requests still waiting get a short grace for
 their replies; then each is told the gateway is stopping (GatewayStopping),
 so its caller gets a clear answer instead of a connection cut at the
@@ -24,6 +29,7 @@ from nats.aio.subscription import Subscription
 from schemas import subjects
 from schemas.messages import Reply, Token
 from services.shared.bus import Bus
+from services.shared.history_store import HistoryStore
 
 log = structlog.get_logger()
 Event = Reply | Token
@@ -36,9 +42,11 @@ class GatewayStopping(Exception):
 
 
 class ReplyRouter:
-    def __init__(self, bus: Bus) -> None:
+    def __init__(self, bus: Bus, history: HistoryStore) -> None:
         self._bus = bus
+        self._history = history
         self._waiting: dict[str, asyncio.Queue[Event | None]] = {}
+        self._asked: dict[str, tuple[str, str]] = {}  # correlation id -> session, query
         self._none_waiting = asyncio.Event()
         self._none_waiting.set()
         self._stopping = False
@@ -66,19 +74,38 @@ class ReplyRouter:
             queue.put_nowait(_STOPPING)
 
     @contextlib.contextmanager
-    def expect(self, correlation_id: str) -> Iterator[tuple[str, asyncio.Queue[Event | None]]]:
+    def expect(self, correlation_id: str, sid: str, query_id: str
+               ) -> Iterator[tuple[str, asyncio.Queue[Event | None]]]:
         """Register before publishing, so no reply can arrive unseen."""
         queue: asyncio.Queue[Event | None] = asyncio.Queue()
         if self._stopping:
             queue.put_nowait(_STOPPING)
         self._waiting[correlation_id] = queue
+        self._asked[correlation_id] = (sid, query_id)
         self._none_waiting.clear()
         try:
             yield correlation_id, queue
         finally:
             self._waiting.pop(correlation_id, None)
+            self._asked.pop(correlation_id, None)
             if not self._waiting:
                 self._none_waiting.set()
+
+    async def recover_missed(self) -> None:
+        """NATS is back: each request still waiting whose answer was stored
+        meanwhile gets it from the history (its reply may have been lost)."""
+        for correlation_id, (sid, query_id) in list(self._asked.items()):
+            try:
+                self._history.forget(sid)
+                answer = (await self._history.read(sid)).conversation.answer_to(query_id)
+            except Exception as err:  # NATS away again: the next reconnect asks again
+                log.warning("missed_reply_unchecked", session_id=sid, error=repr(err))
+                continue
+            queue = self._waiting.get(correlation_id)
+            if answer is not None and queue is not None:
+                log.info("missed_reply_recovered", session_id=sid, query_id=query_id)
+                queue.put_nowait(Reply(session_id=sid, query_id=query_id,
+                                       reply=answer.content, stopped=answer.stopped))
 
     async def _on_reply(self, msg: Msg) -> None:
         await self._route(msg, Reply)

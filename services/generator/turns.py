@@ -138,14 +138,6 @@ class Turn:
         return self.env.message_id
 
 
-def previous_answer(conversation: Conversation, query_id: str) -> str | None:
-    """The final answer already stored for this query, if an earlier delivery got that far."""
-    for message in reversed(conversation.messages):
-        if message.query_id == query_id and message.role == "assistant" and not message.tool_calls:
-            return message.content
-    return None
-
-
 class TurnRunner:
     def __init__(self, bus: Bus, live: LiveSettings[GeneratorSettings], provider: ChatProvider,
                  history: HistoryStore, sessions: SessionStore, states: SessionStates,
@@ -524,10 +516,10 @@ def _question(env: Envelope[Query]) -> ChatMessage:
 def _answered_before(view: HistoryView, sid: str, query_id: str) -> Reply | None:
     """The reply for a query the history shows answered already (a
     redelivery whose acknowledgement was lost), or None for a new one."""
-    done = previous_answer(view.conversation, query_id)
+    done = view.conversation.answer_to(query_id)
     if done is not None:
         log.info("query_already_answered")
-        return Reply(session_id=sid, query_id=query_id, reply=done)
+        return Reply(session_id=sid, query_id=query_id, reply=done.content)
     if query_id in view.conversation.compacted_query_ids:
         log.warning("query_answered_before_compaction")
         return Reply(session_id=sid, query_id=query_id, error_code="already_answered",
