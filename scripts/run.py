@@ -65,6 +65,8 @@ def ports_from(name: str, default: str) -> tuple[int, ...]:
     return ports
 
 
+# Read at import, so a value that is not a port stops the launcher before it starts anything.
+NATS_PORT = ports_from("NATS_PORT", "4222")[0]
 STUB_PORT = ports_from("OLLAMA_STUB_PORT", "11435")[0]
 GATEWAY_PORT = ports_from("GATEWAY_PORT", "8080")[0]
 # /metrics of the services without an HTTP port of their own, in the order of
@@ -118,13 +120,12 @@ def gateway_token(wanted: str) -> str:
 # that a start that times out still stops it.
 
 def embedded_nats(children: list[Child], passwords: dict[str, str]) -> str:
-    port = ports_from("NATS_PORT", "4222")[0]
-    ensure_free(port, "NATS", "set NATS_URL to use that server, or NATS_PORT")
-    children.append(Child("nats-server", partial(start_nats, port, passwords)))
-    wait_for_port(port, 10, children[-1].proc)
-    print(f"  NATS at nats://127.0.0.1:{port}; its users' passwords are in {NATS_PASSWORDS}"
+    ensure_free(NATS_PORT, "NATS", "set NATS_URL to use that server, or NATS_PORT")
+    children.append(Child("nats-server", partial(start_nats, NATS_PORT, passwords)))
+    wait_for_port(NATS_PORT, 10, children[-1].proc)
+    print(f"  NATS at nats://127.0.0.1:{NATS_PORT}; its users' passwords are in {NATS_PASSWORDS}"
           f" (`nats sub` as user admin)", flush=True)
-    return f"nats://127.0.0.1:{port}"
+    return f"nats://127.0.0.1:{NATS_PORT}"
 
 
 def ollama_or_stand_in(wanted: str | None, children: list[Child]) -> str:

@@ -53,6 +53,9 @@ class StopSignals:
 
 @dataclass
 class Child:
+    """One process of the launcher's, started as soon as it is made and
+    started again by `looked_after` whenever it has exited."""
+
     name: str
     start: Start
     proc: subprocess.Popen[bytes] = field(init=False)

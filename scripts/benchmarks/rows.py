@@ -109,6 +109,10 @@ ROW_FUNCTIONS: dict[str, RowFunction] = {
     "soak_2_generators": row_soak_2,
 }
 ROWS = tuple(ROW_FUNCTIONS)
+# Rows that start systems of their own: the shared one is stopped before them.
+OWN_SYSTEMS = frozenset({"compaction_latency", "compaction_one_slot", "stop_latency",
+                         "memory_sessions", "memory_export", "soak_1_generator",
+                         "soak_2_generators"})
 # Rows that cannot run without starting processes (see --in-process).
 NEEDS_PROCESSES = frozenset(ROWS) - {"splice_128k", "turn_weighing", "estimate_error"}
 
@@ -137,10 +141,8 @@ class Bench:
         if self.in_process and name in NEEDS_PROCESSES:
             return Row(name=name, value=None, unit="", target=None, detail="skipped",
                        skipped="needs processes (--in-process)")
-        if name in ("compaction_latency", "compaction_one_slot", "stop_latency",
-                    "memory_sessions", "memory_export", "soak_1_generator",
-                    "soak_2_generators"):
-            self.close_plain()  # it starts systems of its own
+        if name in OWN_SYSTEMS:
+            self.close_plain()
         started = time.perf_counter()
         load = os.getloadavg()[0]
         # The driver's own garbage collector must not land in a timed query: a full

@@ -30,7 +30,6 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from schemas import subjects
-from schemas.envelope import new_id
 from schemas.messages import MAX_CONTENT_CHARS, CompactionRequest, Query, Reply, StateChange
 from schemas.session import MAX_SYSTEM_PROMPT_CHARS, CompactionsRunning, SessionRecord
 from services.core.context import next_prompt_tokens
@@ -38,7 +37,7 @@ from services.core.state_machine import Phase, session_state
 from services.core.tokens import prompt_budget, stored_calibration
 from services.gateway.controls import Controls
 from services.gateway.live import ListenerLimit, LiveFeed
-from services.gateway.replies import GatewayStopping, ReplyRouter, events_until_reply
+from services.gateway.replies import GatewayStopping, ReplyRouter, Waiting, events_until_reply
 from services.gateway.settings import GatewaySettings
 from services.gateway.transcript import TranscriptRoutes
 from services.shared.bus import Bus, parse_json
@@ -142,11 +141,11 @@ def session_id_of(request: Request) -> str:
 
 class Api:
     def __init__(self, bus: Bus, settings: GatewaySettings, sessions: SessionStore,
-                 replies: ReplyRouter, live: LiveFeed) -> None:
+                 history: HistoryStore, replies: ReplyRouter, live: LiveFeed) -> None:
         self._bus = bus
         self._settings = settings
         self._sessions = sessions
-        self._history = HistoryStore(bus.js)
+        self._history = history
         self._tools = ToolCatalogue(bus.nc)
         self._replies = replies
         self._live = live
@@ -232,12 +231,11 @@ class Api:
             streamed = query.model_copy(update={"stream": True})
             return StreamingResponse(self._stream_answer(streamed),
                                      media_type="text/event-stream")
-        query_id = new_id()
-        with self._replies.expect(new_id(), query.session_id, query_id) as (correlation_id,
-                                                                             queue):
-            await self._submit(query, correlation_id, query_id)
+        with self._replies.expect(query.session_id) as waiting:
+            await self._submit(query, waiting)
             try:
-                async for event in events_until_reply(queue, self._settings.reply_timeout_s):
+                async for event in events_until_reply(waiting.events,
+                                                      self._settings.reply_timeout_s):
                     if isinstance(event, Reply):
                         return self._reply_response(event)
             except TimeoutError:
@@ -248,11 +246,9 @@ class Api:
                      "queued and will be answered when a generator is available")
 
     async def _stream_answer(self, query: Query) -> AsyncIterator[str]:
-        query_id = new_id()
-        with self._replies.expect(new_id(), query.session_id, query_id) as (correlation_id,
-                                                                             queue):
+        with self._replies.expect(query.session_id) as waiting:
             try:
-                await self._submit(query, correlation_id, query_id)
+                await self._submit(query, waiting)
             except NATS_AWAY as err:  # the stream is under way: say it as its end
                 yield sse("error", {"error": nats_away(err), "session_id": query.session_id})
                 return
@@ -263,7 +259,8 @@ class Api:
                 return
             next_index = 0
             try:
-                async for event in events_until_reply(queue, self._settings.reply_timeout_s):
+                async for event in events_until_reply(waiting.events,
+                                                      self._settings.reply_timeout_s):
                     if isinstance(event, Reply):
                         yield sse("error" if event.error else "done", self._reply_body(event))
                         continue
@@ -278,10 +275,11 @@ class Api:
             except GatewayStopping:
                 yield sse("error", {"error": STOPPING, "session_id": query.session_id})
 
-    async def _submit(self, query: Query, correlation_id: str, query_id: str) -> None:
+    async def _submit(self, query: Query, waiting: Waiting) -> None:
         sid = query.session_id
-        await self._bus.js_publish(subjects.query(sid), query, correlation_id=correlation_id,
-                                   session_id=sid, message_id=query_id)
+        await self._bus.js_publish(subjects.query(sid), query,
+                                   correlation_id=waiting.correlation_id, session_id=sid,
+                                   message_id=waiting.query_id)
 
     async def compact(self, request: Request) -> Response:
         sid = session_id_of(request)

@@ -183,7 +183,10 @@ async def build(bus: Bus, settings: GatewaySettings) -> Gateway:
     settings = with_token(settings)
     # Uncached: the page shows the generator's latest calibration.
     sessions = await SessionStore.open(bus.js, cached=False)
-    replies = ReplyRouter(bus, HistoryStore(bus.js))
+    # One view of the histories: the API's reads and the replies' recovery
+    # after a reconnect, which the API's `reconnected` has just emptied.
+    history = HistoryStore(bus.js)
+    replies = ReplyRouter(bus, history)
     live = LiveFeed(bus.nc)
-    api = Api(bus, settings, sessions, replies, live)
+    api = Api(bus, settings, sessions, history, replies, live)
     return Gateway(bus, settings, api, replies, live)

@@ -21,12 +21,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
 
 import structlog
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from schemas import subjects
+from schemas.envelope import new_id
 from schemas.messages import Reply, Token
 from services.shared.bus import Bus
 from services.shared.history_store import HistoryStore
@@ -41,12 +43,22 @@ class GatewayStopping(Exception):
     """The gateway stops before the reply came; the query stays queued."""
 
 
+@dataclass
+class Waiting:
+    """A request waiting for its reply: the query it sends, under what ids,
+    and the queue its tokens and reply arrive in."""
+
+    sid: str
+    query_id: str = field(default_factory=new_id)
+    correlation_id: str = field(default_factory=new_id)
+    events: asyncio.Queue[Event | None] = field(default_factory=asyncio.Queue)
+
+
 class ReplyRouter:
     def __init__(self, bus: Bus, history: HistoryStore) -> None:
         self._bus = bus
         self._history = history
-        self._waiting: dict[str, asyncio.Queue[Event | None]] = {}
-        self._asked: dict[str, tuple[str, str]] = {}  # correlation id -> session, query
+        self._waiting: dict[str, Waiting] = {}  # by correlation id
         self._none_waiting = asyncio.Event()
         self._none_waiting.set()
         self._stopping = False
@@ -70,42 +82,38 @@ class ReplyRouter:
             async with asyncio.timeout(grace_s):
                 await self._none_waiting.wait()
         self._stopping = True
-        for queue in self._waiting.values():
-            queue.put_nowait(_STOPPING)
+        for waiting in self._waiting.values():
+            waiting.events.put_nowait(_STOPPING)
 
     @contextlib.contextmanager
-    def expect(self, correlation_id: str, sid: str, query_id: str
-               ) -> Iterator[tuple[str, asyncio.Queue[Event | None]]]:
+    def expect(self, sid: str) -> Iterator[Waiting]:
         """Register before publishing, so no reply can arrive unseen."""
-        queue: asyncio.Queue[Event | None] = asyncio.Queue()
+        waiting = Waiting(sid)
         if self._stopping:
-            queue.put_nowait(_STOPPING)
-        self._waiting[correlation_id] = queue
-        self._asked[correlation_id] = (sid, query_id)
+            waiting.events.put_nowait(_STOPPING)
+        self._waiting[waiting.correlation_id] = waiting
         self._none_waiting.clear()
         try:
-            yield correlation_id, queue
+            yield waiting
         finally:
-            self._waiting.pop(correlation_id, None)
-            self._asked.pop(correlation_id, None)
+            self._waiting.pop(waiting.correlation_id, None)
             if not self._waiting:
                 self._none_waiting.set()
 
     async def recover_missed(self) -> None:
         """NATS is back: each request still waiting whose answer was stored
         meanwhile gets it from the history (its reply may have been lost)."""
-        for correlation_id, (sid, query_id) in list(self._asked.items()):
+        for waiting in list(self._waiting.values()):
+            sid, query_id = waiting.sid, waiting.query_id
             try:
-                self._history.forget(sid)
                 answer = (await self._history.read(sid)).conversation.answer_to(query_id)
             except Exception as err:  # NATS away again: the next reconnect asks again
                 log.warning("missed_reply_unchecked", session_id=sid, error=repr(err))
                 continue
-            queue = self._waiting.get(correlation_id)
-            if answer is not None and queue is not None:
+            if answer is not None:
                 log.info("missed_reply_recovered", session_id=sid, query_id=query_id)
-                queue.put_nowait(Reply(session_id=sid, query_id=query_id,
-                                       reply=answer.content, stopped=answer.stopped))
+                waiting.events.put_nowait(Reply(session_id=sid, query_id=query_id,
+                                                reply=answer.content, stopped=answer.stopped))
 
     async def _on_reply(self, msg: Msg) -> None:
         await self._route(msg, Reply)
@@ -117,9 +125,9 @@ class ReplyRouter:
         env = await self._bus.decode_or_report(msg, kind)
         if env is None:
             return
-        queue = self._waiting.get(env.correlation_id)
-        if queue is not None:
-            queue.put_nowait(env.payload)
+        waiting = self._waiting.get(env.correlation_id)
+        if waiting is not None:
+            waiting.events.put_nowait(env.payload)
 
 
 async def events_until_reply(queue: asyncio.Queue[Event | None], timeout_s: float

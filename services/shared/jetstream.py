@@ -32,6 +32,7 @@ from nats.js.kv import KeyValue
 from schemas import subjects as s
 
 log = structlog.get_logger()
+
 DUPLICATE_WINDOW_S = 120.0
 MAX_MESSAGE_BYTES = 8 * 1024 * 1024
 # The default `LOCK_LEASE_S` of the generator, and of a lock bucket another service makes first.
@@ -106,6 +107,7 @@ STREAMS = (
 class ReplicasMismatch(RuntimeError):
     """A stream or bucket of the layout cannot be moved to the replicas asked for."""
 
+
 # The server refusing a write for want of room: an account's or its own limits,
 # or its disk or memory full (JSAccountResourcesExceeded, JSInsufficientResources,
 # JSMemoryResourcesExceeded, JSStorageResourcesExceeded in nats-server's errors).
@@ -117,7 +119,6 @@ NO_ROOM = ("NATS has no room left to store it (JetStream's limits, or its disk o
 def no_room(err: BaseException) -> bool:
     """Whether `err` is JetStream refusing a write for want of room."""
     return isinstance(err, APIError) and err.err_code in NO_ROOM_CODES
-
 
 
 async def ensure_layout(js: JetStreamContext, lock_lease_s: float | None = None,
