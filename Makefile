@@ -17,8 +17,13 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(BIN)/python scripts/run.py
 
+# Two workers, a file each at a time, each worker with a NATS of its own:
+# the tests mostly wait on processes. Against one given NATS_URL, workers
+# would answer each other's queries, so they run one at a time.
+TEST_WORKERS ?= $(if $(NATS_URL),0,2)
+
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # compose.yaml on a real Docker engine (started here if none answers), with
 # images built locally: see tests/test_compose.py.
