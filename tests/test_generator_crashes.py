@@ -21,9 +21,10 @@ from schemas import subjects
 from schemas.history import ChatMessage, Snapshot
 from schemas.messages import Query, Reply
 from schemas.session import SessionRecord
+from services.core.failed_tries import MAX_CRASHES
 from services.generator.models import ModelFacts
 from services.generator.provider import ChatRequest, ChatResult, OnToken, ProviderError
-from services.generator.service import MAX_CRASHES, QUERY_CONSUMER, Generator
+from services.generator.service import QUERY_CONSUMER, Generator
 from services.generator.session_lock import SessionLocks
 from services.generator.settings import GeneratorSettings
 from services.shared.bus import Bus, decode
@@ -52,6 +53,12 @@ class BrokenModel:
 
     async def close(self) -> None:
         pass
+
+
+class Answering(BrokenModel):
+    async def chat(self, request: ChatRequest, on_token: OnToken | None = None) -> ChatResult:
+        self.calls += 1
+        return ChatResult(content="an answer")
 
 
 class UnreachableOnce(BrokenModel):
@@ -188,3 +195,33 @@ async def test_an_error_answer_whose_acknowledgement_is_lost_is_sent_again_not_r
             assert len({r.query_id for r in replies}) == 1
             assert rig.model.calls == 1
             assert not (await HistoryStore(rig.bus.js).read(SID)).conversation.messages
+
+
+async def test_nats_not_answering_is_waited_out_beyond_the_crash_retries(
+        private_nats: NatsServer) -> None:
+    """With the history stream gone (as while its leader is elected), the
+    turn cannot be stored: the query is tried again more often than a crash
+    would be, and answered once the stream is back."""
+    async with in_process_generator(private_nats.url, GeneratorSettings(model="stub-model"),
+                                    Answering()) as rig:
+        await rig.bus.js.delete_stream(subjects.HISTORY_STREAM)
+        await rig.bus.js_publish(subjects.query(SID), Query(session_id=SID, content="hi"),
+                                 session_id=SID)
+        await eventually(lambda: deliveries(rig.bus.js, MAX_CRASHES + 1),
+                         "the query tried more often than a crash would be")
+        assert rig.replies.empty()
+        await ensure_layout(rig.bus.js)
+        reply = await asyncio.wait_for(rig.replies.get(), 15)
+        assert (reply.reply, reply.error_code) == ("an answer", None)
+
+
+async def test_nats_not_answering_past_the_patience_is_told_as_nats_unavailable(
+        private_nats: NatsServer) -> None:
+    settings = GeneratorSettings(model="stub-model", nats_away_patience_s=0.5)
+    async with in_process_generator(private_nats.url, settings, Answering()) as rig:
+        await rig.bus.js.delete_stream(subjects.HISTORY_STREAM)
+        await rig.bus.js_publish(subjects.query(SID), Query(session_id=SID, content="hi"),
+                                 session_id=SID)
+        reply = await asyncio.wait_for(rig.replies.get(), 15)
+        assert reply.error_code == "nats_unavailable"
+        assert reply.error is not None and "NoStreamResponseError" in reply.error

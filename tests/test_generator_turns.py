@@ -185,6 +185,22 @@ def test_an_unreachable_model_is_named_as_such(private_nats: NatsServer) -> None
         assert client.get(f"/api/sessions/{sid}").json()["messages"] == []
 
 
+async def test_nats_not_answering_for_too_long_is_told_as_503(
+        private_nats: NatsServer, stub: str) -> None:
+    """The history stream is gone (as while its leader is elected): the turn
+    cannot be stored, and past the patience the caller is told to try again."""
+    env = {"NATS_AWAY_PATIENCE_S": "0.5"}
+    with running_system(private_nats.url, stub, env,
+                        services=("generator", "gateway")) as system, system.client() as client:
+        sid = new_session(client)
+        nc = await nats.connect(private_nats.url)
+        await nc.jetstream().delete_stream(subjects.HISTORY_STREAM)
+        await nc.close()
+        failed = ask(client, sid, "anyone there?")
+        assert failed.status_code == 503
+        assert failed.json()["error"]["code"] == "nats_unavailable"
+
+
 async def never_answer(msg: Msg) -> None:
     """A subscriber that takes requests and lets them time out."""
     return None

@@ -10,18 +10,8 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, TypeVar
 
-from nats.errors import (
-    ConnectionClosedError,
-    ConnectionReconnectingError,
-    NoRespondersError,
-)
-from nats.errors import TimeoutError as NatsTimeout
-from nats.js.errors import (
-    APIError,
-    NoStreamResponseError,
-    NotFoundError,
-    ServiceUnavailableError,
-)
+from nats.errors import NoRespondersError
+from nats.js.errors import APIError, NotFoundError
 from nats.js.kv import KeyValue
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import Request
@@ -42,17 +32,13 @@ from services.gateway.settings import GatewaySettings
 from services.gateway.transcript import TranscriptRoutes
 from services.shared.bus import Bus, parse_json
 from services.shared.history_store import HistoryStore
-from services.shared.jetstream import NO_ROOM, missing, no_room
+from services.shared.jetstream import NATS_AWAY, NO_ROOM, missing, no_room
 from services.shared.sessions import SessionNotFound, SessionStore
 from services.shared.tool_catalogue import ToolCatalogue
 
 STATIC = Path(__file__).parent / "static"
 DEFAULT_LISTED = 50
 MAX_LISTED = 500
-# What a request meets while NATS is away, or back without the stream it
-# writes to yet: worth trying again in a moment, not a fault of ours.
-NATS_AWAY = (ConnectionReconnectingError, ConnectionClosedError, NoRespondersError,
-             NatsTimeout, NoStreamResponseError, ServiceUnavailableError)
 
 # Generator error codes -> HTTP status.
 ERROR_STATUS = {
@@ -70,6 +56,7 @@ ERROR_STATUS = {
     "nothing_to_retry": 409,
     "retry_outdated": 409,
     "storage_full": 507,
+    "nats_unavailable": 503,
 }
 
 

@@ -23,14 +23,14 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.gateway.access import AccessGuard
 from services.gateway.access_rules import WILDCARD_BINDS, Policy, host_names, origins
-from services.gateway.api import NATS_AWAY, STORAGE_FULL, Api, HttpError, error, nats_away
+from services.gateway.api import STORAGE_FULL, Api, HttpError, error, nats_away
 from services.gateway.live import LiveFeed
 from services.gateway.replies import ReplyRouter
 from services.gateway.settings import GatewaySettings
 from services.shared import metrics
 from services.shared.bus import Bus
 from services.shared.history_store import HistoryStore
-from services.shared.jetstream import no_room
+from services.shared.jetstream import NATS_AWAY, no_room
 from services.shared.runner import Endpoint
 from services.shared.sessions import SessionStore
 

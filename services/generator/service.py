@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
@@ -26,6 +27,7 @@ from nats.js.errors import NotFoundError
 from schemas import subjects
 from schemas.envelope import Envelope
 from schemas.messages import CompactionRequest, Query, Reply, StopAccepted, StopRequest
+from services.core.failed_tries import GiveUp, Tries, TryAgain, after_failure
 from services.core.state_machine import Action, CompactionMode
 from services.generator.arrival_order import ArrivalOrder, HandBacks
 from services.generator.compaction import Compactor
@@ -42,7 +44,7 @@ from services.shared import metrics
 from services.shared.bus import MSG_ID_HEADER, Bus
 from services.shared.consumer import Delivery, PullLoop, ensure_consumer
 from services.shared.history_store import HistoryConflict, HistoryStore
-from services.shared.jetstream import locks_bucket
+from services.shared.jetstream import NATS_AWAY, locks_bucket
 from services.shared.live_config import LiveSettings
 from services.shared.recent import Recent
 from services.shared.runner import Endpoint
@@ -50,9 +52,13 @@ from services.shared.sessions import SessionNotFound, SessionStore
 from services.shared.together import together
 
 QUERY_CONSUMER = "generator"
+# What a caller is told when its query is given up on, by error code.
+FAILURE_TEXT = {
+    "internal_error": "the generator failed on this query: {}",
+    "nats_unavailable": "NATS did not answer the generator for too long ({}); "
+                        "try again in a moment",
+}
 COMPACTION_CONSUMER = "generator-compactions"
-# After this many crashed attempts in this process a query is answered with an error.
-MAX_CRASHES = 3
 # How long a later query of a session waits before it is offered again, at
 # first and at most (see `HandBacks`).
 OUT_OF_ORDER_DELAY_S = 0.02
@@ -124,19 +130,23 @@ class AnsweredQueries:
             ack.cancel()
 
 
-class CrashCounts:
-    """How often each query lately crashed in this process. Not its delivery
-    count: a query handed back to keep its session's order, or because the
-    lock was busy, comes again without having failed."""
+class FailedTries:
+    """Each query's failed attempts lately in this process (see
+    `services.core.failed_tries`). Not its delivery count: a query handed
+    back to keep its session's order, or because the lock was busy, comes
+    again without having failed."""
 
-    def __init__(self, size: int = REMEMBERED_ANSWERS) -> None:
-        self._counts: Recent[str, int] = Recent(size)
+    def __init__(self, nats_patience_s: float, size: int = REMEMBERED_ANSWERS) -> None:
+        self._tries: Recent[str, Tries] = Recent(size)
+        self._patience_s = nats_patience_s
 
-    def add(self, query_id: str) -> int:
-        """Count one more crash of this query; returns its crashes so far."""
-        crashes = (self._counts.get(query_id) or 0) + 1
-        self._counts.put(query_id, crashes)
-        return crashes
+    def count(self, query_id: str, err: Exception) -> TryAgain | GiveUp:
+        """Count this failure of the query; says what to do next."""
+        tries, outcome = after_failure(self._tries.get(query_id) or Tries(),
+                                       isinstance(err, NATS_AWAY), time.monotonic(),
+                                       self._patience_s)
+        self._tries.put(query_id, tries)
+        return outcome
 
 
 class Generator:
@@ -172,7 +182,7 @@ class Generator:
         # Each loop's stream and consumer, made again when NATS comes back without them.
         self._consumers: list[tuple[str, ConsumerConfig]] = []
         self._answered = AnsweredQueries()
-        self._crashes = CrashCounts()
+        self._failures = FailedTries(settings.nats_away_patience_s)
         self._following: JetStreamContext.PushSubscription | None = None
         self._stop_requests: Subscription | None = None
 
@@ -489,16 +499,20 @@ class Generator:
 
     async def _unexpected(self, delivery: Delivery, env: Envelope[Query],
                           err: Exception) -> None:
-        """A bug or a broken connection: retry a few times, then tell the caller."""
-        log.exception("query_crashed", error=str(err))
+        """A bug or NATS not answering: try again in a while, then tell the caller."""
+        if isinstance(err, NATS_AWAY):
+            log.warning("query_met_nats_away", error=type(err).__name__)
+        else:
+            log.exception("query_crashed", error=str(err))
         sid = env.payload.session_id
         with contextlib.suppress(Exception):
             await self._states.recover(sid, env.correlation_id)
-        if self._crashes.add(env.message_id) < MAX_CRASHES:
-            await delivery.nak(0.5)
+        outcome = self._failures.count(env.message_id, err)
+        if isinstance(outcome, TryAgain):
+            await delivery.nak(outcome.after_s)
             return
         await self._send_reply(delivery, env, self._error_reply(env, TurnError(
-            "internal_error", f"the generator failed on this query: {type(err).__name__}")))
+            outcome.code, FAILURE_TEXT[outcome.code].format(type(err).__name__))))
 
     def _error_reply(self, env: Envelope[Query], err: Exception) -> Reply:
         sid = env.payload.session_id

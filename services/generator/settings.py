@@ -51,6 +51,9 @@ class GeneratorSettings(ServiceSettings):
     lock_wait_s: float = Field(default=30.0, gt=0)
     # A query unacknowledged this long is redelivered (the process died).
     query_ack_wait_s: float = Field(default=30.0, ge=1)
+    # How long a query that NATS does not answer for (a reconnect, a stream
+    # electing its leader) is tried again before its caller gets 503.
+    nats_away_patience_s: float = Field(default=30.0, ge=0)
     # Until the first token: the model may have to load, wait for a free slot
     # and read a long prompt first. Then the longest pause between two tokens.
     ollama_first_token_timeout_s: float | None = Field(default=None, gt=0)

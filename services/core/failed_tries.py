@@ -1,0 +1,58 @@
+"""What becomes of a query whose attempt failed for no fault of the model's
+(a model's failure is the caller's answer, not a failed attempt): it is
+tried again in a moment, or its caller is told.
+
+Two kinds of failure are told apart. A crash (most likely a bug) is tried a
+few times. NATS not answering (a reconnect, or a stream electing its leader,
+which takes seconds) is waited out for a while with growing pauses, since
+the next try is likely to work, and counts as no crash."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+# After this many crashes of a query its caller gets `internal_error`.
+MAX_CRASHES = 3
+CRASH_PAUSE_S = 0.5
+# Pauses between tries while NATS does not answer: the first, doubled each
+# time, up to the longest.
+FIRST_AWAY_PAUSE_S = 0.25
+LONGEST_AWAY_PAUSE_S = 4.0
+
+
+@dataclass(frozen=True)
+class Tries:
+    """A query's failed attempts so far."""
+
+    crashes: int = 0
+    # While NATS did not answer: how often, and since when (monotonic seconds).
+    aways: int = 0
+    away_since: float | None = None
+
+
+@dataclass(frozen=True)
+class TryAgain:
+    after_s: float
+
+
+@dataclass(frozen=True)
+class GiveUp:
+    code: str  # "internal_error" or "nats_unavailable"
+
+
+def after_failure(tries: Tries, nats_away: bool, now: float, patience_s: float
+                  ) -> tuple[Tries, TryAgain | GiveUp]:
+    """The query's tries with this failure counted, and what to do next.
+    NATS is waited out while `patience_s` has not passed since it first
+    failed this query."""
+    if not nats_away:
+        counted = replace(tries, crashes=tries.crashes + 1)
+        if counted.crashes >= MAX_CRASHES:
+            return counted, GiveUp("internal_error")
+        return counted, TryAgain(CRASH_PAUSE_S)
+    since = now if tries.away_since is None else tries.away_since
+    counted = replace(tries, aways=tries.aways + 1, away_since=since)
+    if now - since >= patience_s:
+        return counted, GiveUp("nats_unavailable")
+    pause = FIRST_AWAY_PAUSE_S * 2 ** (counted.aways - 1)
+    return counted, TryAgain(min(pause, LONGEST_AWAY_PAUSE_S))
