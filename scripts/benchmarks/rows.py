@@ -33,7 +33,7 @@ from scripts.benchmarks.throughput import (
     row_throughput_floor,
 )
 from scripts.benchmarks.timeline import row_turn_timeline
-from scripts.benchmarks.transcript import row_transcript_overhead
+from scripts.benchmarks.transcript import row_transcript_last_page, row_transcript_overhead
 from scripts.benchmarks.weighing import row_turn_weighing
 
 # Rows sharing the plain system run back to back, so it is started once and
@@ -52,6 +52,7 @@ RUN_ORDER = (
     "throughput_2_generators",
     "estimate_error",
     "transcript_overhead",
+    "transcript_last_page",
     "compaction_latency",
     "compaction_one_slot",
     "stop_latency",
@@ -103,6 +104,7 @@ ROW_FUNCTIONS: dict[str, RowFunction] = {
     "turn_weighing": row_turn_weighing,
     "estimate_error": row_estimate,
     "transcript_overhead": row_transcript_overhead,
+    "transcript_last_page": row_transcript_last_page,
     "memory_sessions": row_memory_sessions,
     "memory_export": row_memory_export,
     "soak_1_generator": row_soak_1,

@@ -5,6 +5,7 @@ does not grow with history a compaction has already folded away."""
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import TYPE_CHECKING, Any
 
 import nats
@@ -97,4 +98,43 @@ def row_transcript_overhead(bench: Bench) -> Row:
                f"of transcript, {short_ms:.2f} ms with {SHORT_TRANSCRIPT}; "
                f"{raw['bytes_per_turn']:,} B stored per 1,000-character turn",
         raw={**raw, "long_overhead_ms": long_ms, "short_overhead_ms": short_ms},
+    )
+
+
+# Row transcript_last_page: a long session opened on the page, whose first
+# request is its transcript's last page, against its first page.
+LAST_PAGE_MAX_RATIO = 2.0
+PAGE_ITEMS = 50  # the page's TRANSCRIPT_PAGE
+
+
+async def page_times(env: Env, params: Params) -> dict[str, Any]:
+    """p50 and p99 of asking for the first and for the last page of a
+    session with LONG_TRANSCRIPT messages, taking turns."""
+    requests = 20 if params.quick else 100
+    samples: dict[str, list[float]] = {"first": [], "last": []}
+    async with http_client(env, 1) as http:
+        sid = await new_session(http)
+        await write_transcript(env.nats_url, sid, LONG_TRANSCRIPT)
+        queries = {"first": f"limit={PAGE_ITEMS}", "last": f"before=end&limit={PAGE_ITEMS}"}
+        for _ in range(requests):
+            for which, query in queries.items():
+                started = time.perf_counter()
+                response = await http.get(f"/api/sessions/{sid}/transcript?{query}")
+                samples[which].append(time.perf_counter() - started)
+                if response.status_code != 200 or len(response.json()["items"]) != PAGE_ITEMS:
+                    raise RuntimeError(f"{which} page: HTTP {response.status_code}")
+    return {which: summary_ms(times) for which, times in samples.items()}
+
+
+def row_transcript_last_page(bench: Bench) -> Row:
+    raw = asyncio.run(page_times(bench.plain(), bench.params))
+    ratio = raw["last"]["p50_ms"] / raw["first"]["p50_ms"]
+    return Row(
+        name="transcript_last_page", value=ratio,
+        unit=f"× the first page ({LONG_TRANSCRIPT:,} messages)",
+        target=Target("<=", LAST_PAGE_MAX_RATIO),
+        detail=f"{PAGE_ITEMS} items: the last page (what the page opens on) p50 "
+               f"{raw['last']['p50_ms']:.1f} ms, p99 {raw['last']['p99_ms']:.1f} ms; the first "
+               f"page p50 {raw['first']['p50_ms']:.1f} ms",
+        raw=raw,
     )

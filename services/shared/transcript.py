@@ -5,7 +5,6 @@ setting without touching the context."""
 from __future__ import annotations
 
 import json
-from collections import deque
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 
@@ -16,17 +15,17 @@ from schemas import subjects
 from schemas.history import HistoryEntry
 from services.core.transcript import Item, MarkdownWriter, Position, StoredEntry, items_of
 
+# Scrolling back: how much longer each stretch of the stream read is than the
+# one before. Doubling reads at most about twice the entries a page needs.
+STRETCH_GROWTH = 2
 
-async def stored_entries(js: JetStreamContext, sid: str,
-                         from_seq: int = 1) -> AsyncIterator[StoredEntry]:
-    """The session's entries from stream sequence `from_seq` on, in order,
-    up to the last one stored when the walk started."""
+
+async def stored_entries(js: JetStreamContext, sid: str, from_seq: int = 1,
+                         to_seq: int | None = None) -> AsyncIterator[StoredEntry]:
+    """The session's entries from stream sequence `from_seq` to `to_seq`
+    (None: the last one stored when the walk started), in order."""
+    last = to_seq if to_seq is not None else await last_seq(js, sid)
     subject = subjects.history(sid)
-    try:
-        last = int((await js.get_last_msg(subjects.HISTORY_STREAM, subject, direct=True)).seq
-                   or 0)
-    except NotFoundError:
-        return
     seq = max(from_seq, 1) - 1
     while seq < last:
         try:
@@ -35,7 +34,18 @@ async def stored_entries(js: JetStreamContext, sid: str,
         except NotFoundError:
             return
         seq = int(msg.seq or seq + 1)
+        if seq > last:
+            return
         yield StoredEntry(seq, msg.time, HistoryEntry.model_validate_json(msg.data or b""))
+
+
+async def last_seq(js: JetStreamContext, sid: str) -> int:
+    """The stream sequence of the session's last entry; 0 if it has none."""
+    try:
+        msg = await js.get_last_msg(subjects.HISTORY_STREAM, subjects.history(sid), direct=True)
+    except NotFoundError:
+        return 0
+    return int(msg.seq or 0)
 
 
 async def page(js: JetStreamContext, sid: str, after: Position | None,
@@ -57,15 +67,22 @@ async def page_before(js: JetStreamContext, sid: str, before: Position | None,
                       limit: int) -> tuple[list[Item], Position | None]:
     """The `limit` items just before `before` (None: the end), oldest first,
     and the cursor of the page before them (None at the start). The page
-    scrolls back with it. Entries have no backward link on the stream, so
-    this walks forward from the start: its cost grows with the transcript
-    (the context's never does)."""
-    kept: deque[Item] = deque(maxlen=limit + 1)
-    async for stored in stored_entries(js, sid):
-        if before is not None and stored.seq > before.seq:
-            break
-        kept.extend(i for i in items_of(stored) if before is None or i.position < before)
-    items = list(kept)
+    scrolls back with it.
+
+    Entries have no backward link on the stream, so stretches of it are read
+    forward, each reaching further back than the one before (other sessions'
+    entries lie between a session's), until they hold the page: a page costs
+    a few reads more than it holds, however long the transcript."""
+    top = before.seq if before is not None else await last_seq(js, sid)
+    span = limit // 2 + 1  # enough when the session's turns lie side by side
+    kept: list[Item] = []
+    while top >= 1 and len(kept) <= limit:
+        low = max(1, top - span + 1)
+        kept = [item async for stored in stored_entries(js, sid, low, top)
+                for item in items_of(stored)
+                if before is None or item.position < before] + kept
+        top, span = low - 1, span * STRETCH_GROWTH
+    items = kept[-(limit + 1):]
     if len(items) > limit:
         return items[1:], items[1].position
     return items, None
