@@ -38,6 +38,8 @@ LEASE_S = 2.0  # LOCK_LEASE_S of tests.system
 # Seconds during which turns failed: an election takes a few (0 to 8 measured
 # on two loaded cores); far more would mean the services did not fail over.
 MOST_ERROR_SECONDS = 20
+# The generator's NATS_AWAY_PATIENCE_S, and a publish timeout past it.
+REPLY_WAIT_S = 40.0
 
 
 @dataclass
@@ -225,7 +227,10 @@ async def test_a_reply_sent_while_the_gateway_was_away_still_reaches_its_caller(
                     await eventually(lambda: "nats_disconnected" in gateway.log(),
                                      "the gateway cut off")
                     await configure_stub(stub, held_models=[])
-                    await replies.wait_for(lambda e: e["payload"]["session_id"] == sid)
+                    # Stores the turn first: through a leader election under load,
+                    # tried again while NATS does not answer (up to its patience).
+                    await replies.wait_for(lambda e: e["payload"]["session_id"] == sid,
+                                           timeout_s=REPLY_WAIT_S)
                     cluster.restart("n1")
                     answer = await asyncio.wait_for(asking, 60)
             finally:

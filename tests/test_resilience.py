@@ -13,9 +13,14 @@ from typing import Any
 import httpx
 import nats
 import pytest
+from nats.js import JetStreamContext
+from nats.js.api import RawStreamMsg
 from nats.js.errors import NotFoundError
 
 from schemas import subjects
+from schemas.messages import Query, Reply
+from services.shared.bus import Bus, decode
+from services.shared.jetstream import ensure_layout
 from services.shared.runner import SHUTDOWN_TIMEOUT_S
 from tests.events import eventually, server_sent_events, until, watching
 from tests.nats_server import NatsServer
@@ -313,7 +318,9 @@ async def test_a_missing_stream_reads_as_nothing_yet(private_nats: NatsServer,
     """What NATS coming back leaves until a service makes the layout again
     (the state stream, in memory, is always gone): reads find nothing yet, a
     write is refused as worth trying again, and nothing answers 500."""
-    with running_system(private_nats.url, stub_url, services=("gateway",)) as system:
+    # No patience: a query the stream does not take is refused at once.
+    with running_system(private_nats.url, stub_url, {"NATS_AWAY_PATIENCE_S": "0"},
+                        services=("gateway",)) as system:
         async with system.http(timeout=30) as http:
             sid = (await http.post("/api/sessions", json={})).json()["session_id"]
             nc = await nats.connect(private_nats.url)
@@ -335,6 +342,44 @@ async def test_a_missing_stream_reads_as_nothing_yet(private_nats: NatsServer,
             created = await http.post("/api/sessions", json={})
             assert created.status_code == 503, created.text
             assert created.json()["error"]["code"] == "nats_unavailable"
+
+
+async def test_a_query_the_stream_does_not_take_yet_is_offered_again_and_kept_once(
+        private_nats: NatsServer, stub_url: str) -> None:
+    """As while the QUERIES stream elects a leader: the gateway offers the
+    query again under its id until the stream takes it, and its caller gets
+    the answer, not 503."""
+    with running_system(private_nats.url, stub_url, services=("gateway",)) as system:
+        async with system.http(timeout=30) as http:
+            sid = (await http.post("/api/sessions", json={})).json()["session_id"]
+            nc = await nats.connect(private_nats.url)
+            bus, js = Bus(nc, "test"), nc.jetstream()
+            await js.delete_stream(subjects.QUERIES_STREAM)
+            async with watching(private_nats.url, subjects.query(sid)) as offers:
+                asked = asyncio.create_task(
+                    http.post(f"/api/sessions/{sid}/messages", json={"content": "hello"}))
+                await offers.wait_until(lambda: len(offers.events) >= 2)
+                await ensure_layout(js)
+                await eventually(lambda: last_query(js, sid), "the query stored")
+            stored = await last_query(js, sid)
+            assert stored is not None and stored.data is not None
+            query = decode(stored.data, Query, subjects.query(sid))
+            await bus.publish(subjects.reply(sid), Reply(
+                session_id=sid, query_id=query.message_id, reply="an answer"),
+                correlation_id=query.correlation_id, session_id=sid)
+            answered = await asyncio.wait_for(asked, 30)
+            info = await js.stream_info(subjects.QUERIES_STREAM)
+            await nc.close()
+    assert answered.status_code == 200, answered.text
+    assert answered.json()["reply"] == "an answer"
+    assert info.state.messages == 1
+
+
+async def last_query(js: JetStreamContext, sid: str) -> RawStreamMsg | None:
+    try:
+        return await js.get_last_msg(subjects.QUERIES_STREAM, subjects.query(sid))
+    except NotFoundError:
+        return None
 
 
 async def the_query_is_refused_as_worth_retrying(http: httpx.AsyncClient, sid: str) -> None:

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, TypeVar
 
-from nats.errors import NoRespondersError
+import structlog
+from nats.errors import ConnectionClosedError, NoRespondersError
 from nats.js.errors import APIError, NotFoundError
 from nats.js.kv import KeyValue
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -23,6 +25,7 @@ from schemas import subjects
 from schemas.messages import MAX_CONTENT_CHARS, CompactionRequest, Query, Reply, StateChange
 from schemas.session import MAX_SYSTEM_PROMPT_CHARS, CompactionsRunning, SessionRecord
 from services.core.context import next_prompt_tokens
+from services.core.failed_tries import GiveUp, Tries, after_failure
 from services.core.state_machine import Phase, session_state
 from services.core.tokens import prompt_budget, stored_calibration
 from services.gateway.controls import Controls
@@ -36,6 +39,7 @@ from services.shared.jetstream import NATS_AWAY, NO_ROOM, missing, no_room
 from services.shared.sessions import SessionNotFound, SessionStore
 from services.shared.tool_catalogue import ToolCatalogue
 
+log = structlog.get_logger()
 STATIC = Path(__file__).parent / "static"
 DEFAULT_LISTED = 50
 MAX_LISTED = 500
@@ -263,10 +267,24 @@ class Api:
                 yield sse("error", {"error": STOPPING, "session_id": query.session_id})
 
     async def _submit(self, query: Query, waiting: Waiting) -> None:
-        sid = query.session_id
-        await self._bus.js_publish(subjects.query(sid), query,
-                                   correlation_id=waiting.correlation_id, session_id=sid,
-                                   message_id=waiting.query_id)
+        """Publish the query. While NATS does not take it (its stream electing
+        a leader), it is offered again under the same id, which the stream
+        keeps once, for NATS_AWAY_PATIENCE_S or until the gateway stops."""
+        sid, tries = query.session_id, Tries()
+        while True:
+            try:
+                await self._bus.js_publish(subjects.query(sid), query,
+                                           correlation_id=waiting.correlation_id,
+                                           session_id=sid, message_id=waiting.query_id)
+                return
+            except NATS_AWAY as err:
+                tries, outcome = after_failure(tries, True, time.monotonic(),
+                                               self._settings.nats_away_patience_s)
+                if isinstance(outcome, GiveUp) or isinstance(err, ConnectionClosedError):
+                    raise
+                log.warning("query_offered_again", session_id=sid, error=type(err).__name__)
+                if await self._replies.stopping_within(outcome.after_s):
+                    raise
 
     async def compact(self, request: Request) -> Response:
         sid = session_id_of(request)

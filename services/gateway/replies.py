@@ -61,7 +61,7 @@ class ReplyRouter:
         self._waiting: dict[str, Waiting] = {}  # by correlation id
         self._none_waiting = asyncio.Event()
         self._none_waiting.set()
-        self._stopping = False
+        self._stopping = asyncio.Event()
         self._subs: list[Subscription] = []
 
     async def start(self) -> None:
@@ -81,7 +81,7 @@ class ReplyRouter:
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(grace_s):
                 await self._none_waiting.wait()
-        self._stopping = True
+        self._stopping.set()
         for waiting in self._waiting.values():
             waiting.events.put_nowait(_STOPPING)
 
@@ -89,7 +89,7 @@ class ReplyRouter:
     def expect(self, sid: str) -> Iterator[Waiting]:
         """Register before publishing, so no reply can arrive unseen."""
         waiting = Waiting(sid)
-        if self._stopping:
+        if self._stopping.is_set():
             waiting.events.put_nowait(_STOPPING)
         self._waiting[waiting.correlation_id] = waiting
         self._none_waiting.clear()
@@ -99,6 +99,12 @@ class ReplyRouter:
             self._waiting.pop(waiting.correlation_id, None)
             if not self._waiting:
                 self._none_waiting.set()
+
+    async def stopping_within(self, seconds: float) -> bool:
+        """Whether the gateway tells its waiting callers it stops within `seconds`."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stopping.wait(), seconds)
+        return self._stopping.is_set()
 
     async def recover_missed(self) -> None:
         """NATS is back: each request still waiting whose answer was stored

@@ -19,6 +19,9 @@ class GatewaySettings(ServiceSettings):
     model: str = "llama3.2"
     # How long an HTTP caller waits for an answer before getting 504.
     reply_timeout_s: float = Field(default=300.0, gt=0)
+    # How long a query NATS does not take (a stream electing its leader) is
+    # offered again, under the same id, before the caller gets 503.
+    nats_away_patience_s: float = Field(default=30.0, ge=0)
     # Host names the gateway answers to, comma-separated ("*": any). Empty:
     # localhost, 127.0.0.1, [::1] and the bound address if it is not a wildcard.
     gateway_allowed_hosts: str = ""
