@@ -52,13 +52,13 @@ from services.shared.sessions import SessionNotFound, SessionStore
 from services.shared.together import together
 
 QUERY_CONSUMER = "generator"
+COMPACTION_CONSUMER = "generator-compactions"
 # What a caller is told when its query is given up on, by error code.
 FAILURE_TEXT = {
     "internal_error": "the generator failed on this query: {}",
     "nats_unavailable": "NATS did not answer the generator for too long ({}); "
                         "try again in a moment",
 }
-COMPACTION_CONSUMER = "generator-compactions"
 # How long a later query of a session waits before it is offered again, at
 # first and at most (see `HandBacks`).
 OUT_OF_ORDER_DELAY_S = 0.02
