@@ -18,8 +18,11 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
+
+from tests.events import eventually
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 STARTUP_TIMEOUT_S = 10.0
@@ -95,6 +98,20 @@ def running_stub(*flags: str) -> Iterator[str]:
             f"ollama stand-in failed to start ({' '.join(command)}):\n"
             + stderr_path.read_text(errors="replace")
         )
+
+
+async def stub_stats(url: str) -> dict[str, Any]:
+    """The running stand-in's counters: requests, streams cut, per model."""
+    async with httpx.AsyncClient() as client:
+        return dict((await client.get(f"{url}/_stub/stats")).json())
+
+
+async def model_called(url: str, calls: int = 1) -> None:
+    """Returns once the stand-in has been asked `calls` times in all."""
+    async def called() -> bool:
+        return int((await stub_stats(url))["requests"]) >= calls
+
+    await eventually(called, f"{calls} model call(s) under way")
 
 
 async def configure_stub(url: str, **config: object) -> None:

@@ -20,7 +20,7 @@ from schemas.messages import CompactionRequest, ToolOutcome
 from services.shared.bus import Bus
 from tests.events import Watcher, decider_caught_up, watching
 from tests.nats_server import NatsServer
-from tests.stub_server import configure_stub, running_stub
+from tests.stub_server import configure_stub, running_stub, stub_stats
 from tests.system import System
 
 NUM_CTX = 2048
@@ -73,11 +73,6 @@ async def chat(http: httpx.AsyncClient, sid: str, turns: int, filler: int = 300,
 
 async def session(http: httpx.AsyncClient, sid: str) -> dict[str, Any]:
     return dict((await http.get(f"/api/sessions/{sid}")).json())
-
-
-async def stub_stats(stub: str) -> dict[str, Any]:
-    async with httpx.AsyncClient() as client:
-        return dict((await client.get(f"{stub}/_stub/stats")).json())
 
 
 def results(watcher: Watcher, sid: str) -> list[dict[str, Any]]:

@@ -9,7 +9,6 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
-import httpx
 import pytest
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -30,7 +29,7 @@ from services.shared.history_store import HistoryConflict, HistoryStore, History
 from services.shared.jetstream import ensure_layout, locks_bucket
 from services.shared.live_config import LiveSettings
 from services.shared.sessions import SessionStore
-from tests.stub_server import running_stub
+from tests.stub_server import running_stub, stub_stats
 
 SUMMARY_S = 1.0
 
@@ -134,11 +133,6 @@ async def test_an_emergency_compaction_whose_splice_is_refused_still_reports_it(
         await provider.close()
 
 
-async def stand_in_stats(stub: str) -> dict[str, Any]:
-    async with httpx.AsyncClient() as client:
-        return dict((await client.get(f"{stub}/_stub/stats")).json())
-
-
 async def compact_once(nc: NATS, stub: str, turns: list[tuple[str, str]],
                        on_piece: PieceWritten | None = None
                        ) -> tuple[CompactionResult, HistoryView, HistoryView]:
@@ -170,9 +164,9 @@ async def test_a_zone_larger_than_the_summarisers_window_is_summarised_in_pieces
     async def written(sid: str, piece: Piece) -> None:
         pieces.append(piece)
 
-    before = await stand_in_stats(stub_url)
+    before = await stub_stats(stub_url)
     result, _, after = await compact_once(nc, stub_url, turns, written)
-    stats = (await stand_in_stats(stub_url))["models"]["writer"]
+    stats = (await stub_stats(stub_url))["models"]["writer"]
     assert result.status == "completed" and result.method == "summary", result
     # Progress piece by piece: each starts where the one before ended, to the zone's end.
     assert len(pieces) > 1 and pieces[0].start == 0 and pieces[-1].end == 2 * len(turns)
@@ -218,5 +212,5 @@ async def test_one_message_too_large_for_any_piece_is_cut_with_a_marker(
     cut = [piece for piece in pieces if piece.cut_chars]
     assert len(cut) == 1 and cut[0].cut_chars > 30_000
     assert f"[… {cut[0].cut_chars:,} characters left out here" in cut[0].messages[1]["content"]
-    stats = (await stand_in_stats(stub_url))["models"]["writer"]
+    stats = (await stub_stats(stub_url))["models"]["writer"]
     assert stats["max_prompt_tokens"] <= 2048 - 256 and stats["truncated"] == 0

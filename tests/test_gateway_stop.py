@@ -14,7 +14,7 @@ import pytest
 
 from services.shared.runner import SHUTDOWN_TIMEOUT_S
 from tests.events import eventually, server_sent_events
-from tests.stub_server import configure_stub, running_stub
+from tests.stub_server import configure_stub, model_called, running_stub
 from tests.system import System, running_system
 
 MODEL = "stub-model"  # what sessions ask for in a test system (tests/system.py)
@@ -37,14 +37,6 @@ def stopped_cleanly(system: System) -> str:
     assert "shutdown_timed_out" not in log, log[-3000:]
     assert "Exception in ASGI application" not in log, log[-3000:]
     return log
-
-
-async def model_called(stub: str, calls: int) -> None:
-    async def called() -> bool:
-        async with httpx.AsyncClient() as client:
-            return int((await client.get(f"{stub}/_stub/stats")).json()["requests"]) >= calls
-
-    await eventually(called, f"{calls} model call(s) under way")
 
 
 async def streamed_until_end(http: httpx.AsyncClient, path: str, body: dict[str, Any],

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -64,6 +65,18 @@ def launch(tmp_path: Path, ports: Ports, **extra: str) -> subprocess.Popen[bytes
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
+@contextlib.contextmanager
+def launched(tmp_path: Path, ports: Ports, **extra: str) -> Iterator[subprocess.Popen[bytes]]:
+    """The launcher, never left running: if a test ends before it stopped,
+    its whole group is killed."""
+    proc = launch(tmp_path, ports, **extra)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
 def scraped(url: str, timeout_s: float = 30) -> str:
     """The metrics at `url`, once its service listens (the launcher waits for
     the gateway only)."""
@@ -88,8 +101,7 @@ def listening(port: int) -> bool:
 @pytest.mark.parametrize("stop", ["ctrl-c", "sigterm"])
 def test_the_launcher_starts_everything_and_stops_it_all(tmp_path: Path, stop: str) -> None:
     ports = Ports()
-    proc = launch(tmp_path, ports)
-    try:
+    with launched(tmp_path, ports) as proc:
         base = f"http://127.0.0.1:{ports.gateway}"
         wait_until_announced(tmp_path / "run.log", proc, 60)
         sid = httpx.post(f"{base}/api/sessions", json={}).json()["session_id"]
@@ -104,9 +116,6 @@ def test_the_launcher_starts_everything_and_stops_it_all(tmp_path: Path, stop: s
         else:
             proc.terminate()  # the launcher alone, as `kill` or a supervisor does
         assert proc.wait(30) == 0
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
     output = (tmp_path / "run.log").read_text()
     assert "DETERMINISTIC STAND-IN" in output
     assert f"{READY_LINE}http://127.0.0.1:{ports.gateway}/" in output
@@ -135,9 +144,8 @@ def model_called(stub: str) -> bool:
 
 def test_a_second_ctrl_c_hurries_the_stop_and_leaves_nothing_running(tmp_path: Path) -> None:
     ports = Ports()
-    proc = launch(tmp_path, ports)
     log = tmp_path / "run.log"
-    try:
+    with launched(tmp_path, ports) as proc:
         wait_until_announced(log, proc, 60)
         base, stub = f"http://127.0.0.1:{ports.gateway}", f"http://127.0.0.1:{ports.stub}"
         sid = httpx.post(f"{base}/api/sessions", json={}).json()["session_id"]
@@ -151,9 +159,6 @@ def test_a_second_ctrl_c_hurries_the_stop_and_leaves_nothing_running(tmp_path: P
         until(lambda: STOP_BEGUN in log.read_text(), "the stop begun", 30)
         os.killpg(proc.pid, signal.SIGINT)  # the impatient second Ctrl-C
         assert proc.wait(30) == 0
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
     assert "hurrying" in log.read_text()
     with pytest.raises(ProcessLookupError):
         os.killpg(proc.pid, 0)
@@ -187,10 +192,9 @@ def answered(base: str) -> bool:
 
 def test_a_process_that_dies_is_started_again_and_the_chat_goes_on(tmp_path: Path) -> None:
     ports = Ports()
-    proc = launch(tmp_path, ports)
     log = tmp_path / "run.log"
     base = f"http://127.0.0.1:{ports.gateway}"
-    try:
+    with launched(tmp_path, ports) as proc:
         wait_until_announced(log, proc, 60)
         for command, name in (("services.generator", "services.generator"),
                               ("nats-server", "nats-server")):
@@ -200,9 +204,6 @@ def test_a_process_that_dies_is_started_again_and_the_chat_goes_on(tmp_path: Pat
             until(lambda: answered(base), f"an answer after {name} died", 60)
         os.killpg(proc.pid, signal.SIGINT)
         assert proc.wait(30) == 0
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
     assert not any(listening(port) for port in (ports.nats, ports.stub, ports.gateway))
 
 
@@ -270,20 +271,16 @@ def test_pull_1_pulls_the_missing_model_with_its_progress(
 
 def test_the_launcher_pulls_model_at_start_when_asked(tmp_path: Path) -> None:
     ports = Ports()
-    with running_stub("--models", "other") as ollama:
-        proc = launch(tmp_path, ports, OLLAMA_HOST=ollama, MODEL="wanted", PULL="1")
-        try:
-            base = f"http://127.0.0.1:{ports.gateway}"
-            wait_until_announced(tmp_path / "run.log", proc, 60)
-            sid = httpx.post(f"{base}/api/sessions", json={}).json()["session_id"]
-            reply = httpx.post(f"{base}/api/sessions/{sid}/messages", json={"content": "hi"},
-                               timeout=30)
-            assert reply.json()["reply"] == "Echo: hi (turn 1)"
-            proc.terminate()
-            assert proc.wait(30) == 0
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
+    with running_stub("--models", "other") as ollama, \
+            launched(tmp_path, ports, OLLAMA_HOST=ollama, MODEL="wanted", PULL="1") as proc:
+        base = f"http://127.0.0.1:{ports.gateway}"
+        wait_until_announced(tmp_path / "run.log", proc, 60)
+        sid = httpx.post(f"{base}/api/sessions", json={}).json()["session_id"]
+        reply = httpx.post(f"{base}/api/sessions/{sid}/messages", json={"content": "hi"},
+                           timeout=30)
+        assert reply.json()["reply"] == "Echo: hi (turn 1)"
+        proc.terminate()
+        assert proc.wait(30) == 0
     output = (tmp_path / "run.log").read_text()
     assert "pulling wanted" in output and "DETERMINISTIC STAND-IN" not in output
 
@@ -291,8 +288,7 @@ def test_the_launcher_pulls_model_at_start_when_asked(tmp_path: Path) -> None:
 def test_an_auto_token_is_made_once_kept_private_and_printed_in_the_address(
         tmp_path: Path) -> None:
     ports = Ports()
-    proc = launch(tmp_path, ports, GATEWAY_TOKEN="auto")
-    try:
+    with launched(tmp_path, ports, GATEWAY_TOKEN="auto") as proc:
         wait_until_announced(tmp_path / "run.log", proc, 60)
         kept = tmp_path / "gateway-token"
         token = kept.read_text().strip()
@@ -305,9 +301,6 @@ def test_an_auto_token_is_made_once_kept_private_and_printed_in_the_address(
             assert browser.get("/api/sessions").status_code == 200
         os.killpg(proc.pid, signal.SIGINT)
         assert proc.wait(30) == 0
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
     again = launch(tmp_path, Ports(), GATEWAY_TOKEN="auto")
     try:
         wait_until_announced(tmp_path / "run.log", again, 60)

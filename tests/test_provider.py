@@ -16,7 +16,7 @@ import pytest
 
 from services.generator.provider import ChatRequest, OllamaProvider, ProviderError
 from tests.events import eventually
-from tests.stub_server import configure_stub, running_stub
+from tests.stub_server import configure_stub, running_stub, stub_stats
 
 
 class CutFirstConnection:
@@ -154,11 +154,6 @@ async def provider_on(url: str, timeout_s: float = 10, gap_s: float | None = Non
         await provider.close()
 
 
-async def requests_made(url: str) -> int:
-    async with httpx.AsyncClient() as http:
-        return int((await http.get(f"{url}/_stub/stats")).json()["requests"])
-
-
 def asking(model: str, content: str, **fields: Any) -> ChatRequest:
     return ChatRequest(model=model, messages=[{"role": "user", "content": content}],
                        num_ctx=8192, **fields)
@@ -186,9 +181,9 @@ async def test_a_refusal_of_tools_anyway_is_answered_without_them_and_remembered
         async with provider_on(url) as provider:
             assert (await provider.facts("plain")).tools
             first = await provider.chat(asking("plain", "hi", tools=[TOOL]))
-            assert await requests_made(url) == 2  # refused, then asked without tools
+            assert (await stub_stats(url))["requests"] == 2  # refused, then asked without tools
             second = await provider.chat(asking("plain", "again", tools=[TOOL]))
-            assert await requests_made(url) == 3
+            assert (await stub_stats(url))["requests"] == 3
             assert not (await provider.facts("plain")).tools
     assert first.content.startswith("Echo: hi") and second.content.startswith("Echo: again")
 

@@ -24,7 +24,7 @@ from services.shared.jetstream import ensure_layout
 from services.shared.runner import SHUTDOWN_TIMEOUT_S
 from tests.events import eventually, server_sent_events, until, watching
 from tests.nats_server import NatsServer
-from tests.stub_server import running_stub
+from tests.stub_server import model_called, running_stub
 from tests.system import ask, new_session, running_system
 
 
@@ -95,10 +95,7 @@ async def test_sigterm_while_nats_is_away_mid_turn_exits_within_the_bound(
             sid = (await http.post("/api/sessions", json={"model": "slow"})).json()["session_id"]
             asking = asyncio.create_task(
                 http.post(f"/api/sessions/{sid}/messages", json={"content": "hello"}))
-            async def called() -> bool:
-                return bool((await http.get(f"{stub}/_stub/stats")).json()["requests"])
-
-            await eventually(called, "the model called", timeout_s=10)
+            await model_called(stub)
             private_nats.stop()  # while the model answers
             generator = system["generator"]
             generator.wait_for("nats_disconnected", 10)

@@ -18,7 +18,7 @@ from schemas import subjects
 from schemas.history import HistoryEntry
 from tests.events import Watcher, eventually, server_sent_events, watching
 from tests.nats_server import NatsServer
-from tests.stub_server import running_stub
+from tests.stub_server import running_stub, stub_stats
 from tests.system import System, running_system
 
 # Long enough (some 10 000 tokens at 5 ms each) never to end by itself in a test.
@@ -46,11 +46,6 @@ async def http(system: System) -> AsyncIterator[httpx.AsyncClient]:
 
 async def create(http: httpx.AsyncClient) -> str:
     return str((await http.post("/api/sessions", json={})).json()["session_id"])
-
-
-async def streams_cut(stub: str) -> int:
-    async with httpx.AsyncClient() as client:
-        return int((await client.get(f"{stub}/_stub/stats")).json()["streams_cut"])
 
 
 async def stopped_mid_stream(http: httpx.AsyncClient, sid: str, tokens: int = 3,
@@ -96,7 +91,7 @@ async def test_a_stop_mid_stream_ends_the_call_and_stores_the_partial_answer(
     http: httpx.AsyncClient, stub: str,
 ) -> None:
     sid = await create(http)
-    cut_before = await streams_cut(stub)
+    cut_before = (await stub_stats(stub))["streams_cut"]
     done, streamed, stop = await stopped_mid_stream(http, sid)
     assert stop.status_code == 202, stop.text
     assert done["stopped"] is True
@@ -115,7 +110,7 @@ async def test_a_stop_mid_stream_ends_the_call_and_stores_the_partial_answer(
 
 
 async def _more_cut(stub: str, before: int) -> bool:
-    return await streams_cut(stub) > before
+    return (await stub_stats(stub))["streams_cut"] > before
 
 
 async def test_a_stopped_json_caller_gets_a_reply_marked_stopped(
