@@ -20,6 +20,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from schemas.messages import Reply
+
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -113,12 +115,14 @@ class Conversation(Strict):
     # with this summary yet, so a prompt cache can share only the system prompt.
     just_compacted: bool = False
 
-    def answer_to(self, query_id: str) -> ChatMessage | None:
-        """The final answer stored for a query, while the context holds it."""
+    def reply_to(self, session_id: str, query_id: str) -> Reply | None:
+        """The reply for a query whose final answer is stored, while the
+        context holds it: what a caller whose reply was lost is sent."""
         for message in reversed(self.messages):
             if message.query_id == query_id and message.role == "assistant" \
                     and not message.tool_calls:
-                return message
+                return Reply(session_id=session_id, query_id=query_id,
+                             reply=message.content, stopped=message.stopped)
         return None
 
     def apply(self, entry: HistoryEntry) -> Conversation:

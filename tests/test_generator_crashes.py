@@ -133,6 +133,21 @@ async def test_a_query_whose_answer_was_stored_is_answered_from_history(
         assert len((await history.read(SID)).conversation.messages) == 2
 
 
+async def test_a_stopped_answer_sent_again_from_history_says_it_was_stopped(
+        private_nats: NatsServer) -> None:
+    async with in_process_generator(private_nats.url, GeneratorSettings(model="stub-model")) as rig:
+        history = HistoryStore(rig.bus.js)
+        await history.append(SID, await history.read(SID), [
+            ChatMessage(role="user", content="tell me all", query_id="q-1"),
+            ChatMessage(role="assistant", content="the part before", query_id="q-1",
+                        stopped=True)])
+        await rig.bus.js_publish(subjects.query(SID), Query(session_id=SID, content="tell me all"),
+                                 session_id=SID, message_id="q-1")
+        reply = await asyncio.wait_for(rig.replies.get(), 10)
+        assert (reply.reply, reply.stopped) == ("the part before", True)
+        assert rig.model.calls == 0
+
+
 async def test_a_query_whose_turn_was_compacted_is_not_answered_again(
         private_nats: NatsServer) -> None:
     """Its answer is in the summary now, and later turns follow it: answered

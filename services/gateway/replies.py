@@ -112,14 +112,13 @@ class ReplyRouter:
         for waiting in list(self._waiting.values()):
             sid, query_id = waiting.sid, waiting.query_id
             try:
-                answer = (await self._history.read(sid)).conversation.answer_to(query_id)
+                reply = (await self._history.read(sid)).conversation.reply_to(sid, query_id)
             except Exception as err:  # NATS away again: the next reconnect asks again
                 log.warning("missed_reply_unchecked", session_id=sid, error=repr(err))
                 continue
-            if answer is not None:
+            if reply is not None:
                 log.info("missed_reply_recovered", session_id=sid, query_id=query_id)
-                waiting.events.put_nowait(Reply(session_id=sid, query_id=query_id,
-                                                reply=answer.content, stopped=answer.stopped))
+                waiting.events.put_nowait(reply)
 
     async def _on_reply(self, msg: Msg) -> None:
         await self._route(msg, Reply)
