@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, TypeVar
 
 import structlog
-from nats.errors import ConnectionClosedError, NoRespondersError
+from nats.errors import NoRespondersError
 from nats.js.errors import APIError, NotFoundError
 from nats.js.kv import KeyValue
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -25,7 +24,6 @@ from schemas import subjects
 from schemas.messages import MAX_CONTENT_CHARS, CompactionRequest, Query, Reply, StateChange
 from schemas.session import MAX_SYSTEM_PROMPT_CHARS, CompactionsRunning, SessionRecord
 from services.core.context import next_prompt_tokens
-from services.core.failed_tries import GiveUp, Tries, after_failure
 from services.core.state_machine import Phase, session_state
 from services.core.tokens import prompt_budget, stored_calibration
 from services.gateway.controls import Controls
@@ -35,11 +33,11 @@ from services.gateway.settings import GatewaySettings
 from services.gateway.transcript import TranscriptRoutes
 from services.shared.bus import Bus, parse_json
 from services.shared.history_store import HistoryStore
-from services.shared.jetstream import NATS_AWAY, NO_ROOM, missing, no_room
+from services.shared.jetstream import NO_ROOM, missing, no_room
+from services.shared.nats_away import NATS_AWAY, patiently
 from services.shared.sessions import SessionNotFound, SessionStore
 from services.shared.tool_catalogue import ToolCatalogue
 
-log = structlog.get_logger()
 STATIC = Path(__file__).parent / "static"
 DEFAULT_LISTED = 50
 MAX_LISTED = 500
@@ -270,21 +268,14 @@ class Api:
         """Publish the query. While NATS does not take it (its stream electing
         a leader), it is offered again under the same id, which the stream
         keeps once, for NATS_AWAY_PATIENCE_S or until the gateway stops."""
-        sid, tries = query.session_id, Tries()
-        while True:
-            try:
-                await self._bus.js_publish(subjects.query(sid), query,
-                                           correlation_id=waiting.correlation_id,
-                                           session_id=sid, message_id=waiting.query_id)
-                return
-            except NATS_AWAY as err:
-                tries, outcome = after_failure(tries, True, time.monotonic(),
-                                               self._settings.nats_away_patience_s)
-                if isinstance(outcome, GiveUp) or isinstance(err, ConnectionClosedError):
-                    raise
-                log.warning("query_offered_again", session_id=sid, error=type(err).__name__)
-                if await self._replies.stopping_within(outcome.after_s):
-                    raise
+        sid, correlation_id = query.session_id, waiting.correlation_id
+        with structlog.contextvars.bound_contextvars(session_id=sid,
+                                                     correlation_id=correlation_id):
+            await patiently(lambda: self._bus.js_publish(
+                subjects.query(sid), query, correlation_id=correlation_id,
+                session_id=sid, message_id=waiting.query_id),
+                self._settings.nats_away_patience_s, "query_offered_again",
+                pause=self._replies.stopping_within)
 
     async def compact(self, request: Request) -> Response:
         sid = session_id_of(request)

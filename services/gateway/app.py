@@ -30,7 +30,8 @@ from services.gateway.settings import GatewaySettings
 from services.shared import metrics
 from services.shared.bus import Bus
 from services.shared.history_store import HistoryStore
-from services.shared.jetstream import NATS_AWAY, no_room
+from services.shared.jetstream import no_room
+from services.shared.nats_away import NATS_AWAY
 from services.shared.runner import Endpoint
 from services.shared.sessions import SessionStore
 

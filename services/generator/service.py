@@ -44,8 +44,9 @@ from services.shared import metrics
 from services.shared.bus import MSG_ID_HEADER, Bus
 from services.shared.consumer import Delivery, PullLoop, ensure_consumer
 from services.shared.history_store import HistoryConflict, HistoryStore
-from services.shared.jetstream import NATS_AWAY, locks_bucket
+from services.shared.jetstream import locks_bucket
 from services.shared.live_config import LiveSettings
+from services.shared.nats_away import NATS_AWAY
 from services.shared.recent import Recent
 from services.shared.runner import Endpoint
 from services.shared.sessions import SessionNotFound, SessionStore

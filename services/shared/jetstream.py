@@ -17,12 +17,6 @@ rather than fail, until the layout is made again.
 from __future__ import annotations
 
 import structlog
-from nats.errors import (
-    ConnectionClosedError,
-    ConnectionReconnectingError,
-    NoRespondersError,
-)
-from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
 from nats.js.api import (
     DiscardPolicy,
@@ -31,13 +25,7 @@ from nats.js.api import (
     StorageType,
     StreamConfig,
 )
-from nats.js.errors import (
-    APIError,
-    BadRequestError,
-    NoStreamResponseError,
-    NotFoundError,
-    ServiceUnavailableError,
-)
+from nats.js.errors import APIError, BadRequestError, NotFoundError
 from nats.js.errors import Error as JetStreamError
 from nats.js.kv import KeyValue
 
@@ -126,12 +114,6 @@ class ReplicasMismatch(RuntimeError):
 NO_ROOM_CODES = frozenset({10002, 10023, 10028, 10047})
 NO_ROOM = ("NATS has no room left to store it (JetStream's limits, or its disk or memory, "
            "are full). Free space or raise the limits, then try again.")
-
-# What a call meets while NATS is away, or back without the stream it writes
-# to yet, or while a stream elects its leader: worth trying again in a
-# moment, not a fault of ours.
-NATS_AWAY = (ConnectionReconnectingError, ConnectionClosedError, NoRespondersError,
-             NatsTimeout, NoStreamResponseError, ServiceUnavailableError)
 
 
 def no_room(err: BaseException) -> bool:
