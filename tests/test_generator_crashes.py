@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, MutableMapping
 from dataclasses import dataclass
+from typing import Any
 
 import nats
+import structlog
+import structlog.testing
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
@@ -214,12 +217,12 @@ async def test_an_error_answer_whose_acknowledgement_is_lost_is_sent_again_not_r
 
 async def test_nats_not_answering_is_waited_out_beyond_the_crash_retries(
         private_nats: NatsServer) -> None:
-    """With the history stream gone (as while its leader is elected), the
-    turn cannot be stored: the query is tried again more often than a crash
-    would be, and answered once the stream is back."""
+    """With the lock bucket's stream gone (as while its leader is elected),
+    the session cannot be taken: the query is tried again more often than a
+    crash would be, and answered once the stream is back."""
     async with in_process_generator(private_nats.url, GeneratorSettings(model="stub-model"),
                                     Answering()) as rig:
-        await rig.bus.js.delete_stream(subjects.HISTORY_STREAM)
+        await rig.bus.js.delete_key_value(subjects.LOCKS_BUCKET)
         await rig.bus.js_publish(subjects.query(SID), Query(session_id=SID, content="hi"),
                                  session_id=SID)
         await eventually(lambda: deliveries(rig.bus.js, MAX_CRASHES + 1),
@@ -240,3 +243,29 @@ async def test_nats_not_answering_past_the_patience_is_told_as_nats_unavailable(
         reply = await asyncio.wait_for(rig.replies.get(), 15)
         assert reply.error_code == "nats_unavailable"
         assert reply.error is not None and "NoStreamResponseError" in reply.error
+
+
+async def test_an_answer_nats_does_not_take_at_once_is_stored_without_asking_again(
+        private_nats: NatsServer) -> None:
+    """The model has answered; the history stream is gone (its leader being
+    elected): the write is tried again with the answer in hand, not the turn."""
+    # Counted from the log: a subscriber on the subject would turn the
+    # stream's absence into a publish that times out.
+    with structlog.testing.capture_logs() as logs:
+        async with in_process_generator(private_nats.url, GeneratorSettings(model="stub-model"),
+                                        Answering()) as rig:
+            await rig.bus.js.delete_stream(subjects.HISTORY_STREAM)
+            await rig.bus.js_publish(subjects.query(SID), Query(session_id=SID, content="hi"),
+                                     session_id=SID)
+            await eventually(lambda: tried_again(logs) >= 3,
+                             "the answer's write tried again three times")
+            await ensure_layout(rig.bus.js)
+            reply = await asyncio.wait_for(rig.replies.get(), 15)
+            assert (reply.reply, reply.error_code) == ("an answer", None)
+            assert rig.model.calls == 1
+            stored = (await HistoryStore(rig.bus.js).read(SID)).conversation.messages
+            assert [m.content for m in stored] == ["hi", "an answer"]
+
+
+def tried_again(logs: list[MutableMapping[str, Any]]) -> int:
+    return sum(entry["event"] == "history_write_tried_again" for entry in logs)

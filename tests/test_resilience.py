@@ -352,12 +352,15 @@ async def test_a_query_the_stream_does_not_take_yet_is_offered_again_and_kept_on
             nc = await nats.connect(private_nats.url)
             bus, js = Bus(nc, "test"), nc.jetstream()
             await js.delete_stream(subjects.QUERIES_STREAM)
-            async with watching(private_nats.url, subjects.query(sid)) as offers:
-                asked = asyncio.create_task(
-                    http.post(f"/api/sessions/{sid}/messages", json={"content": "hello"}))
-                await offers.wait_until(lambda: len(offers.events) >= 2)
-                await ensure_layout(js)
-                await eventually(lambda: last_query(js, sid), "the query stored")
+            asked = asyncio.create_task(
+                http.post(f"/api/sessions/{sid}/messages", json={"content": "hello"}))
+            # Counted from its log: a subscriber on the subject would turn the
+            # stream's absence into offers that each wait out a timeout.
+            gateway = system["gateway"]
+            await eventually(lambda: gateway.log().count("query_offered_again") >= 2,
+                             "the query offered again twice")
+            await ensure_layout(js)
+            await eventually(lambda: last_query(js, sid), "the query stored")
             stored = await last_query(js, sid)
             assert stored is not None and stored.data is not None
             query = decode(stored.data, Query, subjects.query(sid))

@@ -157,7 +157,8 @@ class Generator:
         self._settings = settings
         self._provider = provider
         self._live = LiveSettings(bus.js, settings)
-        self._history = HistoryStore(bus.js, on_foreign_write=locks.forget_release)
+        self._history = HistoryStore(bus.js, on_foreign_write=locks.forget_release,
+                                     nats_patience_s=settings.nats_away_patience_s)
         self._sessions = sessions
         self._locks = locks
         self._states = SessionStates(bus, settings.generator_id,

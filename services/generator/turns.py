@@ -67,6 +67,7 @@ from services.shared.bus import Bus
 from services.shared.history_store import HistoryStore, HistoryView
 from services.shared.jetstream import NO_ROOM, no_room
 from services.shared.live_config import LiveSettings
+from services.shared.nats_away import NATS_AWAY
 from services.shared.sessions import SessionNotFound, SessionStore
 
 log = structlog.get_logger()
@@ -245,11 +246,15 @@ class TurnRunner:
         return reply, follow_up
 
     async def _store(self, turn: Turn, answer: ChatMessage, supersedes: str | None) -> None:
-        """Append the turn; a server without room is the caller's to hear of,
-        not a crash to try again (each try would ask the model anew)."""
+        """Append the turn. A server without room, or NATS not answering for
+        all the store's patience, is the caller's to hear of, not a crash to
+        try again: each try would ask the model anew."""
         try:
             turn.view = await self._history.append(turn.sid, turn.view,
                                                    [*turn.messages, answer], supersedes)
+        except NATS_AWAY as err:
+            raise TurnError("nats_unavailable", "NATS did not take the answer for too long "
+                            f"({type(err).__name__}); try again in a moment") from err
         except APIError as err:
             if not no_room(err):
                 raise

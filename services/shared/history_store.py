@@ -33,6 +33,7 @@ from pydantic import ValidationError
 from schemas import subjects
 from schemas.history import ChatMessage, Conversation, HistoryEntry, Snapshot
 from services.shared.jetstream import missing
+from services.shared.nats_away import patiently
 from services.shared.recent import Recent
 from services.shared.together import together
 
@@ -72,8 +73,12 @@ class Cached:
 
 class HistoryStore:
     def __init__(self, js: JetStreamContext, cached_sessions: int = 512,
-                 on_foreign_write: Callable[[str], None] = lambda sid: None) -> None:
+                 on_foreign_write: Callable[[str], None] = lambda sid: None,
+                 nats_patience_s: float = 0.0) -> None:
         self._js = js
+        # How long a write NATS does not answer is tried again (a turn's
+        # answer or a summary is dear to make anew; see `_write`).
+        self._nats_patience_s = nats_patience_s
         # Told of each write `follow` sees another process make to a session
         # whose view this process keeps.
         self._on_foreign_write = on_foreign_write
@@ -230,10 +235,13 @@ class HistoryStore:
     ) -> int:
         headers = {EXPECTED_LAST_SUBJECT_SEQ: str(expected), **extra}
         self._writing[sid] = headers[EXPECTED_LAST_SUBJECT_SEQ]
+        data = entry.model_dump_json().encode()
         try:
-            ack = await self._js.publish(
-                subjects.history(sid), entry.model_dump_json().encode(), headers=headers
-            )
+            # Safe to repeat: a first try that was stored after all makes the
+            # next one a conflict, which a redelivery settles from the history.
+            ack = await patiently(
+                lambda: self._js.publish(subjects.history(sid), data, headers=headers),
+                self._nats_patience_s, "history_write_tried_again")
         except Exception as err:
             # Refused, or not answered (then it may be stored all the same, and
             # following skips our own writes): read afresh next time.
