@@ -125,6 +125,24 @@ class Conversation(Strict):
                              reply=message.content, stopped=message.stopped)
         return None
 
+    def answered(self, session_id: str, query_id: str) -> Reply | None:
+        """What the history says of a query it has answered: the stored reply,
+        or, once a compaction folded that turn into the summary, an
+        `already_answered` error. None for a query not answered yet."""
+        reply = self.reply_to(session_id, query_id)
+        if reply is not None or query_id not in self.compacted_query_ids:
+            return reply
+        return Reply(session_id=session_id, query_id=query_id, error_code="already_answered",
+                     error="this query was answered before, and a compaction has since "
+                           "folded its answer into the summary")
+
+    def question(self, query_id: str) -> str | None:
+        """The user's message stored under `query_id`, while the context holds it."""
+        for message in reversed(self.messages):
+            if message.query_id == query_id and message.role == "user":
+                return message.content
+        return None
+
     def apply(self, entry: HistoryEntry) -> Conversation:
         if entry.kind == "snapshot" and entry.snapshot is not None:
             snap = entry.snapshot

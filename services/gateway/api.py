@@ -27,6 +27,14 @@ from services.core.context import next_prompt_tokens
 from services.core.state_machine import Phase, session_state
 from services.core.tokens import prompt_budget, stored_calibration
 from services.gateway.controls import Controls
+from services.gateway.idempotency import HEADER as KEY_HEADER
+from services.gateway.idempotency import (
+    InvalidKey,
+    KeyReused,
+    earlier_outcome,
+    key_of,
+    query_id_for,
+)
 from services.gateway.live import ListenerLimit, LiveFeed
 from services.gateway.replies import GatewayStopping, ReplyRouter, Waiting, events_until_reply
 from services.gateway.settings import GatewaySettings
@@ -84,6 +92,9 @@ def error(status: int, code: str, message: str, **extra: Any) -> JSONResponse:
                         status_code=status)
 
 
+KEY_REUSED = {"code": "idempotency_key_reused",
+              "message": "this Idempotency-Key was sent before with another message; "
+                         "a new message needs a new key"}
 STOPPING = {"code": "gateway_stopping",
             "message": "the gateway is stopping before the answer came; the query stays "
                        "queued, and its answer will be in the session's history"}
@@ -118,6 +129,15 @@ async def parse_body(request: Request, model: type[M], optional: bool = False) -
         field = ".".join(str(p) for p in first["loc"]) or "(body)"
         raise HttpError(error(422, "invalid_field", f"{field}: {first['msg']}",
                               field=field)) from err
+
+
+def query_id_of(request: Request, query: Query) -> str | None:
+    """The query's id for the caller's `Idempotency-Key`; None without one."""
+    try:
+        key = key_of(request.headers.get(KEY_HEADER))
+    except InvalidKey as err:
+        raise HttpError(error(400, "invalid_idempotency_key", str(err))) from err
+    return None if key is None else query_id_for(query.session_id, key, query.retry)
 
 
 def session_id_of(request: Request) -> str:
@@ -215,12 +235,21 @@ class Api:
 
     async def answer(self, request: Request, query: Query) -> Response:
         """Submit the query; its answer as server-sent events if the caller
-        accepts them, else as one JSON reply."""
+        accepts them, else as one JSON reply. Under an `Idempotency-Key`, a
+        query sent before is not sent again: its caller hears what became
+        of it (`services.gateway.idempotency`)."""
+        query_id = query_id_of(request, query)
         if "text/event-stream" in request.headers.get("accept", ""):
             streamed = query.model_copy(update={"stream": True})
-            return StreamingResponse(self._stream_answer(streamed),
+            return StreamingResponse(self._stream_answer(streamed, query_id),
                                      media_type="text/event-stream")
-        with self._replies.expect(query.session_id) as waiting:
+        with self._replies.expect(query.session_id, query_id) as waiting:
+            try:
+                earlier = await self._earlier(query, query_id)
+            except KeyReused:
+                return error(422, **KEY_REUSED)
+            if earlier is not None:
+                return self._reply_response(earlier)
             await self._submit(query, waiting)
             try:
                 async for event in events_until_reply(waiting.events,
@@ -234,10 +263,24 @@ class Api:
         return error(504, "timeout", "no answer from a generator in time; the query stays "
                      "queued and will be answered when a generator is available")
 
-    async def _stream_answer(self, query: Query) -> AsyncIterator[str]:
-        with self._replies.expect(query.session_id) as waiting:
+    async def _earlier(self, query: Query, query_id: str | None) -> Reply | None:
+        """For a query sent under a key: its reply if one is stored already.
+        Asked after the reply is expected, so one sent meanwhile is not missed."""
+        if query_id is None:
+            return None
+        sid = query.session_id
+        conversation = (await self._history.read(sid)).conversation
+        return earlier_outcome(conversation, sid, query_id, query.content)
+
+    async def _stream_answer(self, query: Query, query_id: str | None) -> AsyncIterator[str]:
+        with self._replies.expect(query.session_id, query_id) as waiting:
             try:
-                await self._submit(query, waiting)
+                earlier = await self._earlier(query, query_id)
+                if earlier is None:
+                    await self._submit(query, waiting)
+            except KeyReused:
+                yield sse("error", {"error": KEY_REUSED, "session_id": query.session_id})
+                return
             except NATS_AWAY as err:  # the stream is under way: say it as its end
                 yield sse("error", {"error": nats_away(err), "session_id": query.session_id})
                 return
@@ -246,23 +289,30 @@ class Api:
                     raise
                 yield sse("error", {"error": STORAGE_FULL, "session_id": query.session_id})
                 return
-            next_index = 0
-            try:
-                async for event in events_until_reply(waiting.events,
-                                                      self._settings.reply_timeout_s):
-                    if isinstance(event, Reply):
-                        yield sse("error" if event.error else "done", self._reply_body(event))
-                        continue
-                    if event.index < next_index:
-                        # The query was redelivered (its generator died mid-answer)
-                        # and the answer starts over: drop what was shown.
-                        yield sse("restart", {"reason": "the answer is being generated again"})
-                    next_index = event.index + 1
-                    yield sse("token", {"text": event.text, "index": event.index})
-            except TimeoutError:
-                yield sse("error", {"error": {"code": "timeout", "message": "no answer in time"}})
-            except GatewayStopping:
-                yield sse("error", {"error": STOPPING, "session_id": query.session_id})
+            if earlier is not None:
+                yield sse("error" if earlier.error else "done", self._reply_body(earlier))
+                return
+            async for event in self._streamed_events(waiting):
+                yield event
+
+    async def _streamed_events(self, waiting: Waiting) -> AsyncIterator[str]:
+        next_index = 0
+        try:
+            async for event in events_until_reply(waiting.events,
+                                                  self._settings.reply_timeout_s):
+                if isinstance(event, Reply):
+                    yield sse("error" if event.error else "done", self._reply_body(event))
+                    continue
+                if event.index < next_index:
+                    # The query was redelivered (its generator died mid-answer)
+                    # and the answer starts over: drop what was shown.
+                    yield sse("restart", {"reason": "the answer is being generated again"})
+                next_index = event.index + 1
+                yield sse("token", {"text": event.text, "index": event.index})
+        except TimeoutError:
+            yield sse("error", {"error": {"code": "timeout", "message": "no answer in time"}})
+        except GatewayStopping:
+            yield sse("error", {"error": STOPPING, "session_id": waiting.sid})
 
     async def _submit(self, query: Query, waiting: Waiting) -> None:
         """Publish the query. While NATS does not take it (its stream electing

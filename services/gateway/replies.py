@@ -2,8 +2,10 @@
 waiting for them.
 
 One wildcard subscription per gateway process; each waiting request has a
-queue keyed by its correlation id. A reply that arrives for nobody (the
-caller gave up) is dropped.
+queue keyed by its correlation id. A reply also reaches every request
+waiting for its query under another correlation id: a resend under the same
+`Idempotency-Key`, which the QUERIES stream kept once. A reply that arrives
+for nobody (the caller gave up) is dropped.
 
 Replies are core NATS messages, kept nowhere: one sent while this process's
 connection was away (a NATS node lost, a restart) never arrives. The turn is
@@ -43,7 +45,7 @@ class GatewayStopping(Exception):
     """The gateway stops before the reply came; the query stays queued."""
 
 
-@dataclass
+@dataclass(eq=False)  # each request its own, equal to no other
 class Waiting:
     """A request waiting for its reply: the query it sends, under what ids,
     and the queue its tokens and reply arrive in."""
@@ -59,6 +61,7 @@ class ReplyRouter:
         self._bus = bus
         self._history = history
         self._waiting: dict[str, Waiting] = {}  # by correlation id
+        self._by_query: dict[str, set[Waiting]] = {}
         self._none_waiting = asyncio.Event()
         self._none_waiting.set()
         self._stopping = asyncio.Event()
@@ -86,19 +89,27 @@ class ReplyRouter:
             waiting.events.put_nowait(_STOPPING)
 
     @contextlib.contextmanager
-    def expect(self, sid: str) -> Iterator[Waiting]:
+    def expect(self, sid: str, query_id: str | None = None) -> Iterator[Waiting]:
         """Register before publishing, so no reply can arrive unseen."""
-        waiting = Waiting(sid)
+        waiting = Waiting(sid) if query_id is None else Waiting(sid, query_id)
         if self._stopping.is_set():
             waiting.events.put_nowait(_STOPPING)
         self._waiting[waiting.correlation_id] = waiting
+        self._by_query.setdefault(waiting.query_id, set()).add(waiting)
         self._none_waiting.clear()
         try:
             yield waiting
         finally:
             self._waiting.pop(waiting.correlation_id, None)
+            self._forget(waiting)
             if not self._waiting:
                 self._none_waiting.set()
+
+    def _forget(self, waiting: Waiting) -> None:
+        same_query = self._by_query.get(waiting.query_id, set())
+        same_query.discard(waiting)
+        if not same_query:
+            self._by_query.pop(waiting.query_id, None)
 
     async def stopping_within(self, seconds: float) -> bool:
         """Whether the gateway tells its waiting callers it stops within `seconds`."""
@@ -112,7 +123,7 @@ class ReplyRouter:
         for waiting in list(self._waiting.values()):
             sid, query_id = waiting.sid, waiting.query_id
             try:
-                reply = (await self._history.read(sid)).conversation.reply_to(sid, query_id)
+                reply = (await self._history.read(sid)).conversation.answered(sid, query_id)
             except Exception as err:  # NATS away again: the next reconnect asks again
                 log.warning("missed_reply_unchecked", session_id=sid, error=repr(err))
                 continue
@@ -121,13 +132,18 @@ class ReplyRouter:
                 waiting.events.put_nowait(reply)
 
     async def _on_reply(self, msg: Msg) -> None:
-        await self._route(msg, Reply)
+        env = await self._bus.decode_or_report(msg, Reply)
+        if env is None:
+            return
+        targets = set(self._by_query.get(env.payload.query_id, ()))
+        waiting = self._waiting.get(env.correlation_id)
+        if waiting is not None:
+            targets.add(waiting)
+        for waiting in targets:
+            waiting.events.put_nowait(env.payload)
 
     async def _on_token(self, msg: Msg) -> None:
-        await self._route(msg, Token)
-
-    async def _route(self, msg: Msg, kind: type[Reply] | type[Token]) -> None:
-        env = await self._bus.decode_or_report(msg, kind)
+        env = await self._bus.decode_or_report(msg, Token)
         if env is None:
             return
         waiting = self._waiting.get(env.correlation_id)

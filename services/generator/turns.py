@@ -521,13 +521,10 @@ def _question(env: Envelope[Query]) -> ChatMessage:
 def _answered_before(view: HistoryView, sid: str, query_id: str) -> Reply | None:
     """The reply for a query the history shows answered already (a
     redelivery whose acknowledgement was lost), or None for a new one."""
-    done = view.conversation.reply_to(sid, query_id)
+    done = view.conversation.answered(sid, query_id)
     if done is not None:
-        log.info("query_already_answered")
-        return done
-    if query_id in view.conversation.compacted_query_ids:
-        log.warning("query_answered_before_compaction")
-        return Reply(session_id=sid, query_id=query_id, error_code="already_answered",
-                     error="this query was answered before, and a compaction has "
-                           "since folded its answer into the summary")
-    return None
+        if done.error_code == "already_answered":
+            log.warning("query_answered_before_compaction")
+        else:
+            log.info("query_already_answered")
+    return done

@@ -1,0 +1,205 @@
+"""`Idempotency-Key`: a message sent again under the same key is answered
+once, whether its first sending is answered already or still under way;
+the key cannot be reused for another message; keys are the session's own.
+
+The key's rules are pure and tested first; then real processes, with the
+stand-in writing long answers slowly, so that a first sending can be held
+under way (and stopped) for as long as a test needs."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+
+import httpx
+import pytest
+
+from schemas import subjects
+from schemas.history import ChatMessage, Conversation
+from services.gateway.idempotency import (
+    InvalidKey,
+    KeyReused,
+    earlier_outcome,
+    key_of,
+    query_id_for,
+)
+from tests.events import server_sent_events, watching
+from tests.stub_server import running_stub, stub_stats
+from tests.system import System, running_system
+
+LONG = "tell me everything !long 40000"  # never ends by itself in a test
+SSE = {"accept": "text/event-stream"}
+
+
+# ----------------------------------------------------------------- the key's rules
+
+
+@pytest.mark.parametrize("header, key", [
+    (None, None),
+    ("abc", "abc"),
+    ('"8e03978e-40d5-43e8-bc93-6894a57f9324"', "8e03978e-40d5-43e8-bc93-6894a57f9324"),
+    ("  k1  ", "k1"),
+    ("x" * 255, "x" * 255),
+])
+def test_a_key_is_read_bare_or_quoted(header: str | None, key: str | None) -> None:
+    assert key_of(header) == key
+
+
+@pytest.mark.parametrize("header", ["", '""', "a b", "x" * 256, "clé", "tab\there"])
+def test_a_malformed_key_is_refused(header: str) -> None:
+    with pytest.raises(InvalidKey):
+        key_of(header)
+
+
+def test_the_query_id_is_the_sessions_own_and_the_kinds_own() -> None:
+    one = query_id_for("s1", "k", retry=False)
+    assert one == query_id_for("s1", "k", retry=False)
+    assert len(one) == 32 and int(one, 16) >= 0
+    assert len({one, query_id_for("s2", "k", retry=False), query_id_for("s1", "k2", retry=False),
+                query_id_for("s1", "k", retry=True)}) == 4
+
+
+def _turn(query_id: str, question: str, answer: str) -> tuple[ChatMessage, ...]:
+    return (ChatMessage(role="user", content=question, query_id=query_id),
+            ChatMessage(role="assistant", content=answer, query_id=query_id))
+
+
+def test_an_answered_query_is_answered_from_the_history() -> None:
+    conversation = Conversation(messages=_turn("q1", "hi", "hello"))
+    earlier = earlier_outcome(conversation, "s", "q1", "hi")
+    assert earlier is not None and earlier.reply == "hello" and earlier.query_id == "q1"
+    assert earlier_outcome(conversation, "s", "q2", "hi") is None
+
+
+def test_a_question_stored_but_not_answered_is_still_to_be_answered() -> None:
+    asked = Conversation(messages=_turn("q1", "hi", "hello")[:1])
+    assert earlier_outcome(asked, "s", "q1", "hi") is None
+
+
+def test_a_key_sent_with_another_message_is_refused() -> None:
+    conversation = Conversation(messages=_turn("q1", "hi", "hello"))
+    with pytest.raises(KeyReused):
+        earlier_outcome(conversation, "s", "q1", "something else")
+
+
+def test_a_turn_folded_into_the_summary_is_said_to_be_answered() -> None:
+    folded = Conversation(summary="they greeted", compacted_query_ids=("q1",))
+    earlier = earlier_outcome(folded, "s", "q1", "hi")
+    assert earlier is not None and earlier.error_code == "already_answered"
+
+
+# ------------------------------------------------------------------ real processes
+
+
+@pytest.fixture(scope="module")
+def stub() -> Iterator[str]:
+    with running_stub("--ms-per-token", "5") as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def system(nats_url: str, stub: str) -> Iterator[System]:
+    with running_system(nats_url, stub, services=("generator", "gateway")) as running:
+        yield running
+
+
+@pytest.fixture
+async def http(system: System) -> AsyncIterator[httpx.AsyncClient]:
+    async with system.http(timeout=60) as client:
+        yield client
+
+
+async def create(http: httpx.AsyncClient) -> str:
+    return str((await http.post("/api/sessions", json={})).json()["session_id"])
+
+
+async def say(http: httpx.AsyncClient, sid: str, content: str, key: str,
+              **headers: str) -> httpx.Response:
+    return await http.post(f"/api/sessions/{sid}/messages", json={"content": content},
+                           headers={"Idempotency-Key": key, **headers})
+
+
+async def context(http: httpx.AsyncClient, sid: str) -> list[dict[str, object]]:
+    return list((await http.get(f"/api/sessions/{sid}")).json()["messages"])
+
+
+async def test_a_resend_after_the_answer_gets_the_same_answer_without_a_model_call(
+    http: httpx.AsyncClient, stub: str,
+) -> None:
+    sid = await create(http)
+    first = await say(http, sid, "hello", "key-1")
+    assert first.status_code == 200, first.text
+    calls = (await stub_stats(stub))["requests"]
+    again = await say(http, sid, "hello", "key-1")
+    streamed = await http.post(f"/api/sessions/{sid}/messages", json={"content": "hello"},
+                               headers={"Idempotency-Key": "key-1", **SSE})
+    assert again.status_code == 200, again.text
+    assert again.json()["reply"] == first.json()["reply"]
+    events = [event async for event in server_sent_events(streamed)]
+    assert events[-1][0] == "done" and events[-1][1]["reply"] == first.json()["reply"]
+    assert (await stub_stats(stub))["requests"] == calls
+    assert [m["role"] for m in await context(http, sid)] == ["user", "assistant"]
+
+
+async def test_a_resend_while_the_first_is_answered_waits_for_that_answer(
+    http: httpx.AsyncClient, nats_url: str,
+) -> None:
+    sid = await create(http)
+    async with watching(nats_url, subjects.query(sid)) as queries, \
+            http.stream("POST", f"/api/sessions/{sid}/messages", json={"content": LONG},
+                        headers={"Idempotency-Key": "long-1", **SSE}) as first:
+        events = server_sent_events(first)
+        assert (await anext(events))[0] == "token"  # the answer is under way
+        again = asyncio.create_task(say(http, sid, LONG, "long-1"))
+        # Both sendings are published; the QUERIES stream keeps one.
+        await queries.wait_until(lambda: len(queries.payloads()) == 2)
+        stop = await http.post(f"/api/sessions/{sid}/stop")
+        assert stop.status_code == 202, stop.text
+        done = [data async for name, data in events if name == "done"]
+    resent = await again
+    assert resent.status_code == 200, resent.text
+    assert resent.json()["stopped"] is True
+    assert resent.json()["reply"] == done[0]["reply"]
+    assert [m["role"] for m in await context(http, sid)] == ["user", "assistant"]
+
+
+async def test_a_key_reused_for_another_message_is_refused_and_nothing_is_stored(
+    http: httpx.AsyncClient,
+) -> None:
+    sid = await create(http)
+    assert (await say(http, sid, "hello", "key-2")).status_code == 200
+    reused = await say(http, sid, "another thing", "key-2")
+    assert reused.status_code == 422, reused.text
+    assert reused.json()["error"]["code"] == "idempotency_key_reused"
+    assert [m["content"] for m in await context(http, sid)] == ["hello", "Echo: hello (turn 1)"]
+
+
+async def test_a_malformed_key_is_a_400_and_nothing_is_sent(http: httpx.AsyncClient) -> None:
+    sid = await create(http)
+    refused = await say(http, sid, "hello", "has a space")
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["error"]["code"] == "invalid_idempotency_key"
+    assert await context(http, sid) == []
+
+
+async def test_the_same_key_in_two_sessions_is_two_messages(http: httpx.AsyncClient) -> None:
+    one, two = await create(http), await create(http)
+    first, second = await say(http, one, "hello", "shared"), await say(http, two, "hi", "shared")
+    assert first.status_code == second.status_code == 200
+    assert first.json()["reply"] != second.json()["reply"]
+    assert len(await context(http, two)) == 2
+
+
+async def test_a_retry_resent_under_its_key_is_one_retry(
+    http: httpx.AsyncClient, stub: str,
+) -> None:
+    sid = await create(http)
+    assert (await say(http, sid, "hello", "q")).status_code == 200
+    retry = {"Idempotency-Key": "retry-1"}
+    first = await http.post(f"/api/sessions/{sid}/retry", headers=retry)
+    assert first.status_code == 200, first.text
+    calls = (await stub_stats(stub))["requests"]
+    again = await http.post(f"/api/sessions/{sid}/retry", headers=retry)
+    assert again.status_code == 200, again.text
+    assert again.json()["reply"] == first.json()["reply"]
+    assert (await stub_stats(stub))["requests"] == calls
