@@ -24,8 +24,9 @@ from services.gateway.idempotency import (
     query_id_for,
 )
 from tests.events import server_sent_events, watching
+from tests.nats_server import free_port
 from tests.stub_server import running_stub, stub_stats
-from tests.system import System, running_system
+from tests.system import System, gateway_client, running_system
 
 LONG = "tell me everything !long 40000"  # never ends by itself in a test
 SSE = {"accept": "text/event-stream"}
@@ -93,7 +94,7 @@ def test_a_turn_folded_into_the_summary_is_said_to_be_answered() -> None:
 
 @pytest.fixture(scope="module")
 def stub() -> Iterator[str]:
-    with running_stub("--ms-per-token", "5") as url:
+    with running_stub("--ms-per-token", "5", "--models", "stub-model") as url:
         yield url
 
 
@@ -203,3 +204,35 @@ async def test_a_retry_resent_under_its_key_is_one_retry(
     assert again.status_code == 200, again.text
     assert again.json()["reply"] == first.json()["reply"]
     assert (await stub_stats(stub))["requests"] == calls
+
+
+async def test_a_resend_after_an_error_reply_gets_that_error_without_a_new_try(
+    http: httpx.AsyncClient, stub: str,
+) -> None:
+    created = await http.post("/api/sessions", json={"model": "no-such-model"})
+    sid = created.json()["session_id"]
+    first = await say(http, sid, "hello", "fails")
+    assert first.status_code == 404 and first.json()["error"]["code"] == "model_not_found"
+    calls = (await stub_stats(stub))["requests"]
+    again = await say(http, sid, "hello", "fails")
+    assert again.status_code == 404, again.text
+    assert again.json() == first.json()
+    assert (await stub_stats(stub))["requests"] == calls
+
+
+async def test_a_gateway_that_missed_the_error_reply_says_so_rather_than_wait(
+    http: httpx.AsyncClient, system: System,
+) -> None:
+    created = await http.post("/api/sessions", json={"model": "no-such-model"})
+    sid = created.json()["session_id"]
+    assert (await say(http, sid, "hello", "missed")).status_code == 404
+    port = free_port()
+    late = system.add("late gateway", "services.gateway", {"GATEWAY_PORT": str(port)})
+    late.start()
+    try:
+        async with gateway_client(f"http://127.0.0.1:{port}") as other:
+            again = await say(other, sid, "hello", "missed")
+    finally:
+        late.stop()
+    assert again.status_code == 409, again.text
+    assert again.json()["error"]["code"] == "failed_before"

@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 
 import structlog
 from nats.errors import NoRespondersError
+from nats.js.api import PubAck
 from nats.js.errors import APIError, NotFoundError
 from nats.js.kv import KeyValue
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -56,6 +57,7 @@ ERROR_STATUS = {
     "context_overflow": 413,
     "compacting": 409,
     "already_answered": 409,
+    "failed_before": 409,
     "unreachable": 502,
     "provider_error": 502,
     "empty_reply": 502,
@@ -245,12 +247,11 @@ class Api:
                                      media_type="text/event-stream")
         with self._replies.expect(query.session_id, query_id) as waiting:
             try:
-                earlier = await self._earlier(query, query_id)
+                earlier = await self._ask(query, waiting, keyed=query_id is not None)
             except KeyReused:
                 return error(422, **KEY_REUSED)
             if earlier is not None:
                 return self._reply_response(earlier)
-            await self._submit(query, waiting)
             try:
                 async for event in events_until_reply(waiting.events,
                                                       self._settings.reply_timeout_s):
@@ -263,21 +264,39 @@ class Api:
         return error(504, "timeout", "no answer from a generator in time; the query stays "
                      "queued and will be answered when a generator is available")
 
-    async def _earlier(self, query: Query, query_id: str | None) -> Reply | None:
-        """For a query sent under a key: its reply if one is stored already.
-        Asked after the reply is expected, so one sent meanwhile is not missed."""
-        if query_id is None:
-            return None
+    async def _ask(self, query: Query, waiting: Waiting, keyed: bool) -> Reply | None:
+        """Send the query; None when its reply is to come to `waiting`. For a
+        query sent before under its key, what became of it: asked after the
+        reply is expected, so one sent meanwhile is not missed either way."""
+        if keyed and (earlier := await self._earlier(query, waiting.query_id)) is not None:
+            return earlier
+        ack = await self._submit(query, waiting)
+        if not (keyed and ack.duplicate) or await self._still_queued(ack.seq):
+            return None  # new, or the first sending is still to be answered
+        # The first sending is done with, but this request came too late for its reply.
+        return await self._earlier(query, waiting.query_id) or Reply(
+            session_id=query.session_id, query_id=waiting.query_id, error_code="failed_before",
+            error="the message sent before under this Idempotency-Key got an error reply "
+                  "that this gateway did not see; send it again under a new key")
+
+    async def _earlier(self, query: Query, query_id: str) -> Reply | None:
+        """What the history, or a remembered error reply, says of this query."""
         sid = query.session_id
         conversation = (await self._history.read(sid)).conversation
-        return earlier_outcome(conversation, sid, query_id, query.content)
+        return (earlier_outcome(conversation, sid, query_id, query.content)
+                or self._replies.failure(query_id))
+
+    async def _still_queued(self, seq: int) -> bool:
+        try:
+            await self._bus.js.get_msg(subjects.QUERIES_STREAM, seq, direct=True)
+        except NotFoundError:
+            return False
+        return True
 
     async def _stream_answer(self, query: Query, query_id: str | None) -> AsyncIterator[str]:
         with self._replies.expect(query.session_id, query_id) as waiting:
             try:
-                earlier = await self._earlier(query, query_id)
-                if earlier is None:
-                    await self._submit(query, waiting)
+                earlier = await self._ask(query, waiting, keyed=query_id is not None)
             except KeyReused:
                 yield sse("error", {"error": KEY_REUSED, "session_id": query.session_id})
                 return
@@ -314,18 +333,19 @@ class Api:
         except GatewayStopping:
             yield sse("error", {"error": STOPPING, "session_id": waiting.sid})
 
-    async def _submit(self, query: Query, waiting: Waiting) -> None:
+    async def _submit(self, query: Query, waiting: Waiting) -> PubAck:
         """Publish the query. While NATS does not take it (its stream electing
         a leader), it is offered again under the same id, which the stream
         keeps once, for NATS_AWAY_PATIENCE_S or until the gateway stops."""
         sid, correlation_id = query.session_id, waiting.correlation_id
         with structlog.contextvars.bound_contextvars(session_id=sid,
                                                      correlation_id=correlation_id):
-            await patiently(lambda: self._bus.js_publish(
+            _, ack = await patiently(lambda: self._bus.js_publish(
                 subjects.query(sid), query, correlation_id=correlation_id,
                 session_id=sid, message_id=waiting.query_id),
                 self._settings.nats_away_patience_s, "query_offered_again",
                 pause=self._replies.stopping_within)
+        return ack
 
     async def compact(self, request: Request) -> Response:
         sid = session_id_of(request)

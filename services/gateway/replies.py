@@ -5,7 +5,10 @@ One wildcard subscription per gateway process; each waiting request has a
 queue keyed by its correlation id. A reply also reaches every request
 waiting for its query under another correlation id: a resend under the same
 `Idempotency-Key`, which the QUERIES stream kept once. A reply that arrives
-for nobody (the caller gave up) is dropped.
+for nobody (the caller gave up) is dropped; an error reply is remembered
+for the QUERIES stream's duplicate window, since a resend under the same key
+within it is kept once and would otherwise wait for a reply already sent
+(an answer needs no such memory: the history holds it).
 
 Replies are core NATS messages, kept nowhere: one sent while this process's
 connection was away (a NATS node lost, a restart) never arrives. The turn is
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
@@ -34,9 +38,13 @@ from schemas.envelope import new_id
 from schemas.messages import Reply, Token
 from services.shared.bus import Bus
 from services.shared.history_store import HistoryStore
+from services.shared.jetstream import DUPLICATE_WINDOW_S
+from services.shared.recent import Recent
 
 log = structlog.get_logger()
 Event = Reply | Token
+# Error replies remembered (a resend under the same key gets the same error).
+REMEMBERED_FAILURES = 4096
 # Put in a waiting request's queue when the gateway stops before its reply.
 _STOPPING = None
 
@@ -62,6 +70,8 @@ class ReplyRouter:
         self._history = history
         self._waiting: dict[str, Waiting] = {}  # by correlation id
         self._by_query: dict[str, set[Waiting]] = {}
+        # By query id: when an error reply came, and the reply.
+        self._failures: Recent[str, tuple[float, Reply]] = Recent(REMEMBERED_FAILURES)
         self._none_waiting = asyncio.Event()
         self._none_waiting.set()
         self._stopping = asyncio.Event()
@@ -111,6 +121,14 @@ class ReplyRouter:
         if not same_query:
             self._by_query.pop(waiting.query_id, None)
 
+    def failure(self, query_id: str) -> Reply | None:
+        """The error reply this query got, if one came within the QUERIES
+        stream's duplicate window (past it, a resend is a new try)."""
+        kept = self._failures.get(query_id)
+        if kept is None or time.monotonic() - kept[0] > DUPLICATE_WINDOW_S:
+            return None
+        return kept[1]
+
     async def stopping_within(self, seconds: float) -> bool:
         """Whether the gateway tells its waiting callers it stops within `seconds`."""
         with contextlib.suppress(TimeoutError):
@@ -135,6 +153,8 @@ class ReplyRouter:
         env = await self._bus.decode_or_report(msg, Reply)
         if env is None:
             return
+        if env.payload.error:
+            self._failures.put(env.payload.query_id, (time.monotonic(), env.payload))
         targets = set(self._by_query.get(env.payload.query_id, ()))
         waiting = self._waiting.get(env.correlation_id)
         if waiting is not None:
