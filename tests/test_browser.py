@@ -250,3 +250,34 @@ def test_retry_replaces_the_last_answer_with_a_fresh_one(watched: Watched) -> No
     playwright_api.expect(answers.nth(1).locator(".retry-button")).to_have_count(0)
     playwright_api.expect(old.locator(".msg-tag")).to_have_text("superseded")
     assert page.locator("#messages .msg-superseded").count() == 1
+
+
+def test_an_answer_lost_on_the_way_is_sent_again_and_answered_once(
+        watched: Watched, system: System) -> None:
+    page = watched.page
+    sid = create_session(page)
+    keys: list[str | None] = []
+
+    def lose_the_first_answer(route: playwright_api.Route) -> None:
+        keys.append(route.request.headers.get("idempotency-key"))
+        if len(keys) > 1:
+            route.continue_()
+            return
+        route.fetch()  # the gateway takes the message and answers it...
+        route.abort()  # ...and the page never hears of it
+
+    page.route("**/api/sessions/*/messages", lose_the_first_answer)
+    page.fill("#message-input", "hello")
+    page.click("#send-button")
+    again = page.locator("#messages .msg-failed .send-again-button")
+    playwright_api.expect(again).to_be_enabled()
+    watched.shot("answer-lost")
+    # The aborted request is the console error this test caused on purpose.
+    watched.problems[:] = [p for p in watched.problems if "net::ERR_FAILED" not in p]
+    again.click()
+    answers = page.locator("#messages .msg-assistant")
+    playwright_api.expect(answers.last.locator(".msg-text")).to_have_text("Echo: hello (turn 1)")
+    playwright_api.expect(page.locator("#messages .msg-failed")).to_have_count(0)
+    assert len(keys) == 2 and keys[0] and keys[0] == keys[1], keys
+    stored = httpx.get(f"{system.base_url}/api/sessions/{sid}", timeout=10).json()["messages"]
+    assert [m["role"] for m in stored] == ["user", "assistant"]

@@ -66,13 +66,21 @@ export function postStop(id) {
 }
 
 // A message (or a retry, `body` null) whose answer streams back as server-sent events.
-export function postTurn(url, body, signal) {
+// `key` names it: sent again under the same key, it is answered once.
+export function postTurn(url, body, key, signal) {
   return fetch(url, {
     method: "POST",
-    headers: { "Content-Type": "application/json", Accept: "text/event-stream" },
+    headers: { "Content-Type": "application/json", Accept: "text/event-stream", "Idempotency-Key": key },
     body: body === null ? undefined : JSON.stringify(body),
     signal,
   });
+}
+
+// A fresh Idempotency-Key. Not crypto.randomUUID: a page served over plain
+// HTTP to another machine is no secure context, and has none.
+export function newKey() {
+  const bytes = crypto.getRandomValues(new Uint8Array(16));
+  return Array.from(bytes, (b) => b.toString(16).padStart(2, "0")).join("");
 }
 
 // The session's live events (GET /api/events), reconnected by the browser.

@@ -2,7 +2,7 @@
 // superseded messages), the answer being streamed, and the composer (send, stop,
 // retry).
 
-import { API, postStop, postTurn, readError, requestJson } from "./api.js";
+import { API, newKey, postStop, postTurn, readError, requestJson } from "./api.js";
 import { app, el, fmt, show, showNotice, ui } from "./shared.js";
 import { SseParser } from "./live.js";
 import { renderGauge } from "./panel.js";
@@ -214,7 +214,8 @@ function scrollToEnd(force = false) {
 }
 
 // The assistant answer being streamed into the list.
-function pendingAnswer() {
+// `again` sends the request again, offered after a failure of unknown outcome.
+function pendingAnswer(again) {
   const text = el("div", { className: "msg-text" });
   let waiting = { queued: !QUIET_PHASES.includes(app.phase), started: false };
   let writing = false;
@@ -266,15 +267,35 @@ function pendingAnswer() {
       item.classList.add("msg-failed");
       item.removeAttribute("aria-busy");
       status.remove();
-      item.append(el("div", { className: "msg-error", attrs: { role: "alert" } }, [
+      const box = el("div", { className: "msg-error", attrs: { role: "alert" } }, [
         el("strong", { text: "Error " }),
         el("code", { text: error?.code ?? "error" }),
         ": ",
         error?.message ?? "the answer failed",
-      ]));
+      ]);
+      if (UNKNOWN_OUTCOME.includes(error?.code)) box.append(sendAgainButton(item, again));
+      item.append(box);
       scrollToEnd(true);
     },
   };
+}
+
+// Failures after which the message may or may not have been taken: sending it
+// again under its key is answered once (stored or not, it is never doubled).
+export const UNKNOWN_OUTCOME = ["network_error", "stream_ended", "nats_unavailable", "timeout", "gateway_stopping"];
+
+function sendAgainButton(item, again) {
+  const button = el("button", {
+    className: "send-again-button",
+    text: "Send again",
+    attrs: { type: "button", title: "Sent under the same key: answered once, never twice" },
+  });
+  button.disabled = app.busy;
+  button.addEventListener("click", () => {
+    item.remove();
+    again();
+  });
+  return button;
 }
 
 export function setComposerEnabled(enabled) {
@@ -295,7 +316,7 @@ export function setBusy(busy) {
   show(ui.stopButton, busy);
   ui.stopButton.disabled = !busy;
   ui.composer.setAttribute("aria-busy", String(busy));
-  for (const button of ui.messages.querySelectorAll(".retry-button")) button.disabled = busy;
+  for (const button of ui.messages.querySelectorAll(".retry-button, .send-again-button")) button.disabled = busy;
 }
 
 function retryButton() {
@@ -315,7 +336,7 @@ export async function sendMessage(event) {
   show(ui.emptyHint, false);
   ui.messages.append(messageItem({ role: "user", content }));
   rememberSession(id, content.slice(0, 40));
-  await runTurn(API.messages(id), { content });
+  await runTurn(API.messages(id), { content }, newKey());
 }
 
 // A fresh answer to the last message: the old one stays on screen, marked
@@ -328,7 +349,7 @@ async function retryAnswer() {
     last.querySelector(".msg-actions")?.remove();
     markSuperseded(last);
   }
-  await runTurn(API.retry(id), null);
+  await runTurn(API.retry(id), null, newKey());
 }
 
 function markSuperseded(node) {
@@ -351,10 +372,10 @@ export async function stopAnswer() {
   }
 }
 
-// Sends a message (or a retry) and streams its answer into a pending bubble.
-async function runTurn(url, body) {
-  const id = app.sessionId;
-  const answer = pendingAnswer();
+// Sends a message (or a retry) and streams its answer into a pending bubble;
+// under `key`, so that sending it again after a failure is answered once.
+async function runTurn(url, body, key) {
+  const answer = pendingAnswer(() => runTurn(url, body, key));
   app.pending = answer;
   const controller = new AbortController();
   app.abort = controller;
@@ -362,7 +383,7 @@ async function runTurn(url, body) {
   setBusy(true);
   let succeeded = false;
   try {
-    succeeded = await readAnswer(await postTurn(url, body, controller.signal), answer);
+    succeeded = await readAnswer(await postTurn(url, body, key, controller.signal), answer);
   } catch (err) {
     if (err.name === "AbortError") answer.fail({ code: "cancelled", message: "stopped reading (switched session)" });
     else answer.fail({ code: "network_error", message: String(err.message || err) });
