@@ -78,3 +78,13 @@ def test_nothing_confirms_a_subscription_with_nats_pys_flush() -> None:
              for number, line in enumerate(path.read_text().splitlines(), 1)
              if NATS_FLUSH.search(line)]
     assert not found, f"use round_trip(nc), not nc.flush(): {found}"
+
+
+# ARCHITECTURE.md is a map, read in a quarter of an hour; accounts of
+# measurements belong in docs/performance.md.
+MAP_LINES = 250
+
+
+def test_the_architecture_map_stays_a_map() -> None:
+    lines = len((ROOT / "ARCHITECTURE.md").read_text().splitlines())
+    assert lines <= MAP_LINES, f"ARCHITECTURE.md has {lines} lines: move detail out"
