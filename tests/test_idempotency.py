@@ -236,3 +236,29 @@ async def test_a_gateway_that_missed_the_error_reply_says_so_rather_than_wait(
         late.stop()
     assert again.status_code == 409, again.text
     assert again.json()["error"]["code"] == "failed_before"
+
+
+async def test_a_retry_resent_while_it_runs_waits_for_that_answer(
+    http: httpx.AsyncClient, nats_url: str,
+) -> None:
+    sid = await create(http)
+    async with http.stream("POST", f"/api/sessions/{sid}/messages", json={"content": LONG},
+                           headers=SSE) as first:
+        events = server_sent_events(first)
+        assert (await anext(events))[0] == "token"
+        assert (await http.post(f"/api/sessions/{sid}/stop")).status_code == 202
+        assert [name async for name, _ in events][-1] == "done"
+    retry = {"Idempotency-Key": "long-retry"}
+    async with watching(nats_url, subjects.query(sid)) as queries, \
+            http.stream("POST", f"/api/sessions/{sid}/retry", headers={**retry, **SSE}) as running:
+        events = server_sent_events(running)
+        assert (await anext(events))[0] == "token"  # the retried answer is under way
+        again = asyncio.create_task(http.post(f"/api/sessions/{sid}/retry", headers=retry))
+        await queries.wait_until(lambda: len(queries.payloads()) == 2)
+        assert (await http.post(f"/api/sessions/{sid}/stop")).status_code == 202
+        done = [data async for name, data in events if name == "done"]
+    resent = await again
+    assert resent.status_code == 200, resent.text
+    assert resent.json()["reply"] == done[0]["reply"] and resent.json()["stopped"] is True
+    transcript = (await http.get(f"/api/sessions/{sid}/transcript")).json()["items"]
+    assert [item["role"] for item in transcript] == ["user", "assistant", "assistant"]

@@ -133,13 +133,13 @@ async def parse_body(request: Request, model: type[M], optional: bool = False) -
                               field=field)) from err
 
 
-def query_id_of(request: Request, query: Query) -> str | None:
+def query_id_of(request: Request, sid: str, retry: bool) -> str | None:
     """The query's id for the caller's `Idempotency-Key`; None without one."""
     try:
         key = key_of(request.headers.get(KEY_HEADER))
     except InvalidKey as err:
         raise HttpError(error(400, "invalid_idempotency_key", str(err))) from err
-    return None if key is None else query_id_for(query.session_id, key, query.retry)
+    return None if key is None else query_id_for(sid, key, retry)
 
 
 def session_id_of(request: Request) -> str:
@@ -176,7 +176,7 @@ class Api:
             Route("/api/sessions/{session_id}/messages", self.post_message, methods=["POST"]),
             Route("/api/sessions/{session_id}/compact", self.compact, methods=["POST"]),
             *self._transcript.routes(),
-            *Controls(self._bus, self._history, self, session_id_of).routes(),
+            *Controls(self._bus, self._history, self, session_id_of, query_id_of).routes(),
             Route("/api/events", self.events, methods=["GET"]),
             Mount("/static", StaticFiles(directory=STATIC), name="static"),
         ]
@@ -240,7 +240,7 @@ class Api:
         accepts them, else as one JSON reply. Under an `Idempotency-Key`, a
         query sent before is not sent again: its caller hears what became
         of it (`services.gateway.idempotency`)."""
-        query_id = query_id_of(request, query)
+        query_id = query_id_of(request, query.session_id, query.retry)
         if "text/event-stream" in request.headers.get("accept", ""):
             streamed = query.model_copy(update={"stream": True})
             return StreamingResponse(self._stream_answer(streamed, query_id),

@@ -45,9 +45,11 @@ def conflict(code: str, message: str) -> JSONResponse:
 
 class Controls:
     def __init__(self, bus: Bus, history: HistoryStore, answers: Answers,
-                 session_id_of: Callable[[Request], str]) -> None:
+                 session_id_of: Callable[[Request], str],
+                 query_id_of: Callable[[Request, str, bool], str | None]) -> None:
         self._bus = bus
         self._session_id_of = session_id_of
+        self._query_id_of = query_id_of
         self._history = history
         self._answers = answers
 
@@ -75,7 +77,9 @@ class Controls:
         sid = self._session_id_of(request)
         await self._answers.require(sid)
         conversation = (await self._history.read(sid)).conversation
-        if await self._busy(sid, conversation):
+        ours = self._query_id_of(request, sid, True)
+        done = ours is not None and conversation.answered(sid, ours) is not None
+        if not done and await self._busy(sid, conversation, ours):
             return conflict("turn_running", "the session is answering a message; stop it or "
                             "wait for its answer, then retry")
         point = retry_point(conversation)
@@ -86,19 +90,26 @@ class Controls:
         return await self._answers.answer(request, Query(session_id=sid, content=question,
                                                          retry=True))
 
-    async def _busy(self, sid: str, conversation: Conversation) -> bool:
-        """A turn under way, or a query waiting for its turn in the queue. The
-        work queue drops a query a moment after its acknowledgement: one
-        whose answer is stored already is done."""
+    async def _busy(self, sid: str, conversation: Conversation, ours: str | None) -> bool:
+        """A turn under way, or a query waiting for its turn in the queue; not
+        when the one queued last is this retry sent before under its key (its
+        resend waits for that answer). The work queue drops a query a moment
+        after its acknowledgement: one whose answer is stored already is done."""
+        queued = await self._last_queued(sid)
+        if queued is not None and queued == ours:
+            return False
         if (await self._answers.state(sid))["phase"] not in QUIET_PHASES:
             return True
+        return queued is not None and all(m.query_id != queued for m in conversation.messages)
+
+    async def _last_queued(self, sid: str) -> str | None:
+        """The id of the session's query queued last, if one is in the queue."""
         try:
             msg = await self._bus.js.get_last_msg(subjects.QUERIES_STREAM, subjects.query(sid),
                                                   direct=True)
         except NotFoundError:
-            return False
+            return None
         try:
-            query_id = decode(msg.data or b"", Query, subjects.query(sid)).message_id
+            return decode(msg.data or b"", Query, subjects.query(sid)).message_id
         except BadMessage:
-            return False  # not a query any generator will answer
-        return all(message.query_id != query_id for message in conversation.messages)
+            return None  # not a query any generator will answer
