@@ -9,7 +9,6 @@ under way (and stopped) for as long as a test needs."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
 
 import httpx
 import pytest
@@ -23,14 +22,12 @@ from services.gateway.idempotency import (
     key_of,
     query_id_for,
 )
+from tests import slow_answers
 from tests.events import server_sent_events, watching
 from tests.nats_server import free_port
-from tests.stub_server import running_stub, stub_stats
-from tests.system import System, gateway_client, running_system
-
-LONG = "tell me everything !long 40000"  # never ends by itself in a test
-SSE = {"accept": "text/event-stream"}
-
+from tests.slow_answers import LONG, SSE, create
+from tests.stub_server import stub_stats
+from tests.system import System, gateway_client
 
 # ----------------------------------------------------------------- the key's rules
 
@@ -92,26 +89,8 @@ def test_a_turn_folded_into_the_summary_is_said_to_be_answered() -> None:
 # ------------------------------------------------------------------ real processes
 
 
-@pytest.fixture(scope="module")
-def stub() -> Iterator[str]:
-    with running_stub("--ms-per-token", "5", "--models", "stub-model") as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
-def system(nats_url: str, stub: str) -> Iterator[System]:
-    with running_system(nats_url, stub, services=("generator", "gateway")) as running:
-        yield running
-
-
-@pytest.fixture
-async def http(system: System) -> AsyncIterator[httpx.AsyncClient]:
-    async with system.http(timeout=60) as client:
-        yield client
-
-
-async def create(http: httpx.AsyncClient) -> str:
-    return str((await http.post("/api/sessions", json={})).json()["session_id"])
+# The slow system's fixtures, by their names in this module.
+stub, system, http = slow_answers.stub, slow_answers.system, slow_answers.http
 
 
 async def say(http: httpx.AsyncClient, sid: str, content: str, key: str,
@@ -206,13 +185,19 @@ async def test_a_retry_resent_under_its_key_is_one_retry(
     assert (await stub_stats(stub))["requests"] == calls
 
 
+async def failed_once(http: httpx.AsyncClient, key: str) -> tuple[str, httpx.Response]:
+    """A session on a model the stand-in lacks, and its first message's error."""
+    created = await http.post("/api/sessions", json={"model": "no-such-model"})
+    sid = str(created.json()["session_id"])
+    first = await say(http, sid, "hello", key)
+    assert first.status_code == 404 and first.json()["error"]["code"] == "model_not_found"
+    return sid, first
+
+
 async def test_a_resend_after_an_error_reply_gets_that_error_without_a_new_try(
     http: httpx.AsyncClient, stub: str,
 ) -> None:
-    created = await http.post("/api/sessions", json={"model": "no-such-model"})
-    sid = created.json()["session_id"]
-    first = await say(http, sid, "hello", "fails")
-    assert first.status_code == 404 and first.json()["error"]["code"] == "model_not_found"
+    sid, first = await failed_once(http, "fails")
     calls = (await stub_stats(stub))["requests"]
     again = await say(http, sid, "hello", "fails")
     assert again.status_code == 404, again.text
@@ -223,9 +208,7 @@ async def test_a_resend_after_an_error_reply_gets_that_error_without_a_new_try(
 async def test_a_gateway_that_missed_the_error_reply_says_so_rather_than_wait(
     http: httpx.AsyncClient, system: System,
 ) -> None:
-    created = await http.post("/api/sessions", json={"model": "no-such-model"})
-    sid = created.json()["session_id"]
-    assert (await say(http, sid, "hello", "missed")).status_code == 404
+    sid, _ = await failed_once(http, "missed")
     port = free_port()
     late = system.add("late gateway", "services.gateway", {"GATEWAY_PORT": str(port)})
     late.start()

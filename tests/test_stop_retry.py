@@ -6,46 +6,23 @@ in the context while the stored turns keep both."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import httpx
 import nats
-import pytest
 from nats.js.errors import NotFoundError
 
 from schemas import subjects
 from schemas.history import HistoryEntry
+from tests import slow_answers
 from tests.events import Watcher, eventually, server_sent_events, watching
 from tests.nats_server import NatsServer
-from tests.stub_server import running_stub, stub_stats
-from tests.system import System, running_system
+from tests.slow_answers import LONG, SSE, create
+from tests.stub_server import stub_stats
+from tests.system import System
 
-# Long enough (some 10 000 tokens at 5 ms each) never to end by itself in a test.
-LONG = "tell me everything !long 40000"
-SSE = {"accept": "text/event-stream"}
-
-
-@pytest.fixture(scope="module")
-def stub() -> Iterator[str]:
-    with running_stub("--ms-per-token", "5") as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
-def system(nats_url: str, stub: str) -> Iterator[System]:
-    with running_system(nats_url, stub, services=("generator", "gateway")) as running:
-        yield running
-
-
-@pytest.fixture
-async def http(system: System) -> AsyncIterator[httpx.AsyncClient]:
-    async with system.http(timeout=60) as client:
-        yield client
-
-
-async def create(http: httpx.AsyncClient) -> str:
-    return str((await http.post("/api/sessions", json={})).json()["session_id"])
+# The slow system's fixtures, by their names in this module.
+stub, system, http = slow_answers.stub, slow_answers.system, slow_answers.http
 
 
 async def stopped_mid_stream(http: httpx.AsyncClient, sid: str, tokens: int = 3,
