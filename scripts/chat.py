@@ -5,7 +5,10 @@
     python -m scripts.chat --url http://host:8080   # another gateway (or GATEWAY_URL)
 
 Type a message and Enter. Commands: `/compact [instructions]`, `/state`,
-`/transcript`, `/help`, `/quit` (or Ctrl-D). After each answer a context line
+`/transcript`, `/again`, `/help`, `/quit` (or Ctrl-D). Each message goes
+under an Idempotency-Key; after a failure that leaves its fate unknown (no
+answer in time, the connection lost, NATS away), `/again` sends it once more
+under the same key, and it is answered once. After each answer a context line
 shows how full the window is. On a terminal the input line has history and
 editing (prompt_toolkit); from a pipe, lines are read as they come. A gateway
 with a token is opened with GATEWAY_TOKEN set to it in the environment.
@@ -17,6 +20,7 @@ import argparse
 import json
 import os
 import sys
+import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -25,13 +29,17 @@ from rich.console import Console
 from rich.text import Text
 
 DEFAULT_URL = "http://127.0.0.1:8080"
-HELP = ("Commands: /compact [instructions] · /state · /transcript · /help · /quit\n"
+HELP = ("Commands: /compact [instructions] · /state · /transcript · /again · /help · /quit\n"
         "Anything else is sent as a message.")
 Event = tuple[str, Any]
+# Failures after which a message may or may not have been taken.
+UNKNOWN_OUTCOME = frozenset({"timeout", "nats_unavailable", "gateway_stopping", "network_error"})
 
 
 class ChatError(Exception):
-    pass
+    def __init__(self, message: str, code: str = "") -> None:
+        super().__init__(message)
+        self.code = code
 
 
 def sse_events(lines: Iterator[str]) -> Iterator[Event]:
@@ -52,7 +60,7 @@ def sse_events(lines: Iterator[str]) -> Iterator[Event]:
 def failure(response: httpx.Response) -> ChatError:
     try:
         err = response.json()["error"]
-        return ChatError(f"{err['code']}: {err['message']}")
+        return ChatError(f"{err['code']}: {err['message']}", err["code"])
     except (ValueError, KeyError, TypeError):
         return ChatError(f"HTTP {response.status_code}: {response.text[:200]}")
 
@@ -62,6 +70,8 @@ class Chat:
         self.client = client
         self.out = console
         self.sid = ""
+        # The last message whose fate is unknown, and its key: what /again sends.
+        self.unsure: tuple[str, str] | None = None
 
     def open(self, sid: str | None) -> None:
         if sid:
@@ -86,7 +96,7 @@ class Chat:
         command, _, rest = line.strip().partition(" ")
         actions: dict[str, Callable[[str], None]] = {
             "/compact": self.compact, "/state": self.state, "/transcript": self.transcript,
-            "/help": lambda _: self.out.print(HELP)}
+            "/again": self.again, "/help": lambda _: self.out.print(HELP)}
         if command in ("/quit", "/exit"):
             return False
         if command in actions:
@@ -97,27 +107,51 @@ class Chat:
             self.send(line)
         return True
 
-    def send(self, content: str) -> None:
+    def send(self, content: str, key: str | None = None) -> None:
+        key = key or uuid.uuid4().hex
+        try:
+            self.stream_answer(content, key)
+        except (ChatError, httpx.TransportError) as err:
+            code = err.code if isinstance(err, ChatError) else "network_error"
+            if code not in UNKNOWN_OUTCOME:
+                raise
+            self.unsure = (content, key)
+            raise ChatError(f"{err}; /again sends it once more, answered once", code) from err
+        self.unsure = None
+        self.context_line()
+
+    def again(self, _: str = "") -> None:
+        if self.unsure is None:
+            self.out.print("nothing to send again: every message so far was answered or refused")
+            return
+        self.send(*self.unsure)
+
+    def stream_answer(self, content: str, key: str) -> None:
         self.out.print(Text("assistant: ", style="bold green"), end="")
         with self.client.stream("POST", f"/api/sessions/{self.sid}/messages",
                                 json={"content": content},
-                                headers={"Accept": "text/event-stream"}) as response:
+                                headers={"Accept": "text/event-stream",
+                                         "Idempotency-Key": key}) as response:
             if response.status_code != 200:
                 response.read()
                 raise failure(response)
+            shown = False
             for name, data in sse_events(response.iter_lines()):
                 if name == "token":
                     self.out.print(data["text"], end="", markup=False, highlight=False)
+                    shown = True
                 elif name == "restart":
                     self.out.print(Text("\n(generating again)\nassistant: ", style="yellow"),
                                    end="")
                 elif name == "error":
                     self.out.print()
-                    raise ChatError(f"{data['error']['code']}: {data['error']['message']}")
+                    error = data["error"]
+                    raise ChatError(f"{error['code']}: {error['message']}", error["code"])
                 elif name == "done":
+                    if not shown:  # answered whole: stored already, or sent once before
+                        self.out.print(data["reply"], end="", markup=False, highlight=False)
                     break
         self.out.print()
-        self.context_line()
 
     def context_line(self) -> None:
         s = self.session()

@@ -4,13 +4,21 @@ session, streamed answers with a context line, /compact, /state,
 
 from __future__ import annotations
 
+import os
+import queue
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
+from typing import IO
 
+import httpx
 import pytest
 
+from tests.events import until
+from tests.nats_server import NatsServer
 from tests.processes import REPO_ROOT
+from tests.stub_server import running_stub
 from tests.system import System, running_system
 
 
@@ -56,3 +64,66 @@ def test_an_existing_session_goes_on_and_an_unknown_one_is_refused(system: Syste
                           text=True, cwd=REPO_ROOT, timeout=60, check=False)
     assert done.returncode == 1
     assert "unknown_session" in done.stdout or "not_found" in done.stdout
+
+
+def test_again_sends_a_late_message_once_more_and_it_is_answered_once(
+        private_nats: NatsServer) -> None:
+    # The model held until the gateway has given up on the answer (REPLY_TIMEOUT_S 1 s):
+    # the client cannot know the message was taken, and says /again will send it. NATS
+    # of its own: another module's generator must not take the query to a model not held.
+    with running_stub() as stub, \
+            running_system(private_nats.url, stub, {"REPLY_TIMEOUT_S": "1"},
+                           services=("generator", "gateway")) as system:
+        httpx.post(f"{stub}/_stub/config", json={"held_models": ["stub-model"]},
+                   timeout=10).raise_for_status()
+        client = subprocess.Popen(
+            [sys.executable, "-m", "scripts.chat", "--url", system.base_url],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            cwd=REPO_ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        assert client.stdin is not None and client.stdout is not None
+        printed = Printed(client.stdout)
+        client.stdin.write("hello\n")
+        client.stdin.flush()
+        sid = printed.next_with("session ").split("session ", 1)[1].split()[0]
+        assert "timeout" in printed.next_with("/again")
+        httpx.post(f"{stub}/_stub/config", json={"held_models": []},
+                   timeout=10).raise_for_status()
+        with system.client() as http:
+            until(lambda: len(http.get(f"/api/sessions/{sid}").json()["messages"]) == 2,
+                  "the late answer stored")
+            client.stdin.write("/again\n")
+            client.stdin.close()
+            client.wait(timeout=60)
+            out = printed.rest()
+            stored = http.get(f"/api/sessions/{sid}").json()["messages"]
+    assert "assistant: Echo: hello (turn 1)" in out, out
+    assert [m["role"] for m in stored] == ["user", "assistant"]
+
+
+class Printed:
+    """The lines a child prints, as they come, read by a thread of their own."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        self._lines: queue.Queue[str] = queue.Queue()
+        self._reader = threading.Thread(target=self._read, args=(stream,), daemon=True)
+        self._reader.start()
+
+    def _read(self, stream: IO[str]) -> None:
+        for line in stream:
+            self._lines.put(line)
+
+    def next_with(self, text: str) -> str:
+        seen = []
+        while True:  # bounded only against a client gone wrong: it prints what it does
+            try:
+                line = self._lines.get(timeout=60)
+            except queue.Empty:
+                raise AssertionError(f"never printed {text!r}; printed {seen}") from None
+            if text in line:
+                return line
+            seen.append(line)
+
+    def rest(self) -> str:
+        """All printed since, once the child has closed its output."""
+        self._reader.join(timeout=60)
+        return "".join(self._lines.get_nowait() for _ in range(self._lines.qsize()))
