@@ -20,7 +20,7 @@ from services.gateway.access_rules import (
     judge,
     preflight_allowed,
 )
-from services.gateway.api import HttpError, error
+from services.gateway.errors import HttpError, error
 
 PREFLIGHT_MAX_AGE_S = 600
 

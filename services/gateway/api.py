@@ -1,19 +1,17 @@
 """HTTP routes. Each handler validates its input, turns it into a NATS
-message, and turns what comes back into JSON (or server-sent events)."""
+message, and turns what comes back into JSON (or server-sent events). A
+message's question and answer go through `answering`; stop and retry live in
+`controls`, the transcript's routes in `transcript`."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 import uuid
-from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
-import structlog
 from nats.errors import NoRespondersError
-from nats.js.api import PubAck
-from nats.js.errors import APIError, NotFoundError
+from nats.js.errors import NotFoundError
 from nats.js.kv import KeyValue
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import Request
@@ -22,55 +20,27 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from schemas import subjects
-from schemas.messages import MAX_CONTENT_CHARS, CompactionRequest, Query, Reply, StateChange
+from schemas.messages import MAX_CONTENT_CHARS, CompactionRequest, Query, StateChange
 from schemas.session import MAX_SYSTEM_PROMPT_CHARS, CompactionsRunning, SessionRecord
 from services.core.context import next_prompt_tokens
 from services.core.state_machine import Phase, session_state
 from services.core.tokens import prompt_budget, stored_calibration
+from services.gateway.answering import Answering, query_id_of
 from services.gateway.controls import Controls
-from services.gateway.idempotency import HEADER as KEY_HEADER
-from services.gateway.idempotency import (
-    InvalidKey,
-    KeyReused,
-    earlier_outcome,
-    key_of,
-    query_id_for,
-)
+from services.gateway.errors import HttpError, error
 from services.gateway.live import ListenerLimit, LiveFeed
-from services.gateway.replies import GatewayStopping, ReplyRouter, Waiting, events_until_reply
+from services.gateway.replies import ReplyRouter
 from services.gateway.settings import GatewaySettings
 from services.gateway.transcript import TranscriptRoutes
 from services.shared.bus import Bus, parse_json
 from services.shared.history_store import HistoryStore
-from services.shared.jetstream import NO_ROOM, missing, no_room
-from services.shared.nats_away import NATS_AWAY, patiently
+from services.shared.jetstream import missing
 from services.shared.sessions import SessionNotFound, SessionStore
 from services.shared.tool_catalogue import ToolCatalogue
 
 STATIC = Path(__file__).parent / "static"
 DEFAULT_LISTED = 50
 MAX_LISTED = 500
-
-# Generator error codes -> HTTP status.
-ERROR_STATUS = {
-    "unknown_session": 404,
-    "context_overflow": 413,
-    "compacting": 409,
-    "already_answered": 409,
-    "failed_before": 409,
-    "unreachable": 502,
-    "provider_error": 502,
-    "empty_reply": 502,
-    # Ollama's own status for a model it has not pulled.
-    "model_not_found": 404,
-    "timeout": 504,
-    "tool_loop_limit": 502,
-    "nothing_to_retry": 409,
-    "retry_outdated": 409,
-    "storage_full": 507,
-    "nats_unavailable": 503,
-}
-
 
 class CreateSession(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -87,30 +57,6 @@ class PostMessage(BaseModel):
 class CompactBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     instructions: str | None = Field(default=None, max_length=4000)
-
-
-def error(status: int, code: str, message: str, **extra: Any) -> JSONResponse:
-    return JSONResponse({"error": {"code": code, "message": message, **extra}},
-                        status_code=status)
-
-
-KEY_REUSED = {"code": "idempotency_key_reused",
-              "message": "this Idempotency-Key was sent before with another message; "
-                         "a new message needs a new key"}
-STOPPING = {"code": "gateway_stopping",
-            "message": "the gateway is stopping before the answer came; the query stays "
-                       "queued, and its answer will be in the session's history"}
-STORAGE_FULL = {"code": "storage_full", "message": f"nothing was stored: {NO_ROOM}"}
-
-
-def nats_away(exc: Exception) -> dict[str, str]:
-    return {"code": "nats_unavailable", "message": "NATS is unreachable or not ready "
-            f"({type(exc).__name__}); try again in a moment"}
-
-
-class HttpError(Exception):
-    def __init__(self, response: JSONResponse) -> None:
-        self.response = response
 
 
 M = TypeVar("M", bound=BaseModel)
@@ -131,15 +77,6 @@ async def parse_body(request: Request, model: type[M], optional: bool = False) -
         field = ".".join(str(p) for p in first["loc"]) or "(body)"
         raise HttpError(error(422, "invalid_field", f"{field}: {first['msg']}",
                               field=field)) from err
-
-
-def query_id_of(request: Request, sid: str, retry: bool) -> str | None:
-    """The query's id for the caller's `Idempotency-Key`; None without one."""
-    try:
-        key = key_of(request.headers.get(KEY_HEADER))
-    except InvalidKey as err:
-        raise HttpError(error(400, "invalid_idempotency_key", str(err))) from err
-    return None if key is None else query_id_for(sid, key, retry)
 
 
 def session_id_of(request: Request) -> str:
@@ -165,6 +102,7 @@ class Api:
         self._compactions: KeyValue | None = None
         self._transcript = TranscriptRoutes(bus, sessions, self._history, self._existing,
                                             self._known.discard)
+        self._answering = Answering(bus, settings, history, replies)
 
     def routes(self) -> list[Route | Mount]:
         return [
@@ -236,116 +174,7 @@ class Api:
         return await self.answer(request, Query(session_id=sid, content=body.content))
 
     async def answer(self, request: Request, query: Query) -> Response:
-        """Submit the query; its answer as server-sent events if the caller
-        accepts them, else as one JSON reply. Under an `Idempotency-Key`, a
-        query sent before is not sent again: its caller hears what became
-        of it (`services.gateway.idempotency`)."""
-        query_id = query_id_of(request, query.session_id, query.retry)
-        if "text/event-stream" in request.headers.get("accept", ""):
-            streamed = query.model_copy(update={"stream": True})
-            return StreamingResponse(self._stream_answer(streamed, query_id),
-                                     media_type="text/event-stream")
-        with self._replies.expect(query.session_id, query_id) as waiting:
-            try:
-                earlier = await self._ask(query, waiting, keyed=query_id is not None)
-            except KeyReused:
-                return error(422, **KEY_REUSED)
-            if earlier is not None:
-                return self._reply_response(earlier)
-            try:
-                async for event in events_until_reply(waiting.events,
-                                                      self._settings.reply_timeout_s):
-                    if isinstance(event, Reply):
-                        return self._reply_response(event)
-            except TimeoutError:
-                pass
-            except GatewayStopping:
-                return error(503, **STOPPING)
-        return error(504, "timeout", "no answer from a generator in time; the query stays "
-                     "queued and will be answered when a generator is available")
-
-    async def _ask(self, query: Query, waiting: Waiting, keyed: bool) -> Reply | None:
-        """Send the query; None when its reply is to come to `waiting`. For a
-        query sent before under its key, what became of it: asked after the
-        reply is expected, so one sent meanwhile is not missed either way."""
-        if keyed and (earlier := await self._earlier(query, waiting.query_id)) is not None:
-            return earlier
-        ack = await self._submit(query, waiting)
-        if not (keyed and ack.duplicate) or await self._still_queued(ack.seq):
-            return None  # new, or the first sending is still to be answered
-        # The first sending is done with, but this request came too late for its reply.
-        return await self._earlier(query, waiting.query_id) or Reply(
-            session_id=query.session_id, query_id=waiting.query_id, error_code="failed_before",
-            error="the message sent before under this Idempotency-Key got an error reply "
-                  "that this gateway did not see; send it again under a new key")
-
-    async def _earlier(self, query: Query, query_id: str) -> Reply | None:
-        """What the history, or a remembered error reply, says of this query."""
-        sid = query.session_id
-        conversation = (await self._history.read(sid)).conversation
-        return (earlier_outcome(conversation, sid, query_id, query.content)
-                or self._replies.failure(query_id))
-
-    async def _still_queued(self, seq: int) -> bool:
-        try:
-            await self._bus.js.get_msg(subjects.QUERIES_STREAM, seq, direct=True)
-        except NotFoundError:
-            return False
-        return True
-
-    async def _stream_answer(self, query: Query, query_id: str | None) -> AsyncIterator[str]:
-        with self._replies.expect(query.session_id, query_id) as waiting:
-            try:
-                earlier = await self._ask(query, waiting, keyed=query_id is not None)
-            except KeyReused:
-                yield sse("error", {"error": KEY_REUSED, "session_id": query.session_id})
-                return
-            except NATS_AWAY as err:  # the stream is under way: say it as its end
-                yield sse("error", {"error": nats_away(err), "session_id": query.session_id})
-                return
-            except APIError as err:
-                if not no_room(err):
-                    raise
-                yield sse("error", {"error": STORAGE_FULL, "session_id": query.session_id})
-                return
-            if earlier is not None:
-                yield sse("error" if earlier.error else "done", self._reply_body(earlier))
-                return
-            async for event in self._streamed_events(waiting):
-                yield event
-
-    async def _streamed_events(self, waiting: Waiting) -> AsyncIterator[str]:
-        next_index = 0
-        try:
-            async for event in events_until_reply(waiting.events,
-                                                  self._settings.reply_timeout_s):
-                if isinstance(event, Reply):
-                    yield sse("error" if event.error else "done", self._reply_body(event))
-                    continue
-                if event.index < next_index:
-                    # The query was redelivered (its generator died mid-answer)
-                    # and the answer starts over: drop what was shown.
-                    yield sse("restart", {"reason": "the answer is being generated again"})
-                next_index = event.index + 1
-                yield sse("token", {"text": event.text, "index": event.index})
-        except TimeoutError:
-            yield sse("error", {"error": {"code": "timeout", "message": "no answer in time"}})
-        except GatewayStopping:
-            yield sse("error", {"error": STOPPING, "session_id": waiting.sid})
-
-    async def _submit(self, query: Query, waiting: Waiting) -> PubAck:
-        """Publish the query. While NATS does not take it (its stream electing
-        a leader), it is offered again under the same id, which the stream
-        keeps once, for NATS_AWAY_PATIENCE_S or until the gateway stops."""
-        sid, correlation_id = query.session_id, waiting.correlation_id
-        with structlog.contextvars.bound_contextvars(session_id=sid,
-                                                     correlation_id=correlation_id):
-            _, ack = await patiently(lambda: self._bus.js_publish(
-                subjects.query(sid), query, correlation_id=correlation_id,
-                session_id=sid, message_id=waiting.query_id),
-                self._settings.nats_away_patience_s, "query_offered_again",
-                pause=self._replies.stopping_within)
-        return ack
+        return await self._answering.answer(request, query)
 
     async def compact(self, request: Request) -> Response:
         sid = session_id_of(request)
@@ -370,26 +199,6 @@ class Api:
                          f"{self._settings.max_event_streams_per_client} event streams open "
                          "already (MAX_EVENT_STREAMS_PER_CLIENT)")
         return StreamingResponse(stream, media_type="text/event-stream")
-
-    def _reply_response(self, reply: Reply) -> JSONResponse:
-        body = self._reply_body(reply)
-        if reply.error:
-            return JSONResponse(body, status_code=ERROR_STATUS.get(reply.error_code or "", 500))
-        return JSONResponse(body)
-
-    @staticmethod
-    def _reply_body(reply: Reply) -> dict[str, Any]:
-        if reply.error:
-            return {"error": {"code": reply.error_code, "message": reply.error},
-                    "session_id": reply.session_id}
-        body: dict[str, Any] = {"session_id": reply.session_id, "reply": reply.reply,
-                                "prompt_tokens": reply.prompt_tokens,
-                                "completion_tokens": reply.completion_tokens}
-        if reply.thinking:
-            body["thinking"] = reply.thinking
-        if reply.stopped:
-            body["stopped"] = True
-        return body
 
     async def _existing(self, request: Request) -> str:
         sid = session_id_of(request)
@@ -468,7 +277,3 @@ class Api:
         sessions exist and what their histories hold."""
         self._known.clear()
         self._history.forget_all()
-
-
-def sse(event: str, data: dict[str, Any]) -> str:
-    return f"event: {event}\ndata: {json.dumps(data)}\n\n"

@@ -23,7 +23,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from services.gateway.access import AccessGuard
 from services.gateway.access_rules import WILDCARD_BINDS, Policy, host_names, origins
-from services.gateway.api import STORAGE_FULL, Api, HttpError, error, nats_away
+from services.gateway.api import Api
+from services.gateway.errors import STORAGE_FULL, HttpError, error, nats_away
 from services.gateway.live import LiveFeed
 from services.gateway.replies import ReplyRouter
 from services.gateway.settings import GatewaySettings
