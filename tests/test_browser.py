@@ -255,6 +255,9 @@ def test_retry_replaces_the_last_answer_with_a_fresh_one(watched: Watched) -> No
 def test_an_answer_lost_on_the_way_is_sent_again_and_answered_once(
         watched: Watched, system: System) -> None:
     page = watched.page
+    # The live feed down too: with it, the page would show the stored answer by
+    # itself (the turn's report reloads the session), and Send again would vanish.
+    page.route("**/api/events*", lambda route: route.abort())
     sid = create_session(page)
     keys: list[str | None] = []
 
@@ -272,12 +275,14 @@ def test_an_answer_lost_on_the_way_is_sent_again_and_answered_once(
     again = page.locator("#messages .msg-failed .send-again-button")
     playwright_api.expect(again).to_be_enabled()
     watched.shot("answer-lost")
-    # The aborted request is the console error this test caused on purpose.
-    watched.problems[:] = [p for p in watched.problems if "net::ERR_FAILED" not in p]
     again.click()
     answers = page.locator("#messages .msg-assistant")
     playwright_api.expect(answers.last.locator(".msg-text")).to_have_text("Echo: hello (turn 1)")
     playwright_api.expect(page.locator("#messages .msg-failed")).to_have_count(0)
+    page.unroute("**/api/events*")
+    playwright_api.expect(page.locator("#live-status")).to_have_attribute("data-live", "connected")
+    # The aborted requests are the console errors this test caused on purpose.
+    watched.problems[:] = [p for p in watched.problems if "net::ERR_FAILED" not in p]
     assert len(keys) == 2 and keys[0] and keys[0] == keys[1], keys
     stored = httpx.get(f"{system.base_url}/api/sessions/{sid}", timeout=10).json()["messages"]
     assert [m["role"] for m in stored] == ["user", "assistant"]
