@@ -21,6 +21,7 @@ from services.gateway.idempotency import (
     earlier_outcome,
     key_of,
     query_id_for,
+    same_message,
 )
 from tests import slow_answers
 from tests.events import server_sent_events, watching
@@ -78,6 +79,13 @@ def test_a_key_sent_with_another_message_is_refused() -> None:
     conversation = Conversation(messages=_turn("q1", "hi", "hello"))
     with pytest.raises(KeyReused):
         earlier_outcome(conversation, "s", "q1", "something else")
+
+
+def test_a_resend_is_compared_with_the_first_sending_when_that_could_be_read() -> None:
+    same_message("hi", "hi")
+    same_message("", "anything")  # a first sending that did not read as a query
+    with pytest.raises(KeyReused):
+        same_message("hi", "something else")
 
 
 def test_a_turn_folded_into_the_summary_is_said_to_be_answered() -> None:
@@ -152,6 +160,22 @@ async def test_a_key_reused_for_another_message_is_refused_and_nothing_is_stored
     assert reused.status_code == 422, reused.text
     assert reused.json()["error"]["code"] == "idempotency_key_reused"
     assert [m["content"] for m in await context(http, sid)] == ["hello", "Echo: hello (turn 1)"]
+
+
+async def test_a_key_reused_while_its_first_message_waits_is_refused(
+    http: httpx.AsyncClient,
+) -> None:
+    sid = await create(http)
+    async with http.stream("POST", f"/api/sessions/{sid}/messages", json={"content": LONG},
+                           headers={"Idempotency-Key": "long-2", **SSE}) as first:
+        events = server_sent_events(first)
+        assert (await anext(events))[0] == "token"  # the first is being answered
+        reused = await say(http, sid, "another thing", "long-2")
+        assert (await http.post(f"/api/sessions/{sid}/stop")).status_code == 202
+        assert [name async for name, _ in events][-1] == "done"
+    assert reused.status_code == 422, reused.text
+    assert reused.json()["error"]["code"] == "idempotency_key_reused"
+    assert [m["role"] for m in await context(http, sid)] == ["user", "assistant"]
 
 
 async def test_a_malformed_key_is_a_400_and_nothing_is_sent(http: httpx.AsyncClient) -> None:

@@ -26,10 +26,11 @@ from services.gateway.idempotency import (
     earlier_outcome,
     key_of,
     query_id_for,
+    same_message,
 )
 from services.gateway.replies import GatewayStopping, ReplyRouter, Waiting, events_until_reply
 from services.gateway.settings import GatewaySettings
-from services.shared.bus import Bus
+from services.shared.bus import BadMessage, Bus, decode
 from services.shared.history_store import HistoryStore
 from services.shared.jetstream import no_room
 from services.shared.nats_away import NATS_AWAY, patiently
@@ -111,8 +112,12 @@ class Answering:
         if keyed and (earlier := await self._earlier(query, waiting.query_id)) is not None:
             return earlier
         ack = await self._submit(query, waiting)
-        if not (keyed and ack.duplicate) or await self._still_queued(ack.seq):
-            return None  # new, or the first sending is still to be answered
+        if not (keyed and ack.duplicate):
+            return None  # new
+        first = await self._queued(ack.seq)
+        if first is not None:  # still to be answered: its reply will come here too
+            same_message(first, query.content)
+            return None
         # The first sending is done with, but this request came too late for its reply.
         return await self._earlier(query, waiting.query_id) or Reply(
             session_id=query.session_id, query_id=waiting.query_id, error_code="failed_before",
@@ -126,12 +131,18 @@ class Answering:
         return (earlier_outcome(conversation, sid, query_id, query.content)
                 or self._replies.failure(query_id))
 
-    async def _still_queued(self, seq: int) -> bool:
+    async def _queued(self, seq: int) -> str | None:
+        """The message of the query at `seq` in the QUERIES stream while it
+        waits there (None once it is answered); "" if it does not read as a
+        query (another gateway's make), which is then not compared."""
         try:
-            await self._bus.js.get_msg(subjects.QUERIES_STREAM, seq, direct=True)
+            msg = await self._bus.js.get_msg(subjects.QUERIES_STREAM, seq, direct=True)
         except NotFoundError:
-            return False
-        return True
+            return None
+        try:
+            return decode(msg.data or b"", Query, subjects.QUERIES_STREAM).payload.content
+        except BadMessage:
+            return ""
 
     async def _stream_answer(self, query: Query, query_id: str | None) -> AsyncIterator[str]:
         with self._replies.expect(query.session_id, query_id) as waiting:
