@@ -54,6 +54,9 @@ ERROR_STATUS = {
     "storage_full": 507,
     "nats_unavailable": 503,
 }
+# What a caller who gave up waiting may do: its query is answered all the same.
+STILL_QUEUED = ("the query stays queued and will be answered into the session's history; "
+                "sent again under the same Idempotency-Key, it returns that answer")
 KEY_REUSED = {"code": "idempotency_key_reused",
               "message": "this Idempotency-Key was sent before with another message; "
                          "a new message needs a new key"}
@@ -102,8 +105,7 @@ class Answering:
                 pass
             except GatewayStopping:
                 return error(503, **STOPPING)
-        return error(504, "timeout", "no answer from a generator in time; the query stays "
-                     "queued and will be answered when a generator is available")
+        return error(504, "timeout", f"no answer from a generator in time; {STILL_QUEUED}")
 
     async def _ask(self, query: Query, waiting: Waiting, keyed: bool) -> Reply | None:
         """Send the query; None when its reply is to come to `waiting`. For a
@@ -180,7 +182,8 @@ class Answering:
                 next_index = event.index + 1
                 yield sse("token", {"text": event.text, "index": event.index})
         except TimeoutError:
-            yield sse("error", {"error": {"code": "timeout", "message": "no answer in time"}})
+            yield sse("error", {"error": {"code": "timeout",
+                                          "message": f"no answer in time; {STILL_QUEUED}"}})
         except GatewayStopping:
             yield sse("error", {"error": STOPPING, "session_id": waiting.sid})
 
