@@ -44,10 +44,11 @@ class Http:
         async with self._session.get(path) as response:
             return Answer(response.status, await response.text())
 
-    async def post(self, path: str, json: Any = None) -> Answer:
+    async def post(self, path: str, json: Any = None,
+                   headers: dict[str, str] | None = None) -> Answer:
         # The gateway refuses a write without a JSON content type, body or not.
-        async with self._session.post(path, json=json,
-                                      headers={"Content-Type": "application/json"}) as response:
+        async with self._session.post(path, json=json, headers={
+                "Content-Type": "application/json", **(headers or {})}) as response:
             return Answer(response.status, await response.text())
 
 
@@ -69,8 +70,11 @@ async def new_session(http: Http, system: str = "") -> str:
     return str(response.json()["session_id"])
 
 
-async def ask(http: Http, sid: str, content: str) -> Answer:
-    return await http.post(f"/api/sessions/{sid}/messages", json={"content": content})
+async def ask(http: Http, sid: str, content: str, key: str | None = None) -> Answer:
+    """A question; under `key` (an Idempotency-Key) when one is given."""
+    headers = {"Idempotency-Key": key} if key else None
+    return await http.post(f"/api/sessions/{sid}/messages", json={"content": content},
+                           headers=headers)
 
 
 async def ask_ok(http: Http, sid: str, content: str) -> dict[str, Any]:

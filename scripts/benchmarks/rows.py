@@ -14,6 +14,7 @@ from collections.abc import Callable
 from scripts.benchmarks.compaction import row_compaction, row_compaction_one_slot
 from scripts.benchmarks.estimate import ESTIMATE_SCRIPT, row_estimate
 from scripts.benchmarks.harness import Env, Params, Row, running_env
+from scripts.benchmarks.keys import row_turn_keyed
 from scripts.benchmarks.memory import row_memory_export, row_memory_sessions
 from scripts.benchmarks.messages import row_turn_messages
 from scripts.benchmarks.round_trips import (
@@ -48,6 +49,7 @@ RUN_ORDER = (
     "turn_cpu",
     "turn_messages",
     "turn_timeline",
+    "turn_keyed",
     "throughput_1_generator",
     "throughput_2_generators",
     "estimate_error",
@@ -94,6 +96,7 @@ ROW_FUNCTIONS: dict[str, RowFunction] = {
     "turn_floor": row_turn_floor,
     "turn_messages": row_turn_messages,
     "turn_timeline": row_turn_timeline,
+    "turn_keyed": row_turn_keyed,
     "throughput_1_generator": row_throughput_1,
     "throughput_2_generators": row_throughput_2,
     "throughput_floor": row_throughput_floor,
