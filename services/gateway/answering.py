@@ -55,6 +55,7 @@ ERROR_STATUS = {
     "nats_unavailable": 503,
 }
 # What a caller who gave up waiting may do: its query is answered all the same.
+log = structlog.get_logger()
 STILL_QUEUED = ("the query stays queued and will be answered into the session's history; "
                 "sent again under the same Idempotency-Key, it returns that answer")
 KEY_REUSED = {"code": "idempotency_key_reused",
@@ -111,7 +112,9 @@ class Answering:
         """Send the query; None when its reply is to come to `waiting`. For a
         query sent before under its key, what became of it: asked after the
         reply is expected, so one sent meanwhile is not missed either way."""
+        ids = {"session_id": query.session_id, "query_id": waiting.query_id}
         if keyed and (earlier := await self._earlier(query, waiting.query_id)) is not None:
+            log.info("resend_answered_before", error_code=earlier.error_code, **ids)
             return earlier
         ack = await self._submit(query, waiting)
         if not (keyed and ack.duplicate):
@@ -119,9 +122,15 @@ class Answering:
         first = await self._queued(ack.seq)
         if first is not None:  # still to be answered: its reply will come here too
             same_message(first, query.content)
+            log.info("resend_waits_for_first", **ids)
             return None
         # The first sending is done with, but this request came too late for its reply.
-        return await self._earlier(query, waiting.query_id) or Reply(
+        earlier = await self._earlier(query, waiting.query_id)
+        if earlier is not None:
+            log.info("resend_answered_before", error_code=earlier.error_code, **ids)
+            return earlier
+        log.warning("resend_outcome_unknown", **ids)
+        return Reply(
             session_id=query.session_id, query_id=waiting.query_id, error_code="failed_before",
             error="the message sent before under this Idempotency-Key got an error reply "
                   "that this gateway did not see; send it again under a new key")
