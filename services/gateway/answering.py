@@ -18,16 +18,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from schemas import subjects
 from schemas.messages import Query, Reply
+from services.gateway import idempotency
 from services.gateway.errors import STOPPING, STORAGE_FULL, HttpError, error, nats_away
-from services.gateway.idempotency import HEADER as KEY_HEADER
-from services.gateway.idempotency import (
-    InvalidKey,
-    KeyReused,
-    earlier_outcome,
-    key_of,
-    query_id_for,
-    same_message,
-)
 from services.gateway.replies import GatewayStopping, ReplyRouter, Waiting, events_until_reply
 from services.gateway.settings import GatewaySettings
 from services.shared.bus import BadMessage, Bus, decode
@@ -66,10 +58,10 @@ KEY_REUSED = {"code": "idempotency_key_reused",
 def query_id_of(request: Request, sid: str, retry: bool) -> str | None:
     """The query's id for the caller's `Idempotency-Key`; None without one."""
     try:
-        key = key_of(request.headers.get(KEY_HEADER))
-    except InvalidKey as err:
+        key = idempotency.key_of(request.headers.get(idempotency.HEADER))
+    except idempotency.InvalidKey as err:
         raise HttpError(error(400, "invalid_idempotency_key", str(err))) from err
-    return None if key is None else query_id_for(sid, key, retry)
+    return None if key is None else idempotency.query_id_for(sid, key, retry)
 
 
 class Answering:
@@ -93,7 +85,7 @@ class Answering:
         with self._replies.expect(query.session_id, query_id) as waiting:
             try:
                 earlier = await self._ask(query, waiting, keyed=query_id is not None)
-            except KeyReused:
+            except idempotency.KeyReused:
                 return error(422, **KEY_REUSED)
             if earlier is not None:
                 return self._reply_response(earlier)
@@ -121,7 +113,7 @@ class Answering:
             return None  # new
         first = await self._queued(ack.seq)
         if first is not None:  # still to be answered: its reply will come here too
-            same_message(first, query.content)
+            idempotency.same_message(first, query.content)
             log.info("resend_waits_for_first", **ids)
             return None
         # The first sending is done with, but this request came too late for its reply.
@@ -139,7 +131,7 @@ class Answering:
         """What the history, or a remembered error reply, says of this query."""
         sid = query.session_id
         conversation = (await self._history.read(sid)).conversation
-        return (earlier_outcome(conversation, sid, query_id, query.content)
+        return (idempotency.earlier_outcome(conversation, sid, query_id, query.content)
                 or self._replies.failure(query_id))
 
     async def _queued(self, seq: int) -> str | None:
@@ -159,7 +151,7 @@ class Answering:
         with self._replies.expect(query.session_id, query_id) as waiting:
             try:
                 earlier = await self._ask(query, waiting, keyed=query_id is not None)
-            except KeyReused:
+            except idempotency.KeyReused:
                 yield sse("error", {"error": KEY_REUSED, "session_id": query.session_id})
                 return
             except NATS_AWAY as err:  # the stream is under way: say it as its end
