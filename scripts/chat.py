@@ -33,7 +33,8 @@ HELP = ("Commands: /compact [instructions] · /state · /transcript · /again ·
         "Anything else is sent as a message.")
 Event = tuple[str, Any]
 # Failures after which a message may or may not have been taken.
-UNKNOWN_OUTCOME = frozenset({"timeout", "nats_unavailable", "gateway_stopping", "network_error"})
+UNKNOWN_OUTCOME = frozenset({"reply_timeout", "nats_unavailable", "gateway_stopping",
+                             "network_error"})
 
 
 class ChatError(Exception):

@@ -85,7 +85,7 @@ def test_again_sends_a_late_message_once_more_and_it_is_answered_once(
         client.stdin.write("hello\n")
         client.stdin.flush()
         sid = printed.next_with("session ").split("session ", 1)[1].split()[0]
-        assert "timeout" in printed.next_with("/again")
+        assert "reply_timeout" in printed.next_with("/again")
         httpx.post(f"{stub}/_stub/config", json={"held_models": []},
                    timeout=10).raise_for_status()
         with system.client() as http:

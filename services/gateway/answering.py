@@ -46,7 +46,9 @@ ERROR_STATUS = {
     "storage_full": 507,
     "nats_unavailable": 503,
 }
-# What a caller who gave up waiting may do: its query is answered all the same.
+# What a caller the gateway stopped waiting for may do (`reply_timeout`, not the
+# model's `timeout`: that one is an answer, an error, and nothing was stored):
+# its query is answered all the same.
 log = structlog.get_logger()
 STILL_QUEUED = ("the query stays queued and will be answered into the session's history; "
                 "sent again under the same Idempotency-Key, it returns that answer")
@@ -98,7 +100,8 @@ class Answering:
                 pass
             except GatewayStopping:
                 return error(503, **STOPPING)
-        return error(504, "timeout", f"no answer from a generator in time; {STILL_QUEUED}")
+        return error(504, "reply_timeout",
+                     f"no answer from a generator in time; {STILL_QUEUED}")
 
     async def _ask(self, query: Query, waiting: Waiting, keyed: bool) -> Reply | None:
         """Send the query; None when its reply is to come to `waiting`. For a
@@ -183,7 +186,7 @@ class Answering:
                 next_index = event.index + 1
                 yield sse("token", {"text": event.text, "index": event.index})
         except TimeoutError:
-            yield sse("error", {"error": {"code": "timeout",
+            yield sse("error", {"error": {"code": "reply_timeout",
                                           "message": f"no answer in time; {STILL_QUEUED}"}})
         except GatewayStopping:
             yield sse("error", {"error": STOPPING, "session_id": waiting.sid})

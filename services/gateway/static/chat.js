@@ -282,7 +282,7 @@ function pendingAnswer(again) {
 
 // Failures after which the message may or may not have been taken: sending it
 // again under its key is answered once (stored or not, it is never doubled).
-export const UNKNOWN_OUTCOME = ["network_error", "stream_ended", "nats_unavailable", "timeout", "gateway_stopping"];
+export const UNKNOWN_OUTCOME = ["network_error", "stream_ended", "nats_unavailable", "reply_timeout", "gateway_stopping"];
 
 function sendAgainButton(item, again) {
   const button = el("button", {
