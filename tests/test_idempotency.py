@@ -83,7 +83,7 @@ def test_a_key_sent_with_another_message_is_refused() -> None:
 
 def test_a_resend_is_compared_with_the_first_sending_when_that_could_be_read() -> None:
     same_message("hi", "hi")
-    same_message("", "anything")  # a first sending that did not read as a query
+    same_message(None, "anything")  # a first sending unknown, or not read as a query
     with pytest.raises(KeyReused):
         same_message("hi", "something else")
 

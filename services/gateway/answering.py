@@ -46,10 +46,10 @@ ERROR_STATUS = {
     "storage_full": 507,
     "nats_unavailable": 503,
 }
+log = structlog.get_logger()
 # What a caller the gateway stopped waiting for may do (`reply_timeout`, not the
 # model's `timeout`: that one is an answer, an error, and nothing was stored):
 # its query is answered all the same.
-log = structlog.get_logger()
 STILL_QUEUED = ("the query stays queued and will be answered into the session's history; "
                 "sent again under the same Idempotency-Key, it returns that answer")
 KEY_REUSED = {"code": "idempotency_key_reused",
@@ -107,24 +107,22 @@ class Answering:
         """Send the query; None when its reply is to come to `waiting`. For a
         query sent before under its key, what became of it: asked after the
         reply is expected, so one sent meanwhile is not missed either way."""
-        ids = {"session_id": query.session_id, "query_id": waiting.query_id}
         if keyed and (earlier := await self._earlier(query, waiting.query_id)) is not None:
-            log.info("resend_answered_before", error_code=earlier.error_code, **ids)
             return earlier
         ack = await self._submit(query, waiting)
         if not (keyed and ack.duplicate):
             return None  # new
-        first = await self._queued(ack.seq)
-        if first is not None:  # still to be answered: its reply will come here too
+        queued, first = await self._queued(ack.seq)
+        if queued:  # still to be answered: its reply will come here too
             idempotency.same_message(first, query.content)
-            log.info("resend_waits_for_first", **ids)
+            log.info("resend_waits_for_first", session_id=query.session_id,
+                     query_id=waiting.query_id)
             return None
         # The first sending is done with, but this request came too late for its reply.
-        earlier = await self._earlier(query, waiting.query_id)
-        if earlier is not None:
-            log.info("resend_answered_before", error_code=earlier.error_code, **ids)
+        if (earlier := await self._earlier(query, waiting.query_id)) is not None:
             return earlier
-        log.warning("resend_outcome_unknown", **ids)
+        log.warning("resend_outcome_unknown", session_id=query.session_id,
+                    query_id=waiting.query_id)
         return Reply(
             session_id=query.session_id, query_id=waiting.query_id, error_code="failed_before",
             error="the message sent before under this Idempotency-Key got an error reply "
@@ -134,21 +132,24 @@ class Answering:
         """What the history, or a remembered error reply, says of this query."""
         sid = query.session_id
         conversation = (await self._history.read(sid)).conversation
-        return (idempotency.earlier_outcome(conversation, sid, query_id, query.content)
-                or self._replies.failure(query_id))
+        earlier = (idempotency.earlier_outcome(conversation, sid, query_id, query.content)
+                   or self._replies.failure(query_id))
+        if earlier is not None:
+            log.info("resend_answered_before", session_id=sid, query_id=query_id,
+                     error_code=earlier.error_code)
+        return earlier
 
-    async def _queued(self, seq: int) -> str | None:
-        """The message of the query at `seq` in the QUERIES stream while it
-        waits there (None once it is answered); "" if it does not read as a
-        query (another gateway's make), which is then not compared."""
+    async def _queued(self, seq: int) -> tuple[bool, str | None]:
+        """Whether the query at `seq` still waits in the QUERIES stream, and
+        its message (None if it does not read as a query: another gateway's make)."""
         try:
             msg = await self._bus.js.get_msg(subjects.QUERIES_STREAM, seq, direct=True)
         except NotFoundError:
-            return None
+            return False, None
         try:
-            return decode(msg.data or b"", Query, subjects.QUERIES_STREAM).payload.content
+            return True, decode(msg.data or b"", Query, subjects.QUERIES_STREAM).payload.content
         except BadMessage:
-            return ""
+            return True, None
 
     async def _stream_answer(self, query: Query, query_id: str | None) -> AsyncIterator[str]:
         with self._replies.expect(query.session_id, query_id) as waiting:

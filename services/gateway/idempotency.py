@@ -61,14 +61,12 @@ def earlier_outcome(conversation: Conversation, session_id: str, query_id: str,
     history holds one; None if nothing is stored of it yet. KeyReused when
     the history holds another message under it. (A retry stores no message
     of its own: the one it answers again is another query's.)"""
-    asked = conversation.question(query_id)
-    if asked is not None:
-        same_message(asked, content)
+    same_message(conversation.question(query_id), content)
     return conversation.answered(session_id, query_id)
 
 
-def same_message(first: str, resent: str) -> None:
+def same_message(first: str | None, resent: str) -> None:
     """KeyReused unless a resend carries the message its key was first sent
-    with ("": a first sending that could not be read, not compared)."""
-    if first and first != resent:
+    with (None: the first is not known, or could not be read; not compared)."""
+    if first is not None and first != resent:
         raise KeyReused

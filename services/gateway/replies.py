@@ -2,9 +2,9 @@
 waiting for them.
 
 One wildcard subscription per gateway process; each waiting request has a
-queue keyed by its correlation id. A reply also reaches every request
-waiting for its query under another correlation id: a resend under the same
-`Idempotency-Key`, which the QUERIES stream kept once. A reply that arrives
+queue. Tokens find it by their correlation id; a reply by its query id, so
+it also reaches a resend under the same `Idempotency-Key` (which the QUERIES
+stream kept once), waiting under a correlation id of its own. A reply that arrives
 for nobody (the caller gave up) is dropped; an error reply is remembered
 for the QUERIES stream's duplicate window, since a resend under the same key
 within it is kept once and would otherwise wait for a reply already sent
@@ -101,7 +101,7 @@ class ReplyRouter:
     @contextlib.contextmanager
     def expect(self, sid: str, query_id: str | None = None) -> Iterator[Waiting]:
         """Register before publishing, so no reply can arrive unseen."""
-        waiting = Waiting(sid) if query_id is None else Waiting(sid, query_id)
+        waiting = Waiting(sid, query_id or new_id())
         if self._stopping.is_set():
             waiting.events.put_nowait(_STOPPING)
         self._waiting[waiting.correlation_id] = waiting
@@ -155,11 +155,7 @@ class ReplyRouter:
             return
         if env.payload.error:
             self._failures.put(env.payload.query_id, (time.monotonic(), env.payload))
-        targets = set(self._by_query.get(env.payload.query_id, ()))
-        waiting = self._waiting.get(env.correlation_id)
-        if waiting is not None:
-            targets.add(waiting)
-        for waiting in targets:
+        for waiting in self._by_query.get(env.payload.query_id, ()):
             waiting.events.put_nowait(env.payload)
 
     async def _on_token(self, msg: Msg) -> None:
