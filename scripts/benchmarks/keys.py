@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from schemas.envelope import new_id
 from scripts.benchmarks.client import ask, http_client, new_session
 from scripts.benchmarks.harness import Env, Params, Row
-from scripts.benchmarks.measure import cpu_seconds, summary_ms
+from scripts.benchmarks.measure import started_processes, summary_ms
 from scripts.benchmarks.round_trips import Side, interleaved_turns
 
 if TYPE_CHECKING:
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 
 async def keyed_and_plain(env: Env, params: Params) -> tuple[Side, Side]:
-    ours = frozenset(key for key in cpu_seconds() if not key.startswith("bench:"))
+    ours = started_processes()
     async with http_client(env, 4) as http:
         plain = Side("plain", lambda: new_session(http),
                      lambda sid, content: ask(http, sid, content), ours)

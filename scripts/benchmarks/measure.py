@@ -74,6 +74,11 @@ def cpu_per_unit(before: dict[str, float], after: dict[str, float], units: int,
     return cpu_summary(cpu_used(before, after), units, wall_s)
 
 
+def started_processes() -> frozenset[str]:
+    """The `cpu_seconds` keys of the processes running now besides the driver."""
+    return frozenset(key for key in cpu_seconds() if not key.startswith("bench:"))
+
+
 def cpu_summary(used: dict[str, float], units: int, wall_s: float) -> dict[str, Any]:
     """`cpu_per_unit` of CPU seconds already added up by process."""
     labels = [key.split(":")[0] for key in used]

@@ -25,6 +25,7 @@ from scripts.benchmarks.measure import (
     cpu_summary,
     cpu_used,
     percentile,
+    started_processes,
     summary_ms,
 )
 from services.generator.provider import ChatRequest, OllamaProvider
@@ -296,7 +297,7 @@ def measured_pair(bench: Bench) -> tuple[Measured, Measured]:
     once a run."""
     if bench.turn_pair is None:
         env = bench.plain()
-        ours = frozenset(key for key in cpu_seconds() if not key.startswith("bench:"))
+        ours = started_processes()
         stub = frozenset(key for key in ours if key.startswith("ollama_stub:"))
         with running_bare_turn(env.stub_url) as (_, _, base_url):
             bare = frozenset(cpu_seconds()) - ours
