@@ -106,6 +106,11 @@ async def model_called(url: str, calls: int = 1) -> None:
     await eventually(called, f"{calls} model call(s) under way")
 
 
+def configure_stub_now(url: str, **config: object) -> None:
+    """`configure_stub` for a test without an event loop."""
+    httpx.post(f"{url}/_stub/config", json=config, timeout=10).raise_for_status()
+
+
 async def configure_stub(url: str, **config: object) -> None:
     """Change how the running stand-in behaves (latencies, quirks, failures)."""
     async with httpx.AsyncClient() as client:

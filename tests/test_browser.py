@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.stub_server import configure_stub_now
 from tests.system import System, running_system
 
 # CHROMIUM names another binary (a path or a command).
@@ -116,15 +117,11 @@ def gauge_percent(page: playwright_api.Page) -> int:
     return int(page.get_attribute("#gauge", "aria-valuenow") or "0")
 
 
-def configure_stub(url: str, **config: object) -> None:
-    httpx.post(f"{url}/_stub/config", json=config, timeout=10).raise_for_status()
-
-
 def test_a_message_streams_and_the_state_badge_moves(
         watched: Watched, stub_url: str) -> None:
     page = watched.page
     create_session(page)
-    configure_stub(stub_url, ms_per_token=40)
+    configure_stub_now(stub_url, ms_per_token=40)
     try:
         page.fill("#message-input", "tell me a story about the sea and the ships on it")
         page.click("#send-button")
@@ -136,7 +133,7 @@ def test_a_message_streams_and_the_state_badge_moves(
         watched.shot("streaming")
         playwright_api.expect(page.locator("#messages .msg-pending")).to_have_count(0)
     finally:
-        configure_stub(stub_url, ms_per_token=0)
+        configure_stub_now(stub_url, ms_per_token=0)
     playwright_api.expect(page.locator("#state-badge")).to_have_attribute("data-state", "idle")
     assert page.locator("#messages .msg-assistant .msg-text").last.inner_text().strip()
 
@@ -148,7 +145,7 @@ def test_compact_shows_compacting_then_the_result_and_the_gauge_drops(
     for n in range(3):
         send(page, f"turn {n}: " + "the quick brown fox jumps over the lazy dog " * 12)
     before = gauge_percent(page)
-    configure_stub(stub_url, held_models=[SUMMARY_MODEL])
+    configure_stub_now(stub_url, held_models=[SUMMARY_MODEL])
     try:
         page.click("#compact-button")
         playwright_api.expect(page.locator("#state-badge")).to_have_attribute(
@@ -156,7 +153,7 @@ def test_compact_shows_compacting_then_the_result_and_the_gauge_drops(
         playwright_api.expect(page.locator("#compacting-banner")).to_be_visible()
         watched.shot("compacting")
     finally:
-        configure_stub(stub_url, held_models=[])
+        configure_stub_now(stub_url, held_models=[])
     playwright_api.expect(page.locator("#compact-status")).to_contain_text(
         "Compaction completed")
     playwright_api.expect(page.locator("#compacting-banner")).to_be_hidden()
@@ -196,7 +193,7 @@ def test_stop_ends_the_answer_keeps_its_text_and_gives_send_back(
     page = watched.page
     create_session(page)
     send_button, stop_button = page.locator("#send-button"), page.locator("#stop-button")
-    configure_stub(stub_url, ms_per_token=5)
+    configure_stub_now(stub_url, ms_per_token=5)
     try:
         page.fill("#message-input", LONG_QUESTION)
         page.click("#send-button")
@@ -209,7 +206,7 @@ def test_stop_ends_the_answer_keeps_its_text_and_gives_send_back(
         stop_button.click()
         playwright_api.expect(page.locator("#messages .msg-pending")).to_have_count(0)
     finally:
-        configure_stub(stub_url, ms_per_token=0)
+        configure_stub_now(stub_url, ms_per_token=0)
     answer = page.locator("#messages .msg-assistant").last
     playwright_api.expect(answer.locator(".msg-tag")).to_have_text("stopped")
     kept = answer.locator(".msg-text").inner_text()

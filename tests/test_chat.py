@@ -12,13 +12,12 @@ import threading
 from collections.abc import Iterator
 from typing import IO
 
-import httpx
 import pytest
 
 from tests.events import until
 from tests.nats_server import NatsServer
 from tests.processes import REPO_ROOT
-from tests.stub_server import running_stub
+from tests.stub_server import configure_stub_now, running_stub
 from tests.system import System, running_system
 
 
@@ -74,8 +73,7 @@ def test_again_sends_a_late_message_once_more_and_it_is_answered_once(
     with running_stub() as stub, \
             running_system(private_nats.url, stub, {"REPLY_TIMEOUT_S": "1"},
                            services=("generator", "gateway")) as system:
-        httpx.post(f"{stub}/_stub/config", json={"held_models": ["stub-model"]},
-                   timeout=10).raise_for_status()
+        configure_stub_now(stub, held_models=["stub-model"])
         client = subprocess.Popen(
             [sys.executable, "-m", "scripts.chat", "--url", system.base_url],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -86,8 +84,7 @@ def test_again_sends_a_late_message_once_more_and_it_is_answered_once(
         client.stdin.flush()
         sid = printed.next_with("session ").split("session ", 1)[1].split()[0]
         assert "reply_timeout" in printed.next_with("/again")
-        httpx.post(f"{stub}/_stub/config", json={"held_models": []},
-                   timeout=10).raise_for_status()
+        configure_stub_now(stub, held_models=[])
         with system.client() as http:
             until(lambda: len(http.get(f"/api/sessions/{sid}").json()["messages"]) == 2,
                   "the late answer stored")
