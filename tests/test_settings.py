@@ -33,6 +33,13 @@ def test_defaults_are_safe() -> None:
     assert generator.ollama_host == "http://127.0.0.1:11434"
 
 
+def test_the_decider_waits_out_a_whole_compaction_before_asking_again() -> None:
+    """A request outlives its summary's limit and the lock wait before it, by default."""
+    generator = GeneratorSettings()
+    longest = generator.summary_timeout_s + generator.lock_wait_s
+    assert DeciderSettings().compaction_result_timeout_s > longest
+
+
 def test_environment_variables_set_each_pinned_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("NATS_URL", "nats://elsewhere:4222")
     monkeypatch.setenv("OLLAMA_HOST", "http://gpu-box:11434")

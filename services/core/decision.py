@@ -38,7 +38,7 @@ class Policy:
     min_relief: float = 0.1
     # How long a request may go unanswered before it counts as lost (its
     # publish or its result went astray) and the session may be asked for again.
-    pending_expiry_s: float = 300.0
+    pending_expiry_s: float = 660.0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.threshold <= 1.0:
