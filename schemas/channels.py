@@ -36,6 +36,11 @@ CHANNELS: tuple[Channel, ...] = (
     Channel("chatToken", f"{subjects.TOKEN_PREFIX}.{{sessionId}}", m.Token,
             (GENERATOR,), (GATEWAY,),
             "One streamed piece of an answer, numbered across the turn."),
+    Channel("chatStop", f"{subjects.STOP_PREFIX}.{{sessionId}}", m.StopRequest,
+            (GATEWAY,), (GENERATOR,),
+            "Stop the session's answer being written (a NATS request): only the generator "
+            "writing it replies; a malformed request is answered with an ErrorReport.",
+            reply=m.StopAccepted),
     Channel("responseGeneration", subjects.RESPONSE_GENERATION, m.GenerationReport,
             (GENERATOR,), (DECIDER, GATEWAY, ANYONE),
             "After every answer: the provider's token counts and what the next prompt holds.",
@@ -58,5 +63,5 @@ CHANNELS: tuple[Channel, ...] = (
             (GENERATOR,), (TOOLS,), "Run one tool (a NATS request).", reply=m.ToolOutcome),
     Channel("systemError", subjects.ERROR_SUBJECT, m.ErrorReport,
             (GATEWAY, GENERATOR, DECIDER, TOOLS), (ANYONE,),
-            "A malformed event was received and dropped."),
+            "A malformed message was received and dropped, or a transition refused."),
 )

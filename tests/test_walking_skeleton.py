@@ -227,15 +227,18 @@ async def test_malformed_messages_are_reported_and_kill_nothing(
     await js.publish(subjects.RESPONSE_GENERATION, b'{"payload": {"session_id": 3}}')
     await js.publish(subjects.COMPACTION_REQUEST, b"not json at all")
     await js.publish(subjects.query("somesession"), b'{"message_type": "chat.query"}')
+    # A request is answered with the error too, not left to time out.
+    refusal = await nc.request(subjects.stop("somesession"), b'{"payload": {}}', timeout=10)
+    assert json.loads(refusal.data)["payload"]["code"] == "invalid_message"
     seen = set()
-    for _ in range(3):
+    for _ in range(4):
         msg = await errors.next_msg(timeout=10)
         report = json.loads(msg.data)["payload"]
         assert report["code"] == "invalid_message"
         seen.add(report["subject"])
     await nc.drain()
     assert seen == {subjects.RESPONSE_GENERATION, subjects.COMPACTION_REQUEST,
-                    subjects.query("somesession")}
+                    subjects.query("somesession"), subjects.stop("somesession")}
     sid = new_session(client)
     assert ask(client, sid, "still alive?").status_code == 200
     for name in ("generator", "decider", "gateway"):

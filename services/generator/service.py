@@ -254,7 +254,7 @@ class Generator:
         await asyncio.wait(unfinished, timeout=HAND_BACK_S)
 
     async def _on_stop(self, msg: Msg) -> None:
-        env = await self._bus.decode_or_report(msg, StopRequest)
+        env = await self._bus.decode_or_refuse(msg, StopRequest)
         if env is None:
             return
         sid = env.payload.session_id

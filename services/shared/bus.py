@@ -261,6 +261,17 @@ class Bus:
             await self.report_bad_event(err)
             return None
 
+    async def decode_or_refuse(self, msg: Msg, payload_type: type[P]) -> Envelope[P] | None:
+        """A core request's validated message, or None after answering the
+        requester with the structured error (and reporting it as an event)."""
+        try:
+            return decode(msg.data, payload_type, msg.subject)
+        except BadMessage as err:
+            await self.report_bad_event(err)
+            if msg.reply:
+                await self.respond(msg, err.report)
+            return None
+
     async def report_bad_event(self, err: BadMessage) -> None:
         """Log a malformed event and make it visible on the error subject."""
         log.warning("bad_message", subject=err.report.subject, error=err.report.message,
