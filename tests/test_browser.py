@@ -32,6 +32,7 @@ CHROMIUM_FLAGS = [
     "--disable-component-update", "--disable-sync", "--no-first-run",
 ]
 SUMMARY_MODEL = "browser-summariser"
+ANSWER_MODEL = "stub-model"  # the system's MODEL
 WAIT_MS = 30_000
 HOSTILE = "<img src=x onerror=alert(1)>"
 
@@ -121,7 +122,8 @@ def test_a_message_streams_and_the_state_badge_moves(
         watched: Watched, stub_url: str) -> None:
     page = watched.page
     create_session(page)
-    configure_stub_now(stub_url, ms_per_token=40)
+    # The answer stops after its first piece until let go: under way for as long as we look.
+    configure_stub_now(stub_url, paused_models=[ANSWER_MODEL])
     try:
         page.fill("#message-input", "tell me a story about the sea and the ships on it")
         page.click("#send-button")
@@ -131,9 +133,9 @@ def test_a_message_streams_and_the_state_badge_moves(
         playwright_api.expect(page.locator("#state-badge")).to_have_attribute(
             "data-state", "generating")
         watched.shot("streaming")
-        playwright_api.expect(page.locator("#messages .msg-pending")).to_have_count(0)
     finally:
-        configure_stub_now(stub_url, ms_per_token=0)
+        configure_stub_now(stub_url, paused_models=[])
+    playwright_api.expect(page.locator("#messages .msg-pending")).to_have_count(0)
     playwright_api.expect(page.locator("#state-badge")).to_have_attribute("data-state", "idle")
     assert page.locator("#messages .msg-assistant .msg-text").last.inner_text().strip()
 

@@ -184,16 +184,18 @@ async def test_a_query_accepted_while_no_generator_runs_is_answered_when_one_sta
 async def test_a_generator_killed_mid_answer_loses_nothing_and_doubles_nothing(
     system: System, stub: str, http: httpx.AsyncClient, private_nats: NatsServer
 ) -> None:
-    await configure_stub(stub, ms_per_token=15)
     launch(system, "gen-a")
     sid = await create(http)
     await say(http, sid, "warm up")
+    # Held until gen-a is dead: killed with its model call under way, never after.
+    await configure_stub(stub, held_models=["stub-model"])
     async with watching(private_nats.url, STATES) as watcher:
         pending = asyncio.create_task(say(http, sid, "!long 600 tell me a story"))
         await watcher.wait_for(lambda e: e["payload"].get("to_state") == "generating"
                                and e["payload"]["session_id"] == sid)
         system["gen-a"].kill()
     assert not pending.done()
+    await configure_stub(stub, held_models=[])
     add_generator(system, "gen-b")
     reply = (await asyncio.wait_for(pending, 60)).json()
     assert reply["reply"].startswith("Echo: !long 600 tell me a story (turn 2)")
@@ -255,7 +257,8 @@ async def test_a_retried_publish_of_a_query_is_stored_and_answered_once(
 async def test_a_streamed_answer_cut_by_a_killed_generator_restarts_cleanly(
     system: System, stub: str, http: httpx.AsyncClient, private_nats: NatsServer
 ) -> None:
-    await configure_stub(stub, ms_per_token=15)
+    # The answer stops after its first piece until gen-a is dead: cut mid-stream, never after.
+    await configure_stub(stub, paused_models=["stub-model"])
     launch(system, "gen-a")
     sid = await create(http)
     events: list[tuple[str, dict[str, object]]] = []
@@ -265,9 +268,10 @@ async def test_a_streamed_answer_cut_by_a_killed_generator_restarts_cleanly(
                            headers={"Accept": "text/event-stream"}) as response:
         async for name, data in server_sent_events(response):
             events.append((name, data))
-            if name == "token" and len(events) == 5 and not killed:
+            if name == "token" and not killed:
                 system["gen-a"].kill()
                 killed = True
+                await configure_stub(stub, paused_models=[])
                 add_generator(system, "gen-b")
     names = [n for n, _ in events]
     assert names.count("restart") == 1 and names[-1] == "done"

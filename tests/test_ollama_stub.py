@@ -41,6 +41,7 @@ DEFAULT_CONFIG: dict[str, Any] = {
     "chars_per_token": 4.0,
     "default_num_ctx": 2048,
     "held_models": [],
+    "paused_models": [],
 }
 MODEL = "test-model"
 WORD_COUNT_TOOL = {
@@ -548,6 +549,24 @@ async def test_a_held_model_answers_once_let_go_and_others_meanwhile(stub_url: s
         assert (await held).message.content == "Echo: hello (turn 1)"
 
 
+@pytest.mark.asyncio
+async def test_a_paused_model_streams_its_first_piece_then_waits(stub_url: str) -> None:
+    configure(stub_url, paused_models=[MODEL])
+    async with ollama.AsyncClient(host=stub_url, timeout=30) as client:
+        stream = await client.chat(model=MODEL, messages=[user("one two three")], stream=True)
+        pieces = aiter(stream)
+        first = await anext(pieces)
+        assert first.message.content and not first.done
+        second = asyncio.ensure_future(anext(pieces))
+        # Not done while paused: the whole reply is asked for first, then the pause lifted.
+        assert (await chat(stub_url, [user("one two three")])).message.content
+        assert not second.done()
+        configure(stub_url, paused_models=[])
+        rest = [await second, *[part async for part in pieces]]
+    assert first.message.content + joined_content(rest) == "Echo: one two three (turn 1)"
+    assert rest[-1].done
+
+
 # --------------------------------------------------------------------------- control endpoints
 
 
@@ -733,6 +752,7 @@ async def test_cli_flags_configure_the_stub() -> None:
             "chars_per_token": 2.0,
             "default_num_ctx": 100,
             "held_models": [],
+            "paused_models": [],
         }
         response = await chat(url, [user("z" * 400)])
         assert response.message.content == ""

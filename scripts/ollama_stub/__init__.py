@@ -20,7 +20,7 @@ The modules, by concern:
 - ``replies``: what is answered, and the ``!tool``/``!long``/``!summary`` prompt markers;
 - ``quirks``: the Ollama behaviours switched on by ``--quirk``;
 - ``models``: how models differ (catalogue, capabilities, loads, parallel slots);
-- ``directives``: the live test controls of ``/_stub/config`` (held models, latency...);
+- ``directives``: the live test controls of ``/_stub/config`` (held and paused models, latency...);
 - ``chat_request``, ``responses``, ``state``, ``common``, ``cli``: parsing, answer
   shapes, bookkeeping, shared names, the command line.
 """

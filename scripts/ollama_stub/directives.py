@@ -1,12 +1,15 @@
 """The test controls: the live configuration that ``POST /_stub/config`` changes.
 
 Quirks, ``ms_per_token``, per-model latency, ``chars_per_token``,
-``default_num_ctx`` and held models (requests for a held model wait until it is let
-go: a call under way for exactly as long as a test needs). An update is validated
-whole before any of it applies."""
+``default_num_ctx``, held models (requests for a held model wait until it is let
+go: a call under way for exactly as long as a test needs) and paused models (a
+streamed answer sends its first piece, then waits until the model is let go: an
+answer visibly being written for as long as a test needs). An update is
+validated whole before any of it applies."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -34,8 +37,14 @@ class StubConfig:
     # a call that is under way for exactly as long as a test needs it to be.
     held_models: set[str] = field(default_factory=set)
 
+    # Streamed answers of these models stop after their first piece until let go.
+    paused_models: set[str] = field(default_factory=set)
+
     def holds(self, model: str) -> bool:
-        return normalize_model(model) in {normalize_model(name) for name in self.held_models}
+        return _named(model, self.held_models)
+
+    def pauses(self, model: str) -> bool:
+        return _named(model, self.paused_models)
 
     # Set at start-up only (command-line flags), so not part of ``as_json``.
     models: ModelCatalogue = field(default_factory=lambda: ModelCatalogue())
@@ -56,13 +65,28 @@ class StubConfig:
             "chars_per_token": self.chars_per_token,
             "default_num_ctx": self.default_num_ctx,
             "held_models": sorted(self.held_models),
+            "paused_models": sorted(self.paused_models),
         }
+
+
+def _named(model: str, names: set[str]) -> bool:
+    return normalize_model(model) in {normalize_model(name) for name in names}
 
 
 async def wait_while_held(state: StubState, model: str) -> None:
     """Keep a request for a held model waiting until the model is let go, or the
     stand-in exits."""
-    while state.config.holds(model) and not state.shutdown_event.is_set():
+    await _wait_while(state, lambda: state.config.holds(model))
+
+
+async def wait_while_paused(state: StubState, model: str) -> None:
+    """Keep a paused model's stream waiting until the model is let go, or the
+    stand-in exits."""
+    await _wait_while(state, lambda: state.config.pauses(model))
+
+
+async def _wait_while(state: StubState, condition: Callable[[], bool]) -> None:
+    while condition() and not state.shutdown_event.is_set():
         await first_of(state.config_changed.wait(), state.shutdown_event.wait())
 
 
@@ -88,9 +112,9 @@ def _latency_map(value: Any) -> dict[str, float]:
     return {str(name): _number(ms, f"model_latency[{name}]", False) for name, ms in value.items()}
 
 
-def _model_set(value: Any) -> set[str]:
+def _model_set(value: Any, key: str) -> set[str]:
     if not isinstance(value, list) or not all(isinstance(m, str) for m in value):
-        raise BadRequest("held_models must be a list of model names")
+        raise BadRequest(f"{key} must be a list of model names")
     return set(value)
 
 
@@ -105,7 +129,7 @@ def apply_config_update(config: StubConfig, body: Any) -> None:
     if not isinstance(body, dict):
         raise BadRequest("config body must be a JSON object")
     known = {"quirks", "ms_per_token", "model_latency", "chars_per_token", "default_num_ctx",
-             "held_models"}
+             "held_models", "paused_models"}
     unknown = sorted(set(body) - known)
     if unknown:
         raise BadRequest(f"unknown config key(s) {unknown}; known: {', '.join(sorted(known))}")
@@ -120,7 +144,8 @@ def apply_config_update(config: StubConfig, body: Any) -> None:
         updates["model_latency"] = _latency_map(body["model_latency"])
     if "default_num_ctx" in body:
         updates["default_num_ctx"] = _positive_int(body["default_num_ctx"], "default_num_ctx")
-    if "held_models" in body:
-        updates["held_models"] = _model_set(body["held_models"])
+    for key in ("held_models", "paused_models"):
+        if key in body:
+            updates[key] = _model_set(body[key], key)
     for key, value in updates.items():
         setattr(config, key, value)

@@ -7,7 +7,7 @@ import asyncio
 import json
 import re
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
@@ -90,12 +90,14 @@ class Generation:
         return fields
 
 
-async def stream_chat(generation: Generation, state: StubState) -> AsyncIterator[bytes]:
-    """NDJSON chunks; the per-token latency is spread evenly over the pieces.
-    A client that goes away ends the generation, as with Ollama."""
+async def stream_chat(generation: Generation, state: StubState,
+                      paused: Callable[[], Awaitable[None]]) -> AsyncIterator[bytes]:
+    """NDJSON chunks; the per-token latency is spread evenly over the pieces,
+    and `paused` is waited on after the first. A client that goes away ends the
+    generation, as with Ollama."""
     finished = False
     try:
-        async for chunk in _chunks(generation):
+        async for chunk in _chunks(generation, paused):
             yield chunk
         finished = True
     finally:
@@ -103,14 +105,17 @@ async def stream_chat(generation: Generation, state: StubState) -> AsyncIterator
             state.streams_cut += 1
 
 
-async def _chunks(generation: Generation) -> AsyncIterator[bytes]:
+async def _chunks(generation: Generation, paused: Callable[[], Awaitable[None]]
+                  ) -> AsyncIterator[bytes]:
     load_ns = await sleep_ns(generation.latency_s)
     pieces = stream_messages(generation.reply)
     total_s = generation.per_token_s * generation.eval_count
     eval_started = time.perf_counter_ns()
     if not pieces:
         await sleep_ns(total_s)
-    for message in pieces:
+    for index, message in enumerate(pieces):
+        if index == 1:
+            await paused()  # a test's "answer being written", for as long as it needs
         await sleep_ns(total_s / len(pieces))
         yield _ndjson(chat_chunk(generation.model, message, done=False))
     final = chat_chunk(generation.model, {"role": "assistant", "content": ""}, done=True)

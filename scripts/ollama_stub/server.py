@@ -18,7 +18,7 @@ from starlette.routing import Route
 
 from .chat_request import BadRequest, ChatRequest, parse_chat_request
 from .common import STUB_MODEL, STUB_VERSION, ChatMessage, normalize_model
-from .directives import StubConfig, apply_config_update, wait_while_held
+from .directives import StubConfig, apply_config_update, wait_while_held, wait_while_paused
 from .models import (
     apply_thinking,
     held_stream,
@@ -128,8 +128,9 @@ async def answer_in_slot(state: StubState, chat: ChatRequest, generation: Genera
     """The answer, produced while holding one of the model's parallel slots."""
     slot = await state.slots.take(chat.model, request_kind(chat))
     if chat.stream:
+        pieces = stream_chat(generation, state, lambda: wait_while_paused(state, chat.model))
         # The background task frees the slot even if the client left before the stream began.
-        return StreamingResponse(held_stream(stream_chat(generation, state), slot),
+        return StreamingResponse(held_stream(pieces, slot),
                                  media_type="application/x-ndjson",
                                  background=BackgroundTask(slot.release))
     try:
