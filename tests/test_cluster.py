@@ -244,6 +244,8 @@ async def test_a_layout_made_with_one_replica_is_moved_to_three(cluster: NatsClu
     nc = await nats.connect(cluster.url.split(","))
     try:
         await ensure_layout(nc.jetstream())  # as a single-server deployment left it
+        # Every bucket is part of the layout, the live settings' too, so every one is moved.
+        await nc.jetstream().key_value(subjects.CONFIG_BUCKET)
         await assert_replicated(cluster.url, 1)
         await ensure_layout(nc.jetstream(), replicas=3, move_replicas=True)
     finally:

@@ -16,6 +16,7 @@ from services.core.state_machine import Action, CompactionMode, IllegalTransitio
 from services.generator.settings import GeneratorSettings
 from services.generator.states import SessionStates
 from services.shared.bus import Bus
+from services.shared.jetstream import config_bucket
 from services.shared.live_config import LiveSettings
 from tests.nats_server import NatsServer
 from tests.processes import ServiceProcess
@@ -91,7 +92,7 @@ async def test_only_live_settings_change_and_bad_bytes_stop_nothing(nc: NATS) ->
 async def test_a_deletion_found_at_start_changes_nothing(nc: NATS) -> None:
     """The watch replays a key's deletion to a service starting later: it already
     has its start-up value, so nothing changes and nothing is announced."""
-    kv = await nc.jetstream().key_value(subjects.CONFIG_BUCKET)
+    kv = await config_bucket(nc.jetstream())  # made here if no test before made it
     await kv.put("compaction_threshold", b"0.5")
     await kv.delete("compaction_threshold")
     changes: list[DeciderSettings] = []

@@ -135,6 +135,7 @@ async def ensure_layout(js: JetStreamContext, lock_lease_s: float | None = None,
     await sessions_bucket(js)
     await locks_bucket(js, lock_lease_s)
     await compactions_running_bucket(js)
+    await config_bucket(js)
     if move_replicas and replicas is not None:
         await match_replicas(js, replicas)
 
@@ -229,6 +230,13 @@ async def compactions_running_bucket(js: JetStreamContext) -> KeyValue:
     # Memory, as the states: worthless after a restart, written twice a compaction.
     return await _bucket(js, KeyValueConfig(bucket=s.COMPACTIONS_RUNNING_BUCKET, history=1,
                                             storage=StorageType.MEMORY))
+
+
+async def config_bucket(js: JetStreamContext) -> KeyValue:
+    """The settings changed live (`services.shared.live_config`), with a few
+    earlier values of each kept."""
+    return await _bucket(js, KeyValueConfig(bucket=s.CONFIG_BUCKET, history=5,
+                                            storage=StorageType.FILE))
 
 
 async def locks_bucket(js: JetStreamContext, lease_s: float | None) -> KeyValue:

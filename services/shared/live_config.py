@@ -20,12 +20,10 @@ from typing import Generic, TypeVar
 
 import structlog
 from nats.js import JetStreamContext
-from nats.js.api import KeyValueConfig, StorageType
-from nats.js.errors import NotFoundError
 from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 from pydantic import ValidationError
 
-from schemas import subjects
+from services.shared.jetstream import config_bucket
 from services.shared.settings import ServiceSettings
 
 LIVE_KEYS = frozenset({"compaction_threshold", "compaction_cooldown_s", "compaction_min_relief"})
@@ -47,11 +45,7 @@ class LiveSettings(Generic[S]):
         self._watcher: KeyValue.KeyWatcher | None = None
 
     async def start(self) -> None:
-        try:
-            kv = await self._js.key_value(subjects.CONFIG_BUCKET)
-        except NotFoundError:
-            kv = await self._js.create_key_value(
-                KeyValueConfig(bucket=subjects.CONFIG_BUCKET, history=5, storage=StorageType.FILE))
+        kv = await config_bucket(self._js)  # made anew if NATS came back without its store
         self._watcher = await kv.watchall()
         self._task = asyncio.create_task(self._follow(self._watcher))
 
