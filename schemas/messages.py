@@ -216,6 +216,20 @@ class ToolOutcome(Payload):
     error: str | None = None
 
 
+class ToolListRequest(Payload):
+    """Ask for the tools on offer (a NATS request on `tool.list`)."""
+
+    MESSAGE_TYPE = "tool.list"
+
+
+class ToolDefinitions(Payload):
+    """The reply to a `ToolListRequest`: the tools on offer, each an Ollama tool
+    definition as the model is sent it."""
+
+    MESSAGE_TYPE = "tool.list.result"
+    tools: list[dict[str, Any]] = Field(default_factory=list)
+
+
 class ErrorReport(Payload):
     """A structured error: the answer to a bad request, or a note on a bad event."""
 

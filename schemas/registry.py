@@ -24,6 +24,8 @@ PAYLOADS: tuple[type[m.Payload], ...] = (
     m.StateChange,
     m.ToolInvocation,
     m.ToolOutcome,
+    m.ToolListRequest,
+    m.ToolDefinitions,
     m.ErrorReport,
 )
 

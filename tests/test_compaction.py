@@ -6,7 +6,6 @@ The window is small (NUM_CTX 2048, budget 1792 tokens) so a few turns of
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
@@ -22,6 +21,7 @@ from tests.events import Watcher, decider_caught_up, watching
 from tests.nats_server import NatsServer
 from tests.stub_server import configure_stub, running_stub, stub_stats
 from tests.system import System
+from tests.tools_offered import offer_tools
 
 NUM_CTX = 2048
 SMALL_WINDOW = {"NUM_CTX": str(NUM_CTX), "COMPACTION_TAIL_TURNS": "2",
@@ -343,15 +343,12 @@ async def serve_a_verbose_tool(nats_url: str, output: str = "line of output\n" *
     definition = [{"type": "function", "function": {
         "name": "dump", "description": "prints a lot", "parameters": {"type": "object"}}}]
 
-    async def listing(msg: Msg) -> None:
-        await msg.respond(json.dumps(definition).encode())
-
     async def dump(msg: Msg) -> None:
         await msg.respond(Bus(nc, "tools").envelope(
             msg.subject, ToolOutcome(name="dump", content=output)
         ).model_dump_json().encode())
 
-    await nc.subscribe(subjects.TOOL_LIST, cb=listing)
+    await offer_tools(nc, definition)
     await nc.subscribe(subjects.tool("dump"), cb=dump)
     return nc
 

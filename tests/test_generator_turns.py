@@ -22,6 +22,7 @@ from tests.events import server_sent_events, transitions, turns_finished, watchi
 from tests.nats_server import NatsServer, free_port
 from tests.stub_server import configure_stub, running_stub
 from tests.system import System, ask, new_session, running_system
+from tests.tools_offered import offer_tools
 
 TURN = [
     ("idle", "receiving", "receive"),
@@ -212,15 +213,12 @@ async def tool_responder(nc: nats.aio.client.Client) -> None:
                                                      "parameters": {"type": "object"}}}
                    for n in ("slow", "broken", "absent")]
 
-    async def listing(msg: Msg) -> None:
-        await msg.respond(json.dumps(definitions).encode())
-
     async def broken(msg: Msg) -> None:
         await msg.respond(Bus(nc, "tools").envelope(
             msg.subject, ToolOutcome(name="broken", error="ValueError: boom")
         ).model_dump_json().encode())
 
-    await nc.subscribe(subjects.TOOL_LIST, cb=listing)
+    await offer_tools(nc, definitions)
     await nc.subscribe(subjects.tool("broken"), cb=broken)
     await nc.subscribe(subjects.tool("slow"), cb=never_answer)
 

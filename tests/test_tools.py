@@ -10,7 +10,7 @@ import pytest
 from nats.aio.client import Client as NATS
 
 from schemas import subjects
-from schemas.messages import ToolInvocation, ToolOutcome
+from schemas.messages import ToolDefinitions, ToolInvocation, ToolListRequest, ToolOutcome
 from services.shared.bus import Bus, decode
 from services.tools.catalogue import TOOLS, ToolFailure, calculate, current_time, word_count
 from services.tools.service import run_tool
@@ -59,14 +59,16 @@ async def tools_nc(nats_url: str) -> AsyncIterator[NATS]:
 
 
 async def test_the_service_lists_and_runs_its_tools_over_nats(tools_nc: NATS) -> None:
-    listing = json.loads((await tools_nc.request("tool.list", b"", timeout=2)).data)
+    bus = Bus(tools_nc, "generator")
+    asked = await bus.request(subjects.TOOL_LIST, ToolListRequest(), timeout_s=2)
+    listing = decode(asked.data, ToolDefinitions, subjects.TOOL_LIST).payload.tools
     assert {d["function"]["name"] for d in listing} >= {"calculate", "word_count",
                                                         "current_time"}
-    bus = Bus(tools_nc, "generator")
     subject = subjects.tool("calculate")
     env = bus.envelope(subject, ToolInvocation(name="calculate",
                                                arguments={"expression": "2+2"}))
     reply = await tools_nc.request(subject, env.model_dump_json().encode(), timeout=2)
     assert decode(reply.data, ToolOutcome, subject).payload.content == "4"
-    bad = await tools_nc.request(subject, b"{broken", timeout=2)
-    assert json.loads(bad.data)["payload"]["code"] == "invalid_message"
+    for asking in (subject, subjects.TOOL_LIST):
+        bad = await tools_nc.request(asking, b"{broken", timeout=2)
+        assert json.loads(bad.data)["payload"]["code"] == "invalid_message"

@@ -94,7 +94,7 @@ class Api:
         self._settings = settings
         self._sessions = sessions
         self._history = history
-        self._tools = ToolCatalogue(bus.nc)
+        self._tools = ToolCatalogue(bus)
         self._replies = replies
         self._live = live
         self._listeners = ListenerLimit(settings.max_event_streams_per_client)

@@ -35,7 +35,7 @@ class Toolbox:
     def __init__(self, bus: Bus, timeout_s: float) -> None:
         self._bus = bus
         self._timeout_s = timeout_s
-        self._catalogue = ToolCatalogue(bus.nc)
+        self._catalogue = ToolCatalogue(bus)
 
     async def definitions(self) -> list[dict[str, Any]]:
         """Ollama tool definitions offered by whoever answers `tool.list` (cached)."""

@@ -1,11 +1,10 @@
-"""The tools process: answers `tool.list` with every definition and
-`tool.call.<name>` with a `ToolOutcome`. Several copies can run: micro
-endpoints share a queue group, so each call is answered once."""
+"""The tools process: answers `tool.list` with every definition (a
+`ToolDefinitions`) and `tool.call.<name>` with a `ToolOutcome`. Several copies
+can run: micro endpoints share a queue group, so each call is answered once."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -14,7 +13,13 @@ from nats.micro.request import Request
 
 from schemas import subjects
 from schemas.envelope import Envelope
-from schemas.messages import ErrorReport, ToolInvocation, ToolOutcome
+from schemas.messages import (
+    ErrorReport,
+    ToolDefinitions,
+    ToolInvocation,
+    ToolListRequest,
+    ToolOutcome,
+)
 from services.shared.bus import BadMessage, Bus, decode
 from services.shared.runner import Endpoint
 from services.tools import recall
@@ -53,8 +58,16 @@ class ToolsService:
         return [listing, *calls, recalling]
 
     async def _list(self, request: Request) -> None:
-        definitions = [*(t.definition() for t in TOOLS.values()), recall.DEFINITION]
-        await request.respond(json.dumps(definitions).encode())
+        try:
+            env = decode(request.data, ToolListRequest, request.subject)
+        except BadMessage as err:
+            await request.respond(self._wrap(request.subject, err.report))
+            return
+        listing = ToolDefinitions(tools=[*(t.definition() for t in TOOLS.values()),
+                                         recall.DEFINITION])
+        await request.respond(self._bus.envelope(
+            request.subject, listing, correlation_id=env.correlation_id
+        ).model_dump_json().encode())
 
     async def _recall(self, env: Envelope[ToolInvocation]) -> ToolOutcome:
         try:
