@@ -74,8 +74,15 @@ def transitions(watcher: Watcher, sid: str) -> list[tuple[str, str, str]]:
 
 async def server_sent_events(response: Any) -> AsyncIterator[tuple[str, dict[str, Any]]]:
     """(event name, decoded data) for each event of an httpx streaming response."""
+    async for event in server_sent_lines(response.aiter_lines()):
+        yield event
+
+
+async def server_sent_lines(lines: AsyncIterator[str]
+                            ) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+    """(event name, decoded data) for each event in the lines of an event stream."""
     name = ""
-    async for line in response.aiter_lines():
+    async for line in lines:
         if line.startswith("event: "):
             name = line[7:]
         elif line.startswith("data: "):

@@ -23,7 +23,7 @@ from services.shared.jetstream import MAX_MESSAGE_BYTES, ensure_layout
 from services.shared.nats_auth import inbox_prefix
 from services.shared.runner import SHUTDOWN_TIMEOUT_S
 from tests.compose_stack import Stack, prepare_images, why_docker_cannot_run
-from tests.events import server_sent_events
+from tests.events import server_sent_events, server_sent_lines
 from tests.nats_server import running_shipped_nats
 from tests.stub_server import configure_stub
 from tests.system import gateway_client
@@ -178,9 +178,25 @@ async def compact_automatically_and_by_hand(http: httpx.AsyncClient) -> None:
     for i in range(4):  # short: more than the kept tail, far below the threshold
         await turn(http, sid, f"short {i}")
     done = (await session(http, sid))["compactions"]
-    accepted = await http.post(f"/api/sessions/{sid}/compact")
-    assert accepted.status_code == 202, accepted.text
-    await until(lambda: _compactions_at_least(http, sid, done + 1))
+    result = await compacted_by_hand(http, sid)
+    assert result["status"] == "completed", result
+    assert (await session(http, sid))["compactions"] == done + 1
+
+
+async def compacted_by_hand(http: httpx.AsyncClient, sid: str) -> dict[str, Any]:
+    """Ask for a compaction of `sid`; its result, as the page's live feed shows it."""
+    async with http.stream("GET", "/api/events", params={"session_id": sid}) as feed:
+        lines = feed.aiter_lines()
+        async for line in lines:
+            if line == ": connected":  # the feed is subscribed: nothing after is missed
+                break
+        accepted = await http.post(f"/api/sessions/{sid}/compact")
+        assert accepted.status_code == 202, accepted.text
+        async with asyncio.timeout(60):
+            async for name, event in server_sent_lines(lines):
+                if name == "compaction.result" and not event["payload"]["auto"]:
+                    return dict(event["payload"])
+    raise AssertionError("the live feed ended before the compaction's result")
 
 
 async def _answers_as_before(http: httpx.AsyncClient, sid: str, before: dict[str, Any]
