@@ -16,7 +16,7 @@ from nats.aio.msg import Msg
 
 from schemas import subjects
 from schemas.messages import CompactionRequest, ToolOutcome
-from services.shared.bus import Bus
+from services.shared.bus import Bus, round_trip
 from tests.events import Watcher, decider_caught_up, watching
 from tests.nats_server import NatsServer
 from tests.stub_server import configure_stub, running_stub, stub_stats
@@ -350,6 +350,7 @@ async def serve_a_verbose_tool(nats_url: str, output: str = "line of output\n" *
 
     await offer_tools(nc, definition)
     await nc.subscribe(subjects.tool("dump"), cb=dump)
+    await round_trip(nc)
     return nc
 
 

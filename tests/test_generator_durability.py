@@ -79,6 +79,7 @@ async def in_order(http: httpx.AsyncClient, nats_url: str, sid: str,
     nc = await nats.connect(nats_url)
     queued: asyncio.Queue[Msg] = asyncio.Queue()
     sub = await nc.subscribe(subjects.query(sid), cb=queued.put)
+    await round_trip(nc)  # subscribed at the server before any query is sent
     try:
         tasks = []
         for content in contents:
@@ -169,6 +170,7 @@ async def test_a_query_accepted_while_no_generator_runs_is_answered_when_one_sta
     nc = await nats.connect(private_nats.url)
     try:
         queued = await nc.subscribe(subjects.query(sid))
+        await round_trip(nc)
         pending = asyncio.create_task(say(http, sid, "anyone?"))
         await queued.next_msg(timeout=10)  # accepted: in the stream, with nobody to answer
     finally:

@@ -206,6 +206,7 @@ async def test_delete_purges_everything_and_answers_what_is_queued(
     js = nc.jetstream()
     seen: asyncio.Queue[Msg] = asyncio.Queue()
     await nc.subscribe(subjects.query(sid), cb=seen.put)
+    await round_trip(nc)  # the server has the subscription before the query is sent
     queued = asyncio.create_task(http.post(f"/api/sessions/{sid}/messages",
                                            json={"content": "still waiting"}))
     try:

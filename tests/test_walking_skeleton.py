@@ -18,6 +18,7 @@ from schemas import subjects
 from schemas.envelope import Envelope
 from schemas.messages import GenerationReport
 from services.core.tokens import Calibration, estimate_tokens
+from services.shared.bus import round_trip
 from services.shared.sessions import SessionStore
 from tests.nats_server import NatsServer
 from tests.system import System, ask, new_session, running_system
@@ -71,6 +72,7 @@ async def test_each_generation_is_reported_with_the_providers_count(
         await reports.put(Envelope[GenerationReport].model_validate_json(msg.data))
 
     await nc.subscribe(subjects.RESPONSE_GENERATION, cb=collect)
+    await round_trip(nc)  # subscribed at the server before the turn reports
     async with system.http(timeout=30) as http:
         sid = (await http.post("/api/sessions", json={})).json()["session_id"]
         reply = (await http.post(f"/api/sessions/{sid}/messages",

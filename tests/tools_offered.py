@@ -10,7 +10,7 @@ from nats.aio.msg import Msg
 
 from schemas import subjects
 from schemas.messages import ToolDefinitions
-from services.shared.bus import Bus
+from services.shared.bus import Bus, round_trip
 
 
 async def offer_tools(nc: NATS, definitions: list[dict[str, Any]]) -> None:
@@ -22,3 +22,4 @@ async def offer_tools(nc: NATS, definitions: list[dict[str, Any]]) -> None:
                           .model_dump_json().encode())
 
     await nc.subscribe(subjects.TOOL_LIST, cb=listing)
+    await round_trip(nc)  # offered at the server before anyone asks
