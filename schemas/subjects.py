@@ -55,6 +55,8 @@ LOCKS_BUCKET = "session_locks"
 COMPACTIONS_RUNNING_BUCKET = "compactions_running"
 # Settings that change while the services run (`nats kv put config <name> <value>`).
 CONFIG_BUCKET = "config"
+# Error replies by query id, for as long as a resend of the query is dropped as a duplicate.
+QUERY_ERRORS_BUCKET = "query_errors"
 
 _SESSION_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _TOOL_NAME = re.compile(r"^[a-z][a-z0-9_]{0,63}$")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 
 import httpx
+import nats
 import pytest
 
 from schemas import subjects
@@ -229,10 +230,10 @@ async def test_a_resend_after_an_error_reply_gets_that_error_without_a_new_try(
     assert (await stub_stats(stub))["requests"] == calls
 
 
-async def test_a_gateway_that_missed_the_error_reply_says_so_rather_than_wait(
+async def test_a_gateway_started_since_the_error_reply_tells_that_error(
     http: httpx.AsyncClient, system: System,
 ) -> None:
-    sid, _ = await failed_once(http, "missed")
+    sid, first = await failed_once(http, "missed")
     port = free_port()
     late = system.add("late gateway", "services.gateway", {"GATEWAY_PORT": str(port)})
     late.start()
@@ -241,6 +242,21 @@ async def test_a_gateway_that_missed_the_error_reply_says_so_rather_than_wait(
             again = await say(other, sid, "hello", "missed")
     finally:
         late.stop()
+    assert again.status_code == 404, again.text
+    assert again.json() == first.json()
+
+
+async def test_an_error_no_longer_kept_is_failed_before_rather_than_a_wait(
+    http: httpx.AsyncClient, nats_url: str,
+) -> None:
+    sid, _ = await failed_once(http, "gone")
+    nc = await nats.connect(nats_url)
+    try:  # as when its keeping ran out, or NATS did not take it
+        kept = await nc.jetstream().key_value(subjects.QUERY_ERRORS_BUCKET)
+        await kept.purge(query_id_for(sid, "gone", retry=False))
+    finally:
+        await nc.close()
+    again = await say(http, sid, "hello", "gone")
     assert again.status_code == 409, again.text
     assert again.json()["error"]["code"] == "failed_before"
 

@@ -119,21 +119,25 @@ class Answering:
                      query_id=waiting.query_id)
             return None
         # The first sending is done with, but this request came too late for its reply.
-        if (earlier := await self._earlier(query, waiting.query_id)) is not None:
+        if (earlier := await self._earlier(query, waiting.query_id, errors=True)) is not None:
             return earlier
         log.warning("resend_outcome_unknown", session_id=query.session_id,
                     query_id=waiting.query_id)
         return Reply(
             session_id=query.session_id, query_id=waiting.query_id, error_code="failed_before",
             error="the message sent before under this Idempotency-Key got an error reply "
-                  "that this gateway did not see; send it again under a new key")
+                  "that is no longer kept; send it again under a new key")
 
-    async def _earlier(self, query: Query, query_id: str) -> Reply | None:
-        """What the history, or a remembered error reply, says of this query."""
+    async def _earlier(self, query: Query, query_id: str, errors: bool = False
+                       ) -> Reply | None:
+        """What the history, and with `errors` a kept error reply, says of this
+        query. (Errors are kept only while the stream drops a resend as a
+        duplicate: before a publish, one kept would be found after it anyway.)"""
         sid = query.session_id
         conversation = (await self._history.read(sid)).conversation
-        earlier = (idempotency.earlier_outcome(conversation, sid, query_id, query.content)
-                   or self._replies.failure(query_id))
+        earlier = idempotency.earlier_outcome(conversation, sid, query_id, query.content)
+        if earlier is None and errors:
+            earlier = await self._replies.error_of(query_id)
         if earlier is not None:
             log.info("resend_answered_before", session_id=sid, query_id=query_id,
                      error_code=earlier.error_code)

@@ -33,6 +33,7 @@ from services.shared.bus import Bus
 from services.shared.history_store import HistoryStore
 from services.shared.jetstream import no_room
 from services.shared.nats_away import NATS_AWAY
+from services.shared.query_errors import QueryErrors
 from services.shared.runner import Endpoint
 from services.shared.sessions import SessionStore
 
@@ -188,7 +189,7 @@ async def build(bus: Bus, settings: GatewaySettings) -> Gateway:
     # One view of the histories: the API's reads and the replies' recovery
     # after a reconnect, which the API's `reconnected` has just emptied.
     history = HistoryStore(bus.js)
-    replies = ReplyRouter(bus, history)
+    replies = ReplyRouter(bus, history, QueryErrors(bus.js))
     live = LiveFeed(bus.nc)
     api = Api(bus, settings, sessions, history, replies, live)
     return Gateway(bus, settings, api, replies, live)

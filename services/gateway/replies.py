@@ -5,15 +5,16 @@ One wildcard subscription per gateway process; each waiting request has a
 queue. Tokens find it by their correlation id; a reply by its query id, so
 it also reaches a resend under the same `Idempotency-Key` (which the QUERIES
 stream kept once), waiting under a correlation id of its own. A reply that arrives
-for nobody (the caller gave up) is dropped; an error reply is remembered
-for the QUERIES stream's duplicate window, since a resend under the same key
-within it is kept once and would otherwise wait for a reply already sent
-(an answer needs no such memory: the history holds it).
+for nobody (the caller gave up) is dropped. What became of a query sent before
+is read from the history (an answer) or from the kept error replies
+(`services.shared.query_errors`): a resend under the same key within the
+stream's duplicate window is kept once, and would otherwise wait for a reply
+already sent.
 
-Replies are core NATS messages, kept nowhere: one sent while this process's
-connection was away (a NATS node lost, a restart) never arrives. The turn is
-stored before its reply is sent, so when NATS is back each request still
-waiting looks for its answer in the session's history.
+Replies are core NATS messages: one sent while this process's connection was
+away (a NATS node lost, a restart) never arrives. The turn is stored, or the
+error kept, before its reply is sent, so when NATS is back each request still
+waiting looks for its answer in the session's history, then for its error.
 
 When the gateway stops, the requests still waiting get a short grace for
 their replies; then each is told the gateway is stopping (GatewayStopping),
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
@@ -38,13 +38,10 @@ from schemas.envelope import new_id
 from schemas.messages import Reply, Token
 from services.shared.bus import Bus
 from services.shared.history_store import HistoryStore
-from services.shared.jetstream import DUPLICATE_WINDOW_S
-from services.shared.recent import Recent
+from services.shared.query_errors import QueryErrors
 
 log = structlog.get_logger()
 Event = Reply | Token
-# Error replies remembered (a resend under the same key gets the same error).
-REMEMBERED_FAILURES = 4096
 # Put in a waiting request's queue when the gateway stops before its reply.
 _STOPPING = None
 
@@ -65,13 +62,12 @@ class Waiting:
 
 
 class ReplyRouter:
-    def __init__(self, bus: Bus, history: HistoryStore) -> None:
+    def __init__(self, bus: Bus, history: HistoryStore, errors: QueryErrors) -> None:
         self._bus = bus
         self._history = history
+        self._errors = errors
         self._waiting: dict[str, Waiting] = {}  # by correlation id
         self._by_query: dict[str, set[Waiting]] = {}
-        # By query id: when an error reply came, and the reply.
-        self._failures: Recent[str, tuple[float, Reply]] = Recent(REMEMBERED_FAILURES)
         self._none_waiting = asyncio.Event()
         self._none_waiting.set()
         self._stopping = asyncio.Event()
@@ -121,13 +117,10 @@ class ReplyRouter:
         if not same_query:
             self._by_query.pop(waiting.query_id, None)
 
-    def failure(self, query_id: str) -> Reply | None:
+    async def error_of(self, query_id: str) -> Reply | None:
         """The error reply this query got, if one came within the QUERIES
         stream's duplicate window (past it, a resend is a new try)."""
-        kept = self._failures.get(query_id)
-        if kept is None or time.monotonic() - kept[0] > DUPLICATE_WINDOW_S:
-            return None
-        return kept[1]
+        return await self._errors.of(query_id)
 
     async def stopping_within(self, seconds: float) -> bool:
         """Whether the gateway tells its waiting callers it stops within `seconds`."""
@@ -136,12 +129,13 @@ class ReplyRouter:
         return self._stopping.is_set()
 
     async def recover_missed(self) -> None:
-        """NATS is back: each request still waiting whose answer was stored
-        meanwhile gets it from the history (its reply may have been lost)."""
+        """NATS is back: each request still waiting whose answer was stored, or
+        error kept, meanwhile gets it (its reply may have been lost)."""
         for waiting in list(self._waiting.values()):
             sid, query_id = waiting.sid, waiting.query_id
             try:
-                reply = (await self._history.read(sid)).conversation.answered(sid, query_id)
+                reply = ((await self._history.read(sid)).conversation.answered(sid, query_id)
+                         or await self._errors.of(query_id))
             except Exception as err:  # NATS away again: the next reconnect asks again
                 log.warning("missed_reply_unchecked", session_id=sid, error=repr(err))
                 continue
@@ -153,8 +147,6 @@ class ReplyRouter:
         env = await self._bus.decode_or_report(msg, Reply)
         if env is None:
             return
-        if env.payload.error:
-            self._failures.put(env.payload.query_id, (time.monotonic(), env.payload))
         for waiting in self._by_query.get(env.payload.query_id, ()):
             waiting.events.put_nowait(env.payload)
 

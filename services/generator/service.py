@@ -47,6 +47,7 @@ from services.shared.history_store import HistoryConflict, HistoryStore
 from services.shared.jetstream import locks_bucket
 from services.shared.live_config import LiveSettings
 from services.shared.nats_away import NATS_AWAY
+from services.shared.query_errors import QueryErrors
 from services.shared.recent import Recent
 from services.shared.runner import Endpoint
 from services.shared.sessions import SessionNotFound, SessionStore
@@ -184,6 +185,7 @@ class Generator:
         # Each loop's stream and consumer, made again when NATS comes back without them.
         self._consumers: list[tuple[str, ConsumerConfig]] = []
         self._answered = AnsweredQueries()
+        self._errors = QueryErrors(bus.js)
         self._failures = FailedTries(settings.nats_away_patience_s)
         self._following: JetStreamContext.PushSubscription | None = None
         self._stop_requests: Subscription | None = None
@@ -490,7 +492,10 @@ class Generator:
         # confirmation: the caller need not wait for it, only the ordering
         # check of the session's next query does. (The turn is stored by now;
         # a crash in between costs the caller this reply, never the turn, and
-        # a redelivery finds the stored answer.)
+        # a redelivery finds the stored answer.) An error is kept first: whoever
+        # finds the query gone from the stream, or sees its reply, finds it kept.
+        if reply.error:
+            await self._errors.keep(reply)
         self._answered.remember(delivery.msg.metadata.sequence.stream, reply,
                                 delivery.ack_confirmed(ACK_CONFIRM_S))
         sid = env.payload.session_id

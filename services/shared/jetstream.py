@@ -136,6 +136,7 @@ async def ensure_layout(js: JetStreamContext, lock_lease_s: float | None = None,
     await locks_bucket(js, lock_lease_s)
     await compactions_running_bucket(js)
     await config_bucket(js)
+    await query_errors_bucket(js)
     if move_replicas and replicas is not None:
         await match_replicas(js, replicas)
 
@@ -237,6 +238,13 @@ async def config_bucket(js: JetStreamContext) -> KeyValue:
     earlier values of each kept."""
     return await _bucket(js, KeyValueConfig(bucket=s.CONFIG_BUCKET, history=5,
                                             storage=StorageType.FILE))
+
+
+async def query_errors_bucket(js: JetStreamContext) -> KeyValue:
+    """Error replies (`services.shared.query_errors`), each kept as long as the
+    QUERIES stream drops a resend of its query."""
+    return await _bucket(js, KeyValueConfig(bucket=s.QUERY_ERRORS_BUCKET, history=1,
+                                            ttl=DUPLICATE_WINDOW_S, storage=StorageType.FILE))
 
 
 async def locks_bucket(js: JetStreamContext, lease_s: float | None) -> KeyValue:

@@ -1,0 +1,53 @@
+"""Error replies, kept for the QUERIES stream's duplicate window: the one
+outcome of a query that the history does not hold (nothing is stored).
+
+The generator keeps each before it sends it. A gateway reads them for a
+message sent again under its `Idempotency-Key` (the stream drops the resend,
+so no generator hears of it), and for the callers whose reply it may have
+missed while its connection was away. Any gateway can: one started since the
+error still tells the caller that error, not that it cannot know."""
+
+from __future__ import annotations
+
+import structlog
+from nats.js import JetStreamContext
+from nats.js.errors import KeyNotFoundError
+from nats.js.kv import KeyValue
+from pydantic import ValidationError
+
+from schemas.messages import Reply
+from services.shared.jetstream import query_errors_bucket
+
+log = structlog.get_logger()
+
+
+class QueryErrors:
+    def __init__(self, js: JetStreamContext) -> None:
+        self._js = js
+        self._kv: KeyValue | None = None
+
+    async def keep(self, reply: Reply) -> None:
+        """Best effort: a reply NATS will not take is still sent (or not) on its
+        own, and a resend then meets the key's other outcomes."""
+        try:
+            await (await self._bucket()).put(reply.query_id, reply.model_dump_json().encode())
+        except Exception as err:
+            log.warning("error_reply_not_kept", query_id=reply.query_id,
+                        error=f"{type(err).__name__}: {err}")
+
+    async def of(self, query_id: str) -> Reply | None:
+        """The error reply this query got within the window, if it got one."""
+        try:
+            entry = await (await self._bucket()).get(query_id)
+        except KeyNotFoundError:
+            return None
+        try:
+            return Reply.model_validate_json(entry.value or b"")
+        except ValidationError:
+            log.warning("kept_error_reply_unreadable", query_id=query_id)
+            return None
+
+    async def _bucket(self) -> KeyValue:
+        if self._kv is None:
+            self._kv = await query_errors_bucket(self._js)
+        return self._kv
