@@ -189,7 +189,7 @@ async def test_the_loop_keeps_pulling_after_its_requests_expire(nc: NATS) -> Non
         for _ in range(3):  # each asked for once the one before ended unfilled
             await requests.next_msg(timeout=10)
         await nc.jetstream().publish(subject, b"late")
-        await holder.wait_for(1, timeout_s=3.0)
+        await holder.wait_for(1, timeout_s=10.0)
         assert holder.seen == [b"late"]
 
 
@@ -290,7 +290,7 @@ async def test_a_message_that_claims_a_status_header_is_still_a_message(nc: NATS
     async with pulling(nc, "forged", holder) as (subject, _):
         await nc.jetstream().publish(subject, b"query", headers={
             "Status": "408", "Nats-Pending-Messages": "2"})
-        await holder.wait_for(1, timeout_s=3.0)
+        await holder.wait_for(1, timeout_s=10.0)
         assert holder.seen == [b"query"]
 
 

@@ -60,15 +60,15 @@ async def tools_nc(nats_url: str) -> AsyncIterator[NATS]:
 
 async def test_the_service_lists_and_runs_its_tools_over_nats(tools_nc: NATS) -> None:
     bus = Bus(tools_nc, "generator")
-    asked = await bus.request(subjects.TOOL_LIST, ToolListRequest(), timeout_s=2)
+    asked = await bus.request(subjects.TOOL_LIST, ToolListRequest(), timeout_s=10)
     listing = decode(asked.data, ToolDefinitions, subjects.TOOL_LIST).payload.tools
     assert {d["function"]["name"] for d in listing} >= {"calculate", "word_count",
                                                         "current_time"}
     subject = subjects.tool("calculate")
     env = bus.envelope(subject, ToolInvocation(name="calculate",
                                                arguments={"expression": "2+2"}))
-    reply = await tools_nc.request(subject, env.model_dump_json().encode(), timeout=2)
+    reply = await tools_nc.request(subject, env.model_dump_json().encode(), timeout=10)
     assert decode(reply.data, ToolOutcome, subject).payload.content == "4"
     for asking in (subject, subjects.TOOL_LIST):
-        bad = await tools_nc.request(asking, b"{broken", timeout=2)
+        bad = await tools_nc.request(asking, b"{broken", timeout=10)
         assert json.loads(bad.data)["payload"]["code"] == "invalid_message"
