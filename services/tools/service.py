@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
 from nats.micro.request import Request
@@ -14,7 +14,7 @@ from nats.micro.request import Request
 from schemas import subjects
 from schemas.envelope import Envelope
 from schemas.messages import (
-    ErrorReport,
+    Payload,
     ToolDefinitions,
     ToolInvocation,
     ToolListRequest,
@@ -30,6 +30,7 @@ log = structlog.get_logger()
 # A tool's work once its call is read, and the endpoint handler built around it.
 Run = Callable[[Envelope[ToolInvocation]], Awaitable[ToolOutcome]]
 Handler = Callable[[Request], Awaitable[None]]
+P = TypeVar("P", bound=Payload)
 
 
 class ToolsService:
@@ -50,24 +51,17 @@ class ToolsService:
         return {"tools": sorted([*TOOLS, recall.NAME]), "calls": self._calls}
 
     def endpoints(self) -> list[Endpoint]:
-        listing = Endpoint("list", subjects.TOOL_LIST, self._list)
+        listing = Endpoint("list", subjects.TOOL_LIST,
+                           self._replying(ToolListRequest, self._list))
         calls = [Endpoint(name, subjects.tool(name), self._answering(in_thread(tool)))
                  for name, tool in TOOLS.items()]
         recalling = Endpoint(recall.NAME, subjects.tool(recall.NAME),
                              self._answering(self._recall))
         return [listing, *calls, recalling]
 
-    async def _list(self, request: Request) -> None:
-        try:
-            env = decode(request.data, ToolListRequest, request.subject)
-        except BadMessage as err:
-            await request.respond(self._wrap(request.subject, err.report))
-            return
-        listing = ToolDefinitions(tools=[*(t.definition() for t in TOOLS.values()),
-                                         recall.DEFINITION])
-        await request.respond(self._bus.envelope(
-            request.subject, listing, correlation_id=env.correlation_id
-        ).model_dump_json().encode())
+    async def _list(self, env: Envelope[ToolListRequest]) -> ToolDefinitions:
+        return ToolDefinitions(tools=[*(t.definition() for t in TOOLS.values()),
+                                      recall.DEFINITION])
 
     async def _recall(self, env: Envelope[ToolInvocation]) -> ToolOutcome:
         try:
@@ -77,24 +71,34 @@ class ToolsService:
             return ToolOutcome(name=recall.NAME, error=f"{type(err).__name__}: {err}")
 
     def _answering(self, run: Run) -> Handler:
-        """One handler for every tool: a call that cannot be read is answered
-        with a structured error, any other with the tool's outcome, under the
-        caller's correlation and session ids."""
+        """One handler for every tool, counting its calls."""
+        reply = self._replying(ToolInvocation, run)
+
         async def handle(request: Request) -> None:
             self._calls += 1
+            await reply(request)
+        return handle
+
+    def _replying(self, asked: type[P], work: Callable[[Envelope[P]], Awaitable[Payload]]
+                  ) -> Handler:
+        """A request that cannot be read is answered with a structured error,
+        any other with what `work` makes of it, under the caller's
+        correlation and session ids."""
+        async def handle(request: Request) -> None:
             try:
-                env = decode(request.data, ToolInvocation, request.subject)
+                env = decode(request.data, asked, request.subject)
             except BadMessage as err:
                 await request.respond(self._wrap(request.subject, err.report))
                 return
-            outcome = await run(env)
-            await request.respond(self._bus.envelope(
-                request.subject, outcome, correlation_id=env.correlation_id,
-                session_id=env.session_id).model_dump_json().encode())
+            await request.respond(self._wrap(request.subject, await work(env), env))
         return handle
 
-    def _wrap(self, subject: str, report: ErrorReport) -> bytes:
-        return self._bus.envelope(subject, report).model_dump_json().encode()
+    def _wrap(self, subject: str, payload: Payload, asked: Envelope[Any] | None = None
+              ) -> bytes:
+        """The envelope of a reply, under the ids of the request it answers."""
+        return self._bus.envelope(
+            subject, payload, correlation_id=asked.correlation_id if asked else None,
+            session_id=asked.session_id if asked else None).model_dump_json().encode()
 
 
 def in_thread(tool: Tool) -> Run:
