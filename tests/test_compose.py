@@ -192,9 +192,8 @@ async def compacted_by_hand(http: httpx.AsyncClient, sid: str) -> dict[str, Any]
     """Ask for a compaction of `sid`; its result, as the page's live feed shows it."""
     async with http.stream("GET", "/api/events", params={"session_id": sid}) as feed:
         lines = feed.aiter_lines()
-        async for line in lines:
-            if line == ": connected":  # the feed is subscribed: nothing after is missed
-                break
+        while await anext(lines) != ": connected":  # subscribed: nothing after is missed
+            pass
         accepted = await http.post(f"/api/sessions/{sid}/compact")
         assert accepted.status_code == 202, accepted.text
         async with asyncio.timeout(60):

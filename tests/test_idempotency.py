@@ -120,8 +120,7 @@ async def test_a_resend_after_the_answer_gets_the_same_answer_without_a_model_ca
     assert first.status_code == 200, first.text
     calls = (await stub_stats(stub))["requests"]
     again = await say(http, sid, "hello", "key-1")
-    streamed = await http.post(f"/api/sessions/{sid}/messages", json={"content": "hello"},
-                               headers={"Idempotency-Key": "key-1", **SSE})
+    streamed = await say(http, sid, "hello", "key-1", **SSE)
     assert again.status_code == 200, again.text
     assert again.json()["reply"] == first.json()["reply"]
     events = [event async for event in server_sent_events(streamed)]

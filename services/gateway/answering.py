@@ -209,6 +209,7 @@ class Answering:
                 self._settings.nats_away_patience_s, "query_offered_again",
                 pause=self._replies.stopping_within)
         return ack
+
     def _reply_response(self, reply: Reply) -> JSONResponse:
         body = self._reply_body(reply)
         if reply.error:

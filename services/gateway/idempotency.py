@@ -9,8 +9,9 @@ one from the history (as it does a redelivery). The gateway looks in the
 history first, so a resend after the answer is served without a publish.
 
 The key is the caller's and may be any short string: the query's id is a
-digest of it with the session's id, so two sessions never share one, and
-the id has the shape of every other.
+digest of it with the session's id and the route (a message or a retry), so
+two sessions, or a message and a retry, never share one, and the id has the
+shape of every other.
 """
 
 from __future__ import annotations

@@ -213,6 +213,10 @@ function scrollToEnd(force = false) {
   if (force || nearBottom()) ui.messages.scrollTop = ui.messages.scrollHeight;
 }
 
+// Failures after which the message may or may not have been taken: sending it
+// again under its key is answered once (stored or not, it is never doubled).
+const UNKNOWN_OUTCOME = ["network_error", "stream_ended", "nats_unavailable", "reply_timeout", "gateway_stopping"];
+
 // The assistant answer being streamed into the list.
 // `again` sends the request again, offered after a failure of unknown outcome.
 function pendingAnswer(again) {
@@ -279,10 +283,6 @@ function pendingAnswer(again) {
     },
   };
 }
-
-// Failures after which the message may or may not have been taken: sending it
-// again under its key is answered once (stored or not, it is never doubled).
-export const UNKNOWN_OUTCOME = ["network_error", "stream_ended", "nats_unavailable", "reply_timeout", "gateway_stopping"];
 
 function sendAgainButton(item, again) {
   const button = el("button", {
