@@ -31,6 +31,8 @@ STATE_PREFIX = "generator.state"
 # Tools answer NATS requests on `tool.call.<name>`, and list themselves on `tool.list`.
 TOOL_PREFIX = "tool.call"
 TOOL_LIST = "tool.list"
+# Each process answers `<service>.status` (`service_status`) with what it is doing.
+STATUS_SUFFIX = "status"
 # Malformed input on event subjects is reported here (requests get a reply).
 ERROR_SUBJECT = "system.error"
 # All of the above, as few wildcards as cover them: what a tail of the bus
@@ -108,3 +110,9 @@ def tool(name: str) -> str:
         raise InvalidSubjectToken("tool name must be lower-case letters, digits or '_'")
     return f"{TOOL_PREFIX}.{name}"
 
+
+
+def service_status(service: str) -> str:
+    """Where the process named `service` ("generator", "gateway", ...) answers
+    a status request."""
+    return f"{service}.{STATUS_SUFFIX}"

@@ -116,7 +116,7 @@ async def decider_caught_up(nats_url: str, status: Status | None = None,
     nc = await nats.connect(nats_url)
 
     async def asked() -> dict[str, Any]:
-        reply = await nc.request("compaction-decider.status", b"", timeout=5)
+        reply = await nc.request(subjects.service_status("compaction-decider"), b"", timeout=5)
         return dict(json.loads(reply.data))
 
     async def judged_all() -> bool:

@@ -312,7 +312,8 @@ async def test_bookkeeping_after_a_reply_does_not_hold_the_sessions_slot(
             assert (await http.post(f"/api/sessions/{sid}/messages",
                                     json={"content": "one"})).status_code == 200
             await reports.next_msg(timeout=10)  # the first turn's report, hanging now
-            status = json.loads((await nc.request("generator.status", b"", timeout=5)).data)
+            reply = await nc.request(subjects.service_status("generator"), b"", timeout=5)
+            status = json.loads(reply.data)
             assert status["free_slots"] == 1  # the slot is free while the report hangs
             second = await http.post(f"/api/sessions/{sid}/messages", json={"content": "two"})
             assert second.status_code == 200

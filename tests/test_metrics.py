@@ -12,6 +12,7 @@ import nats
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from schemas import subjects
 from tests.events import watching
 from tests.nats_server import NatsServer, free_port
 from tests.system import System, ask, new_session
@@ -93,7 +94,8 @@ async def test_every_service_counts_a_turn_and_a_compaction(
     # Head starts as the generator's status counts them (the second turn has one).
     nc = await nats.connect(private_nats.url)
     try:
-        status = json.loads((await nc.request("generator.status", b"", timeout=10)).data)
+        reply = await nc.request(subjects.service_status("generator"), b"", timeout=10)
+        status = json.loads(reply.data)
     finally:
         await nc.close()
     for outcome in ("kept", "abandoned"):

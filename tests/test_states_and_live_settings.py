@@ -167,7 +167,7 @@ async def test_deleting_a_live_setting_restores_the_start_up_value(
             await kv.delete(key)
             for name in ("generator", "decider"):
                 await went_through(system[name], key, [0.3, 0.7])
-            status = await nc.request("compaction-decider.status", b"", timeout=5)
+            status = await nc.request(subjects.service_status("compaction-decider"), b"", timeout=5)
             assert json.loads(status.data)["threshold"] == 0.7
             await kv.put(key, b"0.4")
             # Taken in before the purge: a purge rolls up the key's earlier

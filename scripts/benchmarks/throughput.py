@@ -140,7 +140,8 @@ async def head_start_counts(nc: Any, generators: int) -> dict[str, dict[str, int
     for _ in range(20 * generators):
         if len(counts) == generators:
             break
-        status = json.loads((await nc.request("generator.status", b"", timeout=2)).data)
+        reply = await nc.request(subjects.service_status("generator"), b"", timeout=2)
+        status = json.loads(reply.data)
         counts[status["generator_id"]] = status["head_starts"]
     return counts
 

@@ -29,6 +29,7 @@ from nats.micro.request import Request
 from nats.micro.service import Service
 from pydantic import ValidationError
 
+from schemas import subjects
 from services.shared import metrics
 from services.shared.bus import Bus, connect
 from services.shared.jetstream import ensure_layout
@@ -133,7 +134,8 @@ async def _register(nc: NATS, name: str, description: str, component: Component)
     async def status(request: Request) -> None:
         await request.respond(json.dumps(component.status()).encode())
 
-    await micro.add_endpoint(name="status", subject=f"{name}.status", handler=status)
+    await micro.add_endpoint(name=subjects.STATUS_SUFFIX, subject=subjects.service_status(name),
+                             handler=status)
     for endpoint in component.endpoints():
         await micro.add_endpoint(name=endpoint.name, subject=endpoint.subject,
                                  handler=endpoint.handler)
