@@ -22,6 +22,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from schemas.messages import Reply
 
+# How many superseded retries a conversation remembers (see `Conversation`).
+KEPT_SUPERSEDED = 64
+
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -111,30 +114,51 @@ class Conversation(Strict):
     compacted_by: str | None = None
     # The queries whose turns are folded into the summary (see `Snapshot`).
     compacted_query_ids: tuple[str, ...] = ()
+    # Retries whose answers a later retry replaced in the context: answered,
+    # though the context no longer shows it (see `answered`).
+    superseded_query_ids: tuple[str, ...] = ()
     # The last entry folded in was a snapshot: no model call has been sent
     # with this summary yet, so a prompt cache can share only the system prompt.
     just_compacted: bool = False
 
     def reply_to(self, session_id: str, query_id: str) -> Reply | None:
         """The reply for a query whose final answer is stored, while the
-        context holds it: what a caller whose reply was lost is sent."""
-        for message in reversed(self.messages):
-            if message.query_id == query_id and message.role == "assistant" \
-                    and not message.tool_calls:
-                return Reply(session_id=session_id, query_id=query_id,
-                             reply=message.content, stopped=message.stopped)
-        return None
+        context holds it: what a caller whose reply was lost is sent. For a
+        message whose answer a retry has replaced, the answer standing now."""
+        answer = self._answer_of(query_id)
+        if answer is None:
+            return None
+        return Reply(session_id=session_id, query_id=query_id,
+                     reply=answer.content, stopped=answer.stopped)
+
+    def _answer_of(self, query_id: str) -> ChatMessage | None:
+        # A turn is stored whole, so a user message stored under the query
+        # means that query was answered: by its own answer, or by a retry's.
+        asked_at = None
+        for index, message in enumerate(self.messages):
+            if message.query_id != query_id:
+                continue
+            if message.role == "assistant" and not message.tool_calls:
+                return message
+            if message.role == "user":
+                asked_at = index
+        return None if asked_at is None else final_answer_after(self.messages, asked_at)
 
     def answered(self, session_id: str, query_id: str) -> Reply | None:
         """What the history says of a query it has answered: the stored reply,
-        or, once a compaction folded that turn into the summary, an
-        `already_answered` error. None for a query not answered yet."""
+        or, once a compaction folded that turn into the summary or a later
+        retry replaced a retry's answer, an `already_answered` error. None for
+        a query not answered yet."""
         reply = self.reply_to(session_id, query_id)
-        if reply is not None or query_id not in self.compacted_query_ids:
+        if reply is not None:
             return reply
-        return Reply(session_id=session_id, query_id=query_id, error_code="already_answered",
-                     error="this query was answered before, and a compaction has since "
-                           "folded its answer into the summary")
+        if query_id in self.compacted_query_ids:
+            return _already_answered(session_id, query_id, "a compaction has since folded "
+                                     "its answer into the summary")
+        if query_id in self.superseded_query_ids:
+            return _already_answered(session_id, query_id, "a later retry has since "
+                                     "replaced its answer")
+        return None
 
     def question(self, query_id: str) -> str | None:
         """The user's message stored under `query_id`, while the context holds it."""
@@ -151,11 +175,30 @@ class Conversation(Strict):
                 compacted_by=snap.request_id, compacted_query_ids=snap.compacted_query_ids,
                 just_compacted=True,
             )
-        kept = self.messages
+        kept, superseded = self.messages, self.superseded_query_ids
         if entry.supersedes is not None:
             kept = without_answer(kept, entry.supersedes)
+            superseded = (*superseded, entry.supersedes)[-KEPT_SUPERSEDED:]
         return self.model_copy(update={"messages": (*kept, *entry.messages),
+                                       "superseded_query_ids": superseded,
                                        "just_compacted": False})
+
+
+def _already_answered(session_id: str, query_id: str, since: str) -> Reply:
+    return Reply(session_id=session_id, query_id=query_id, error_code="already_answered",
+                 error=f"this query was answered before, and {since}")
+
+
+def final_answer_after(messages: tuple[ChatMessage, ...], asked_at: int) -> ChatMessage | None:
+    """The last assistant message without tool calls that answers the user
+    message at `asked_at` (before the next user message)."""
+    answer = None
+    for message in messages[asked_at + 1:]:
+        if message.role == "user":
+            break
+        if message.role == "assistant" and not message.tool_calls:
+            answer = message
+    return answer
 
 
 def without_answer(messages: tuple[ChatMessage, ...], query_id: str

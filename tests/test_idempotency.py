@@ -15,7 +15,7 @@ import nats
 import pytest
 
 from schemas import subjects
-from schemas.history import ChatMessage, Conversation
+from schemas.history import ChatMessage, Conversation, HistoryEntry
 from services.gateway.idempotency import (
     InvalidKey,
     KeyReused,
@@ -93,6 +93,26 @@ def test_a_turn_folded_into_the_summary_is_said_to_be_answered() -> None:
     folded = Conversation(summary="they greeted", compacted_query_ids=("q1",))
     earlier = earlier_outcome(folded, "s", "q1", "hi")
     assert earlier is not None and earlier.error_code == "already_answered"
+
+
+def test_a_message_whose_answer_a_retry_replaced_gets_the_answer_standing_now() -> None:
+    answered = Conversation(messages=_turn("q1", "hi", "hello"))
+    again = ChatMessage(role="assistant", content="hello again", query_id="r1")
+    retried = answered.apply(HistoryEntry.of_turn((again,), supersedes="q1"))
+    earlier = earlier_outcome(retried, "s", "q1", "hi")
+    assert earlier is not None and (earlier.reply, earlier.query_id) == ("hello again", "q1")
+    retry = earlier_outcome(retried, "s", "r1", "hi")
+    assert retry is not None and retry.reply == "hello again"
+
+
+def test_a_retry_whose_answer_a_later_retry_replaced_is_said_to_be_answered() -> None:
+    answered = Conversation(messages=_turn("q1", "hi", "hello"))
+    for retry, supersedes in (("r1", "q1"), ("r2", "r1")):
+        again = ChatMessage(role="assistant", content=f"from {retry}", query_id=retry)
+        answered = answered.apply(HistoryEntry.of_turn((again,), supersedes=supersedes))
+    earlier = earlier_outcome(answered, "s", "r1", "hi")
+    assert earlier is not None and earlier.error_code == "already_answered"
+    assert "retry" in (earlier.error or "")
 
 
 # ------------------------------------------------------------------ real processes
@@ -207,6 +227,27 @@ async def test_a_retry_resent_under_its_key_is_one_retry(
     assert again.status_code == 200, again.text
     assert again.json()["reply"] == first.json()["reply"]
     assert (await stub_stats(stub))["requests"] == calls
+
+
+async def test_resends_after_retries_replaced_their_answers_ask_the_model_nothing(
+    http: httpx.AsyncClient, stub: str,
+) -> None:
+    sid = await create(http)
+    assert (await say(http, sid, "hello", "q")).status_code == 200
+    first_retry = await http.post(f"/api/sessions/{sid}/retry",
+                                  headers={"Idempotency-Key": "retry-1"})
+    second_retry = await http.post(f"/api/sessions/{sid}/retry",
+                                   headers={"Idempotency-Key": "retry-2"})
+    assert first_retry.status_code == second_retry.status_code == 200, second_retry.text
+    calls = (await stub_stats(stub))["requests"]
+    message = await say(http, sid, "hello", "q")
+    assert message.status_code == 200, message.text
+    assert message.json()["reply"] == second_retry.json()["reply"]
+    retry = await http.post(f"/api/sessions/{sid}/retry", headers={"Idempotency-Key": "retry-1"})
+    assert retry.status_code == 409 and retry.json()["error"]["code"] == "already_answered"
+    assert (await stub_stats(stub))["requests"] == calls
+    session = (await http.get(f"/api/sessions/{sid}")).json()
+    assert [m["content"] for m in session["messages"] if m["role"] == "user"] == ["hello"]
 
 
 async def failed_once(http: httpx.AsyncClient, key: str) -> tuple[str, httpx.Response]:

@@ -3,8 +3,8 @@
 A compaction snapshots the history, summarises the compact zone while turns
 go on, then splices under the session lock. Messages appended since the
 snapshot are all kept, so the live zone never shrinks; if the history no
-longer starts with the snapshot (another compaction got there first), the
-splice refuses instead of guessing.
+longer starts with the snapshot's compact zone (another compaction got there
+first), the splice refuses instead of guessing.
 """
 
 from __future__ import annotations
@@ -71,7 +71,9 @@ def compacted_query_ids(current: Conversation, boundary: int,
     """The ids of the queries folded so far, then those of the messages
     before `boundary`, each once, in order, the last `keep` of them."""
     folded = (m.query_id for m in current.messages[:boundary] if m.query_id is not None)
-    ids = dict.fromkeys((*current.compacted_query_ids, *folded))
+    # A superseded retry's answer is gone from the context already; its id
+    # must outlive the snapshot all the same (`Conversation.answered`).
+    ids = dict.fromkeys((*current.compacted_query_ids, *current.superseded_query_ids, *folded))
     return tuple(ids)[-keep:] if keep > 0 else ()
 
 
@@ -85,20 +87,21 @@ def splice_elided(current: Conversation, plan: CompactionPlan, max_chars: int = 
         summary=current.summary,
         messages=(*zone, *current.messages[plan.boundary :]),
         compactions=current.compactions + 1,
-        compacted_query_ids=current.compacted_query_ids,  # every message stays
+        compacted_query_ids=compacted_query_ids(current, 0),  # every message stays
     )
 
 
 def _check_unchanged(current: Conversation, plan: CompactionPlan) -> None:
+    """Only the compact zone must be as it was: the live zone is kept as it is
+    now, whatever turns or retries changed it meanwhile."""
     snapshot = plan.snapshot
-    prefix = current.messages[: len(snapshot.messages)]
     if (
         current.summary != snapshot.summary
         or current.compactions != snapshot.compactions
-        or prefix != snapshot.messages
+        or current.messages[: plan.boundary] != plan.to_compact
     ):
         raise SpliceConflict(
-            "history no longer starts with the compacted snapshot "
+            "history no longer starts with the compacted zone "
             f"(compactions {snapshot.compactions} -> {current.compactions}, "
             f"{len(snapshot.messages)} -> {len(current.messages)} messages)"
         )

@@ -69,11 +69,27 @@ def test_conflicts() -> None:
     assert plan is not None
     rolled = Conversation(summary="other", messages=TURNS[6:], compactions=1)
     changed = SNAP.model_copy(update={"messages": (msg("user", "edited"), *TURNS[1:])})
-    shorter = SNAP.model_copy(update={"messages": TURNS[:-1]})
+    shorter = SNAP.model_copy(update={"messages": TURNS[: plan.boundary - 1]})
     recount = SNAP.model_copy(update={"compactions": 3})
     for current in (rolled, changed, shorter, recount):
         with pytest.raises(SpliceConflict):
             splice(current, plan, "notes")
+
+
+def test_a_retry_in_the_live_zone_meanwhile_is_spliced_not_refused() -> None:
+    # Asked again while the summary was written: the live zone's last answer
+    # is replaced; the compact zone is as it was, so the summary still fits.
+    answered = tuple(m.model_copy(update={"query_id": f"q{i // 2}"})
+                     for i, m in enumerate(TURNS))
+    snapshot = Conversation(messages=answered)
+    plan = plan_compaction(snapshot, tail_turns=1)
+    assert plan is not None
+    fresh = ChatMessage(role="assistant", content="a3, again", query_id="r1")
+    current = snapshot.apply(HistoryEntry.of_turn((fresh,), supersedes="q3"))
+    out = splice(current, plan, "notes")
+    assert out.messages == (answered[6], fresh)
+    # The replaced answer's query stays known as answered after the splice.
+    assert "q3" in out.compacted_query_ids
 
 
 def test_second_compaction_stacks_on_the_first() -> None:
