@@ -65,8 +65,9 @@ class Snapshot(Strict):
     # so a redelivered request finds its work done; None inside a turn.
     request_id: str | None = None
     # The queries whose turns this and earlier compactions folded into the
-    # summary, the latest last (a bounded number of them): a query that comes
-    # back (its acknowledgement lost) finds it was answered.
+    # summary, and retries whose answers later retries replaced, the latest
+    # last (a bounded number of them): a query that comes back (its
+    # acknowledgement lost, or resent under its key) finds it was answered.
     compacted_query_ids: tuple[str, ...] = ()
     # What the transcript's marker tells a person; None on snapshots written
     # before markers carried them.
