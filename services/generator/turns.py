@@ -179,7 +179,7 @@ class TurnRunner:
         if window == record.context_length:
             return record
         record = record.model_copy(update={"context_length": window})
-        await self._sessions.put(record)
+        await self._sessions.update(record)
         return record
 
     async def _offered_tools(self, record: SessionRecord) -> Messages:
@@ -461,7 +461,7 @@ class TurnRunner:
                             reused_messages=reused.messages)
         if worth_storing(previous, updated):
             turn.record = with_calibration(record, updated)
-            await self._sessions.put(turn.record)
+            await self._sessions.update(turn.record)
 
     async def _report(self, turn: Turn, result: ChatResult, tools: Messages,
                       started: float) -> None:

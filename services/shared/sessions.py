@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 
 from nats.errors import NoRespondersError
 from nats.js import JetStreamContext
-from nats.js.errors import KeyNotFoundError
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
 from schemas import subjects
@@ -19,12 +20,20 @@ class SessionNotFound(LookupError):
     pass
 
 
+@dataclass(frozen=True)
+class Stored:
+    record: SessionRecord
+    revision: int
+
+
 class SessionStore:
     """Records are read through a per-process cache, written through it.
 
-    What can change after creation is only calibration, which each writer
-    refreshes from its own reports; a slightly stale ratio in another process
-    is harmless, a round trip on every turn is not.
+    What can change after creation is only calibration (and the model's
+    window), which each writer refreshes from its own reports; a slightly
+    stale ratio in another process is harmless, a round trip on every turn is
+    not. Such a change is written over the revision read, never blindly: a
+    session deleted meanwhile must not come back.
     """
 
     def __init__(self, js: JetStreamContext, kv: KeyValue, cached: bool = True,
@@ -32,7 +41,7 @@ class SessionStore:
         self._js = js
         self._kv = kv
         self._cached = cached
-        self._cache: Recent[str, SessionRecord] = Recent(cached_sessions)
+        self._cache: Recent[str, Stored] = Recent(cached_sessions)
 
     @classmethod
     async def open(cls, js: JetStreamContext, cached: bool = True) -> SessionStore:
@@ -45,10 +54,10 @@ class SessionStore:
     async def get(self, sid: str) -> SessionRecord:
         known = self._cache.get(sid) if self._cached else None
         if known is not None:
-            return known
-        record = await self._load(sid)
-        self._remember(record)
-        return record
+            return known.record
+        stored = await self._load(sid)
+        self._remember(stored)
+        return stored.record
 
     def forget_all(self) -> None:
         """Read every record afresh: NATS came back, perhaps without its store."""
@@ -56,9 +65,10 @@ class SessionStore:
 
     def cached(self, sid: str) -> SessionRecord | None:
         """The record as this process last saw it, without asking anyone."""
-        return self._cache.get(sid)
+        known = self._cache.get(sid)
+        return None if known is None else known.record
 
-    async def _load(self, sid: str) -> SessionRecord:
+    async def _load(self, sid: str) -> Stored:
         try:
             entry = await self._kv.get(sid)
         except KeyNotFoundError as err:
@@ -69,9 +79,9 @@ class SessionStore:
             if not await bucket_missing(self._kv):
                 raise
             raise SessionNotFound(sid) from None
-        if entry.value is None:
+        if entry.value is None or entry.revision is None:
             raise SessionNotFound(sid)
-        return SessionRecord.model_validate_json(entry.value)
+        return Stored(SessionRecord.model_validate_json(entry.value), entry.revision)
 
     async def newest(self, limit: int) -> list[SessionRecord]:
         """Up to `limit` sessions, newest first."""
@@ -82,7 +92,7 @@ class SessionStore:
 
     async def _load_or_none(self, sid: str) -> SessionRecord | None:
         try:
-            return await self._load(sid)
+            return (await self._load(sid)).record
         except SessionNotFound:
             return None
 
@@ -99,10 +109,22 @@ class SessionStore:
             return False
         return True
 
-    async def put(self, record: SessionRecord) -> None:
-        await self._kv.put(record.session_id, record.model_dump_json().encode())
-        self._remember(record)
+    async def update(self, record: SessionRecord) -> bool:
+        """Store a changed record over the one last read, if that is still the
+        one stored. False when it is not: the session was deleted (its purge
+        is a newer revision), or another process wrote it meanwhile; either
+        way the next read sees what is stored."""
+        sid = record.session_id
+        known = self._cache.get(sid)
+        try:
+            last = known.revision if known is not None else (await self._load(sid)).revision
+            revision = await self._kv.update(sid, record.model_dump_json().encode(), last=last)
+        except (SessionNotFound, KeyWrongLastSequenceError):
+            self._cache.pop(sid)
+            return False
+        self._remember(Stored(record, revision))
+        return True
 
-    def _remember(self, record: SessionRecord) -> None:
+    def _remember(self, stored: Stored) -> None:
         if self._cached:
-            self._cache.put(record.session_id, record)
+            self._cache.put(stored.record.session_id, stored)

@@ -1,4 +1,5 @@
-"""Listing a bucket's keys while others write to it, on a real nats-server.
+"""Listing a bucket's keys while others write to it, and writing a record
+while others delete or write it, on a real nats-server.
 
 nats-py's `KeyValue.keys()` ends early under concurrent writes (one listing
 in five came back short here); the session list must not."""
@@ -59,3 +60,28 @@ async def test_deleted_sessions_are_not_listed(nc: NATS) -> None:
     await store.delete(gone.session_id)
     listed = {r.session_id for r in await store.newest(100_000)}
     assert kept.session_id in listed and gone.session_id not in listed
+
+
+async def test_a_change_to_a_deleted_session_does_not_bring_it_back(nc: NATS) -> None:
+    # A generator's calibration write that lands after the delete's purge.
+    writer, deleter = [await SessionStore.open(nc.jetstream()) for _ in range(2)]
+    record = SessionRecord(session_id=uuid.uuid4().hex)
+    await writer.create(record)
+    await writer.get(record.session_id)  # read before the delete
+    await deleter.delete(record.session_id)
+    changed = record.model_copy(update={"context_length": 4096})
+    assert await writer.update(changed) is False
+    assert not await deleter.exists(record.session_id)
+    assert not await writer.exists(record.session_id)
+
+
+async def test_a_change_over_another_writers_is_dropped_and_read_afresh(nc: NATS) -> None:
+    first, second = [await SessionStore.open(nc.jetstream()) for _ in range(2)]
+    record = SessionRecord(session_id=uuid.uuid4().hex)
+    await first.create(record)
+    await first.get(record.session_id)
+    assert await second.update(record.model_copy(update={"context_length": 4096}))
+    assert await first.update(record.model_copy(update={"context_length": 2048})) is False
+    assert (await first.get(record.session_id)).context_length == 4096
+    assert await first.update(record.model_copy(update={"context_length": 2048}))
+    assert (await second.update(record)) is False
