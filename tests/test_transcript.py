@@ -5,6 +5,7 @@ mid-compaction; delete purges everything."""
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -250,6 +251,26 @@ async def test_a_compaction_in_flight_when_its_session_is_deleted_ends_skipped(
     finally:
         await nc.close()
     assert (await http.get(f"/api/sessions/{sid}/transcript")).status_code == 404
+
+
+async def test_a_delete_cut_short_after_the_record_went_is_finished_by_the_next(
+    private_nats: NatsServer, start: Start
+) -> None:
+    _, http = start("generator", "gateway")
+    sid = await create(http, auto_compact=False)
+    await turns(http, sid, 1, 2)
+    nc = await nats.connect(private_nats.url)
+    js = nc.jetstream()
+    try:
+        # What a delete leaves when NATS goes away right after its first step.
+        await (await js.key_value(subjects.SESSIONS_BUCKET)).purge(sid)
+        assert await _count(js, subjects.HISTORY_STREAM, subjects.history(sid)) > 0
+        assert (await http.delete(f"/api/sessions/{sid}")).status_code == 204
+        assert await _count(js, subjects.HISTORY_STREAM, subjects.history(sid)) == 0
+    finally:
+        await nc.close()
+    assert (await http.delete(f"/api/sessions/{sid}")).status_code == 404
+    assert (await http.delete(f"/api/sessions/{uuid.uuid4().hex}")).status_code == 404
 
 
 async def _holds(js: JetStreamContext, bucket: str, key: str) -> bool:

@@ -3,7 +3,8 @@
 Delete removes the record first, so every endpoint (and any generator that
 looks the session up afresh) answers 404 / `unknown_session` from then on,
 then answers and purges the queued queries, then purges the history subject
-(transcript and context), the state, the lock and the compaction record."""
+(transcript and context), the state, the lock and the compaction record. A
+delete cut short after the record went is finished by the next one."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from schemas import subjects
 from schemas.envelope import Envelope
 from schemas.messages import Query, Reply
 from services.core.transcript import InvalidCursor, Position, page_limit
+from services.gateway.errors import HttpError
 from services.shared.bus import Bus, decode
 from services.shared.history_store import HistoryStore
 from services.shared.sessions import SessionStore
@@ -86,8 +88,17 @@ class TranscriptRoutes:
                                  headers=_download(f"session-{sid}.md"))
 
     async def delete(self, request: Request) -> Response:
-        sid = await self._existing(request)
-        await self._sessions.delete(sid)
+        try:
+            sid = await self._existing(request)
+        except HttpError as err:
+            # No record: 404, unless an earlier delete stopped after removing
+            # it (NATS went away mid-way); this one finishes that delete.
+            sid = str(request.path_params["session_id"])
+            if err.response.status_code != 404 or not await self._left_behind(sid):
+                raise
+            log.warning("session_delete_finished", session_id=sid)
+        else:
+            await self._sessions.delete(sid)
         self._forget(sid)
         await self._answer_queued(sid)
         js = self._bus.js
@@ -102,6 +113,17 @@ class TranscriptRoutes:
         self._history.forget(sid)
         log.info("session_deleted", session_id=sid)
         return Response(status_code=204)
+
+    async def _left_behind(self, sid: str) -> bool:
+        """Whether a session whose record is gone still has its transcript or
+        queued queries stored. (Not its last state: a compaction ending after
+        the delete may announce one, and that is no reason to say 204 twice.)"""
+        for stream, subject in ((subjects.HISTORY_STREAM, subjects.history(sid)),
+                                (subjects.QUERIES_STREAM, subjects.query(sid))):
+            with contextlib.suppress(NotFoundError):
+                await self._bus.js.get_last_msg(stream, subject, direct=True)
+                return True
+        return False
 
     async def _answer_queued(self, sid: str) -> None:
         """Each query still queued gets its answer: the session is gone."""
