@@ -1,5 +1,6 @@
 """The gateway's live feed on a real NATS: it subscribes only while a page
-listens, so turns nobody watches cost the gateway nothing."""
+listens, so turns nobody watches cost the gateway nothing, and a page gone
+at any moment gives back its stream."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ import json
 import nats
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from starlette.types import Message
 
 from schemas import subjects
-from services.gateway.live import LiveFeed
+from services.gateway.live import EventStream, ListenerLimit, LiveFeed
 from tests.events import eventually
 
 
@@ -76,3 +78,42 @@ async def test_a_listener_gone_while_subscribing_leaves_the_connection_working(
         await feed.stop()
     finally:
         await nc.close()
+
+
+async def gone_at_once() -> Message:
+    return {"type": "http.disconnect"}
+
+
+async def sent(message: Message) -> None:
+    await asyncio.sleep(0)  # a write that yields, as one under back-pressure does
+
+
+async def respond(response: EventStream) -> None:
+    """Serve the response the way uvicorn does to a client already gone: the
+    body races a disconnect that is there before its first step."""
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}}
+    await response(scope, gone_at_once, sent)
+
+
+async def test_a_client_gone_before_the_first_byte_gives_its_share_back(nc: NATS) -> None:
+    limit, feed = ListenerLimit(1), LiveFeed(nc)
+    release = limit.admit("127.0.0.1")
+    assert release is not None and limit.admit("127.0.0.1") is None
+    await respond(EventStream(feed.stream(None), release))
+    again = limit.admit("127.0.0.1")
+    assert again is not None  # not held for good by a stream that never started
+    again()
+    again()  # a second release gives back nothing more
+    assert limit.admit("127.0.0.1") is not None and limit.admit("127.0.0.1") is None
+
+
+async def test_a_stream_that_started_is_closed_when_its_client_goes(nc: NATS) -> None:
+    limit, feed = ListenerLimit(1), LiveFeed(nc)
+    stream = feed.stream(None)
+    assert await anext(stream) == ": connected\n\n"
+    release = limit.admit("127.0.0.1")
+    assert release is not None
+    await respond(EventStream(stream, release))
+    # Closed at once, not whenever the collector finds the generator.
+    await eventually(lambda: not feed.subscribed, "the feed unsubscribed")
+    await feed.stop()

@@ -15,7 +15,7 @@ from nats.js.errors import NotFoundError
 from nats.js.kv import KeyValue
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import Request
-from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
@@ -28,7 +28,7 @@ from services.core.tokens import prompt_budget, stored_calibration
 from services.gateway.answering import Answering, query_id_of
 from services.gateway.controls import Controls
 from services.gateway.errors import HttpError, error
-from services.gateway.live import ListenerLimit, LiveFeed
+from services.gateway.live import EventStream, ListenerLimit, LiveFeed
 from services.gateway.replies import ReplyRouter
 from services.gateway.settings import GatewaySettings
 from services.gateway.transcript import TranscriptRoutes
@@ -193,12 +193,12 @@ class Api:
         if sid is not None and not subjects.is_valid_session_id(sid):
             return error(400, "invalid_session_id", "invalid session_id parameter")
         client = request.client.host if request.client else ""
-        stream = self._listeners.admit(client, self._live.stream(sid))
-        if stream is None:
+        release = self._listeners.admit(client)
+        if release is None:
             return error(429, "too_many_streams", "this client has "
                          f"{self._settings.max_event_streams_per_client} event streams open "
                          "already (MAX_EVENT_STREAMS_PER_CLIENT)")
-        return StreamingResponse(stream, media_type="text/event-stream")
+        return EventStream(self._live.stream(sid), release)
 
     async def _existing(self, request: Request) -> str:
         sid = session_id_of(request)

@@ -12,11 +12,13 @@ import asyncio
 import contextlib
 import json
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, Callable
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from schemas import subjects
 from services.shared.bus import parse_json, round_trip
@@ -89,7 +91,7 @@ class LiveFeed:
             if queue.qsize() < QUEUE_LIMIT:
                 queue.put_nowait((msg.subject, envelope))
 
-    async def stream(self, session_id: str | None) -> AsyncIterator[str]:
+    async def stream(self, session_id: str | None) -> AsyncGenerator[str, None]:
         queue: Listener = asyncio.Queue()
         if self._ended:
             queue.put_nowait(_END)
@@ -128,19 +130,39 @@ class ListenerLimit:
         self._per_client = per_client
         self._open: Counter[str] = Counter()
 
-    def admit(self, client: str, stream: AsyncIterator[str]) -> AsyncIterator[str] | None:
-        """The stream, counted against the client while it runs; None when
-        the client already holds its share."""
+    def admit(self, client: str) -> Callable[[], None] | None:
+        """A stream counted against the client until the returned release is
+        called (once or more); None when the client already holds its share."""
         if self._open[client] >= self._per_client:
             return None
         self._open[client] += 1
-        return self._counted(client, stream)
+        released = False
 
-    async def _counted(self, client: str, stream: AsyncIterator[str]) -> AsyncIterator[str]:
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self._open[client] -= 1
+                if not self._open[client]:
+                    del self._open[client]
+
+        return release
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events that give their client's share back and close their
+    stream however the response ends. Starlette cancels the body of a client
+    gone before its first byte before that body starts, and an async
+    generator that never started never runs its `finally`."""
+
+    def __init__(self, stream: AsyncGenerator[str, None], release: Callable[[], None]) -> None:
+        super().__init__(stream, media_type="text/event-stream")
+        self._stream = stream
+        self._release = release
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            async for chunk in stream:
-                yield chunk
+            await super().__call__(scope, receive, send)
         finally:
-            self._open[client] -= 1
-            if not self._open[client]:
-                del self._open[client]
+            self._release()
+            await self._stream.aclose()
