@@ -160,8 +160,10 @@ async def test_paging_returns_every_item_exactly_once(
         "question 6 !long 60")
     assert (await http.get(f"/api/sessions/{sid}/export",
                            params={"format": "pdf"})).status_code == 400
+    huge = "9" * 5000
     for bad in ({"limit": "0"}, {"limit": "1001"}, {"after": "x"}, {"kind": "other"},
-                {"before": "end", "after": "1-0"}):
+                {"before": "end", "after": "1-0"}, {"limit": huge}, {"after": f"{huge}-0"},
+                {"before": f"{2**64}-0"}):
         response = await http.get(f"/api/sessions/{sid}/transcript", params=bad)
         assert response.status_code == 400, bad
         assert response.json()["error"]["code"] == "invalid_field"

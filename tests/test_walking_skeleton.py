@@ -270,6 +270,7 @@ def test_sessions_are_listed_newest_first(client: httpx.Client) -> None:
     assert ids.index(second) < ids.index(first)
     assert next(s for s in listed if s["session_id"] == second)["model"] == "other"
     assert len(client.get("/api/sessions", params={"limit": 1}).json()["sessions"]) == 1
-    for limit in ("lots", "²", "0", "-1"):  # "²" is a digit to str.isdigit, not to int()
+    # "²" is a digit to str.isdigit, not to int(); int() takes at most 4,300 digits.
+    for limit in ("lots", "²", "0", "-1", "9" * 5000):
         bad = client.get("/api/sessions", params={"limit": limit})
         assert bad.status_code == 400 and bad.json()["error"]["field"] == "limit"

@@ -17,6 +17,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from schemas.history import ChatMessage, HistoryEntry, Snapshot
+from services.core.numbers import whole_number
 
 DEFAULT_PAGE = 200
 MAX_PAGE = 1000
@@ -39,9 +40,10 @@ class Position:
     @classmethod
     def parse(cls, text: str) -> Position:
         seq, sep, index = text.partition("-")
-        if not (sep and seq.isascii() and seq.isdigit() and index.isascii() and index.isdigit()):
+        seq_number, index_number = whole_number(seq), whole_number(index)
+        if not sep or seq_number is None or index_number is None:
             raise InvalidCursor("cursor: use the 'next' of a previous page")
-        return cls(int(seq), int(index))
+        return cls(seq_number, index_number)
 
 
 @dataclass(frozen=True)
@@ -111,9 +113,10 @@ def items_after(entries: Iterable[StoredEntry], after: Position | None) -> Itera
 def page_limit(raw: str | None) -> int:
     if raw is None:
         return DEFAULT_PAGE
-    if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= MAX_PAGE:
+    limit = whole_number(raw, 1, MAX_PAGE)
+    if limit is None:
         raise ValueError(f"limit: a whole number from 1 to {MAX_PAGE}")
-    return int(raw)
+    return limit
 
 
 def markdown(session_id: str, items: Iterable[Item]) -> str:

@@ -23,6 +23,7 @@ from schemas import subjects
 from schemas.messages import MAX_CONTENT_CHARS, CompactionRequest, Query, StateChange
 from schemas.session import MAX_SYSTEM_PROMPT_CHARS, CompactionsRunning, SessionRecord
 from services.core.context import next_prompt_tokens
+from services.core.numbers import whole_number
 from services.core.state_machine import Phase, session_state
 from services.core.tokens import prompt_budget, stored_calibration
 from services.gateway.answering import Answering, query_id_of
@@ -135,11 +136,12 @@ class Api:
         return JSONResponse({"session_id": record.session_id}, status_code=201)
 
     async def list_sessions(self, request: Request) -> Response:
-        raw = request.query_params.get("limit", str(DEFAULT_LISTED))
-        if not (raw.isascii() and raw.isdigit()) or not 1 <= int(raw) <= MAX_LISTED:
+        limit = whole_number(request.query_params.get("limit", str(DEFAULT_LISTED)), 1,
+                             MAX_LISTED)
+        if limit is None:
             return error(400, "invalid_field", f"limit: a whole number from 1 to {MAX_LISTED}",
                          field="limit")
-        records = await self._sessions.newest(int(raw))
+        records = await self._sessions.newest(limit)
         return JSONResponse({"sessions": [
             {"session_id": r.session_id, "created_at": r.created_at.isoformat(),
              "model": r.model_or(self._settings.model), "auto_compact": r.auto_compact}

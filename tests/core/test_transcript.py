@@ -69,11 +69,13 @@ def test_items_after_a_cursor_start_right_after_it() -> None:
 
 def test_cursors_and_limits_are_checked() -> None:
     assert Position.parse("12-3") == Position(12, 3)
-    for bad in ("", "12", "a-1", "1-", "-1", "1-2-3", "١-٢"):
+    huge = "9" * 5000  # past the 4,300 digits Python's int() takes
+    for bad in ("", "12", "a-1", "1-", "-1", "1-2-3", "١-٢", f"{huge}-0", f"1-{huge}",
+                f"{2**63}-0"):
         with pytest.raises(InvalidCursor):
             Position.parse(bad)
     assert page_limit(None) == 200 and page_limit("1000") == 1000
-    for bad in ("0", "1001", "x", "-5", "2.5"):
+    for bad in ("0", "1001", "x", "-5", "2.5", huge):
         with pytest.raises(ValueError):
             page_limit(bad)
 
