@@ -142,6 +142,9 @@ async def test_preflights_are_answered_for_listed_origins_only(
     friendly = await locked.options("/api/sessions", headers={**ask, "Origin": FRIEND})
     assert friendly.status_code == 204
     assert friendly.headers["access-control-allow-origin"] == FRIEND
+    # Every header the API reads may be sent, the key a resend needs included.
+    allowed = {h.strip() for h in friendly.headers["access-control-allow-headers"].split(",")}
+    assert {"authorization", "content-type", "accept", "idempotency-key"} <= allowed
     listed = await locked.get("/api/sessions", headers={**BEARER, "Origin": FRIEND})
     assert listed.headers["access-control-allow-origin"] == FRIEND
     created = await locked.post("/api/sessions", json={}, headers={**BEARER, "Origin": FRIEND})

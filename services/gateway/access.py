@@ -66,7 +66,8 @@ class AccessGuard:
         return Response(status_code=204, headers={
             "access-control-allow-origin": str(origin),
             "access-control-allow-methods": "GET, POST, DELETE",
-            "access-control-allow-headers": "authorization, content-type, accept",
+            "access-control-allow-headers": "authorization, content-type, accept, "
+                                            "idempotency-key",
             "access-control-max-age": str(PREFLIGHT_MAX_AGE_S),
             "vary": "Origin",
         })
