@@ -3,8 +3,8 @@ process, with a test model in place of Ollama: its own handler crashing (a
 bug, not a model failure) is retried a few times, then answered with an
 error; a query whose answer was stored by a generator that died before
 acknowledging it is answered from history; a query answered with an error
-whose acknowledgement never arrived gets the same error again, and is not
-answered anew."""
+whose acknowledgement never arrived gets the same error again, from any
+generator, and is not answered anew."""
 
 from __future__ import annotations
 
@@ -96,12 +96,14 @@ class Rig:
 
 @contextlib.asynccontextmanager
 async def in_process_generator(nats_url: str, settings: GeneratorSettings,
-                               model: BrokenModel | None = None) -> AsyncIterator[Rig]:
+                               model: BrokenModel | None = None, new_session: bool = True
+                               ) -> AsyncIterator[Rig]:
     nc = await nats.connect(nats_url)
     bus = Bus(nc, "generator")
     await ensure_layout(bus.js, settings.lock_lease_s)
     sessions = await SessionStore.open(bus.js)
-    await sessions.create(SessionRecord(session_id=SID))
+    if new_session:
+        await sessions.create(SessionRecord(session_id=SID))
     rig = Rig(bus, model or BrokenModel(), asyncio.Queue())
     generator = Generator(bus, settings, rig.model, sessions, SessionLocks(
         await locks_bucket(bus.js, settings.lock_lease_s), settings.generator_id,
@@ -213,6 +215,24 @@ async def test_an_error_answer_whose_acknowledgement_is_lost_is_sent_again_not_r
             assert len({r.query_id for r in replies}) == 1
             assert rig.model.calls == 1
             assert not (await HistoryStore(rig.bus.js).read(SID)).conversation.messages
+
+
+async def test_an_error_answer_comes_back_to_another_generator_the_same() -> None:
+    """The generator that answered with an error is gone before its
+    acknowledgement counted; the query comes back to one that never saw it."""
+    settings = GeneratorSettings(model="stub-model", query_ack_wait_s=1)
+    with running_nats(ACKS_REFUSED) as server:
+        url = server.url.replace("nats://", "nats://generator:generator@")
+        async with in_process_generator(url, settings, UnreachableOnce()) as first:
+            await first.bus.js_publish(subjects.query(SID), Query(session_id=SID, content="hi"),
+                                       session_id=SID)
+            told = await asyncio.wait_for(first.replies.get(), 10)
+            assert told.error_code == "ollama_unreachable"
+        async with in_process_generator(url, settings, Answering(), new_session=False) as other:
+            again = await asyncio.wait_for(other.replies.get(), 10)
+            assert (again.query_id, again.error_code) == (told.query_id, "ollama_unreachable")
+            assert other.model.calls == 0
+            assert not (await HistoryStore(other.bus.js).read(SID)).conversation.messages
 
 
 async def test_nats_not_answering_is_waited_out_beyond_the_crash_retries(

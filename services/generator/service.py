@@ -90,9 +90,9 @@ class AnsweredQueries:
 
     An error reply is kept too, confirmed or not. Nothing of such a query is
     stored, so if its acknowledgement is lost and the query comes back, only
-    this memory stops it from being answered a second time, after the
-    session's later queries. An answer is not kept: the history holds it,
-    tagged with the query's id."""
+    this memory (or, in another process, the `query_errors` bucket) stops it
+    from being answered a second time, after the session's later queries.
+    An answer is not kept: the history holds it, tagged with the query's id."""
 
     def __init__(self, size: int = REMEMBERED_ANSWERS) -> None:
         self._errors: Recent[int, Reply] = Recent(size)
@@ -382,7 +382,7 @@ class Generator:
     async def _answer_in_order(self, delivery: Delivery, env: Envelope[Query]
                                ) -> FollowUp | None:
         sid, msg = env.payload.session_id, delivery.msg
-        answered = self._answered.error_reply(msg.metadata.sequence.stream, env.message_id)
+        answered = await self._error_answered(msg, env.message_id)
         if answered is not None:  # its acknowledgement was lost: the same answer again
             log.warning("query_answered_again", error_code=answered.error_code)
             await self._send_reply(delivery, env, answered)
@@ -412,6 +412,15 @@ class Generator:
         finally:
             if head is not None:
                 head.abandon()  # nothing once the turn has used it
+
+    async def _error_answered(self, msg: Msg, query_id: str) -> Reply | None:
+        """The error this query was answered with, by this process or, for a
+        redelivery, any other (one that died before its acknowledgement
+        reached the server): such a query must not be answered anew."""
+        reply = self._answered.error_reply(msg.metadata.sequence.stream, query_id)
+        if reply is None and msg.metadata.num_delivered > 1:
+            reply = await self._errors.of(query_id)
+        return reply
 
     async def _meets_compaction(self, sid: str) -> bool:
         """Blocking mode: a query meeting a compaction waits only so long, then
@@ -488,12 +497,12 @@ class Generator:
         return follow_up
 
     async def _send_reply(self, delivery: Delivery, env: Envelope[Query], reply: Reply) -> None:
-        # Acknowledge before replying, without waiting for the server's
-        # confirmation: the caller need not wait for it, only the ordering
-        # check of the session's next query does. (The turn is stored by now;
-        # a crash in between costs the caller this reply, never the turn, and
-        # a redelivery finds the stored answer.) An error is kept first: whoever
-        # finds the query gone from the stream, or sees its reply, finds it kept.
+        # The acknowledgement goes out with the reply, its confirmation not
+        # waited for: the caller need not wait for it, only the ordering check
+        # of the session's next query does. Which reaches the server first is
+        # not certain, so a crash now may cost the acknowledgement: the turn is
+        # stored by now and a redelivery finds it; an error is kept first, so
+        # a redelivery (and whoever finds the query gone) finds that too.
         if reply.error:
             await self._errors.keep(reply)
         self._answered.remember(delivery.msg.metadata.sequence.stream, reply,
