@@ -147,6 +147,10 @@ class GenerationReport(Payload):
     reused_extra_bytes: int = Field(default=0, ge=0)
     reused_messages: int = Field(default=0, ge=0)
     auto_compact: bool = True
+    # How many compactions the measured history had been through: a report
+    # measured before a compaction's splice, read after its result, is out of
+    # date (None: not said; such a report is judged as it comes).
+    compactions: int | None = Field(default=None, ge=0)
 
 
 class CompactionRequest(Payload):
@@ -176,6 +180,9 @@ class CompactionResult(Payload):
     # "elision": no summary could be written, old tool output was cut instead.
     method: Literal["summary", "elision"] | None = None
     note: str | None = None
+    # On a completed one: how many compactions the history has been through,
+    # this one included (reports with fewer were measured before it).
+    compactions: int | None = Field(default=None, ge=0)
 
 
 class CompactionEvent(Payload):

@@ -166,10 +166,16 @@ async def test_manual_compaction_keeps_the_tail_and_stacks_summaries(
     assert watcher.payloads("generator.state") == []
     assert after["state"] == "idle" and after["phase"] == "idle"
 
-    await chat(http, sid, 3, filler=100, start=10)
+    async with watching(private_nats.url, subjects.RESPONSE_GENERATION) as reports:
+        await chat(http, sid, 3, filler=100, start=10)
+        # Each report says what history it measured: the decider drops one read
+        # after the result of a compaction it predates.
+        await reports.wait_until(lambda: len(reports.payloads("response.generation")) == 3)
+        assert [r["compactions"] for r in reports.payloads("response.generation")] == [1, 1, 1]
     async with watching(private_nats.url, *EVENTS) as watcher:
         await http.post(f"/api/sessions/{sid}/compact")
         second = await next_result(watcher, sid)
+    assert (first["compactions"], second["compactions"]) == (1, 2)
     assert second["status"] == "completed"
     assert second["summary"].startswith("Goal: Please build a parser.")
     assert (await session(http, sid))["compactions"] == 2

@@ -128,6 +128,30 @@ async def test_a_missed_result_does_not_stop_automatic_compaction(
         assert len(requests) == 3 and "no result in time" not in requests[2].payload.reason
 
 
+async def test_a_report_read_after_the_result_of_a_compaction_it_predates_is_dropped(
+        private_nats: NatsServer) -> None:
+    async with running_decider(private_nats.url,
+                               DeciderSettings(compaction_cooldown_s=0)) as (bus, decider):
+        sid, url = "stale-report", private_nats.url
+        await report_and_settle(bus, url, sid, decider)
+        [request] = await stored_requests(bus)
+        await bus.js_publish(subjects.COMPACTION_RESULT,
+                             CompactionResult(session_id=sid, tokens_after=900, compactions=1),
+                             correlation_id=request.correlation_id, session_id=sid)
+        await eventually(lambda: not decider.status()["pending"], "the result heard")
+        # Measured on the history before the splice, read only now.
+        await bus.js_publish(subjects.RESPONSE_GENERATION,
+                             crowded_report(sid).model_copy(update={"compactions": 0}),
+                             session_id=sid)
+        await decider_caught_up(url, decider.status)
+        assert len(await stored_requests(bus)) == 1
+        await bus.js_publish(subjects.RESPONSE_GENERATION,
+                             crowded_report(sid).model_copy(update={"compactions": 1}),
+                             session_id=sid)
+        await decider_caught_up(url, decider.status)
+        assert len(await stored_requests(bus)) == 2
+
+
 class CuttableLink:
     """A TCP relay to the NATS server that a test cuts and restores: while it
     is cut, the client behind it is disconnected and nothing reaches it."""

@@ -34,6 +34,7 @@ from services.core.decision import (
     SessionMemory,
     decide,
     level_for,
+    on_compacted,
     on_result,
 )
 from services.core.text_size import Size
@@ -200,8 +201,8 @@ class Decider:
             metrics.decider().requests.labels(decision.level.value).inc()
             # Pending only once the request is stored, and only if its result
             # has not already come meanwhile (it clears `awaiting`).
-            if tracked.awaiting == correlation_id:
-                tracked.memory = fired
+            if tracked.awaiting == correlation_id:  # and any compaction heard of meanwhile
+                tracked.memory = on_compacted(fired, tracked.memory.compactions)
 
     async def _request(self, sid: str, decision: Decision, correlation_id: str) -> bool:
         """Publish the request; False (logged) when it was not confirmed stored."""
@@ -241,7 +242,8 @@ class Decider:
                           compactable_tokens=estimate_tokens(freeable, cal),
                           now=time.monotonic(),
                           summary_tokens=estimate_tokens(report.summary_chars, cal),
-                          summary_allowance=summary_allowance(report.num_ctx, limit, cal))
+                          summary_allowance=summary_allowance(report.num_ctx, limit, cal),
+                          compactions=report.compactions)
         return decide(obs, tracked.memory, self.policy())
 
     async def _on_result_message(self, msg: Msg) -> None:
@@ -253,7 +255,11 @@ class Decider:
         if env is None:
             return
         tracked = self._tracked.get(env.payload.session_id)
-        if tracked is not None and tracked.awaiting == env.correlation_id:
+        if tracked is None:
+            return
+        if env.payload.status == "completed":
+            tracked.memory = on_compacted(tracked.memory, env.payload.compactions)
+        if tracked.awaiting == env.correlation_id:
             tracked.awaiting = None
             tracked.memory = on_result(tracked.memory, env.payload.tokens_after,
                                        time.monotonic())

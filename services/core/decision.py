@@ -67,6 +67,8 @@ class Observation:
     summary_tokens: int = 0
     # The most the summary it writes may take (`context.summary_allowance`).
     summary_allowance: int = 0
+    # How many compactions the measured history had been through (None: unknown).
+    compactions: int | None = None
 
     @property
     def relief_tokens(self) -> int:
@@ -83,6 +85,8 @@ class SessionMemory:
     # A request is out and unanswered; it was sent at `last_fired_at`.
     pending: bool = False
     last_fired_at: float | None = None
+    # The most compactions a result said the history had been through.
+    compactions: int = 0
 
 
 @dataclass(frozen=True)
@@ -125,6 +129,10 @@ def decide(
     """
     if policy.threshold <= 0:
         return Decision(False, None, "automatic compaction is disabled (threshold 0)"), memory
+    if obs.compactions is not None and obs.compactions < memory.compactions:
+        # Read after the result of a compaction it predates: its sizes are gone.
+        return Decision(False, None, f"measured after {obs.compactions} compaction(s), "
+                        f"before the latest ({memory.compactions}): out of date"), memory
     usage = _usage(obs, policy)
     level = level_for(obs.next_prompt_tokens, obs.budget, policy)
     if level is None:
@@ -185,13 +193,22 @@ def awaits_result(memory: SessionMemory, now: float, policy: Policy) -> bool:
 
 
 def on_result(memory: SessionMemory, tokens_after: int | None, now: float) -> SessionMemory:
-    """A compaction.result arrived (any outcome): nothing is pending any more.
+    """The result of this decider's request arrived (any outcome): nothing is
+    pending any more.
 
     A failed compaction (no `tokens_after`) restarts the cooldown at `now`, so a
     broken summariser is retried once per cooldown rather than on every turn.
     """
     last = now if tokens_after is None else memory.last_fired_at
-    return SessionMemory(pending=False, last_fired_at=last)
+    return replace(memory, pending=False, last_fired_at=last)
+
+
+def on_compacted(memory: SessionMemory, compactions: int | None) -> SessionMemory:
+    """Any completed compaction's result, whoever asked for it: reports
+    measured before it are out of date from now on."""
+    if compactions is None or compactions <= memory.compactions:
+        return memory
+    return replace(memory, compactions=compactions)
 
 
 def check_fit(next_prompt_tokens: int, budget: int, margin: float = FIT_MARGIN) -> Fit:

@@ -409,6 +409,7 @@ class Compactor:
             summary=spliced.conversation.summary, auto=job.auto, level=job.level,
             method="elision" if fallback else "summary",
             note=f"{written.failure}; old tool output elided instead" if fallback else None,
+            compactions=spliced.conversation.compactions,
         )
 
     def _completed_before(self, job: Job, record: SessionRecord,
@@ -419,6 +420,7 @@ class Compactor:
             summary=view.conversation.summary, auto=job.auto, level=job.level,
             note="compacted by an earlier delivery of this request; the size before "
                  "is not known any more, and the size after is the history's now",
+            compactions=view.conversation.compactions,
         )
 
     @staticmethod

@@ -494,6 +494,7 @@ class TurnRunner:
             reused_extra_bytes=turn.reused.extra_bytes,
             reused_messages=turn.reused.messages,
             auto_compact=turn.record.auto_compact,
+            compactions=conversation.compactions,
         )
         # Not awaited for the stream's acknowledgement: a report lost on the
         # way costs the decider one reading, and the next report carries all

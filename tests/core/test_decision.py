@@ -22,6 +22,7 @@ from services.core.decision import (
     check_fit,
     decide,
     level_for,
+    on_compacted,
     on_result,
 )
 from services.core.prompt import HistoryWeights
@@ -185,6 +186,27 @@ def test_on_result_clears_pending() -> None:
     assert on_result(pending, 1234, 40.0) == SessionMemory(False, 5.0)
     # A failed compaction restarts the cooldown, so a broken summariser is not hammered.
     assert on_result(pending, None, 40.0) == SessionMemory(False, 40.0)
+
+
+def test_a_report_measured_before_the_latest_compaction_is_not_acted_on() -> None:
+    """Its result was read first: the report's sizes are those of a history
+    the splice has replaced, and acting on them would compact a second time."""
+    policy = Policy(cooldown_s=0.0)
+    asked, memory = decide(Observation(9000, BUDGET, 5000, 10.0, compactions=1), FRESH, policy)
+    assert asked.fire
+    memory = on_result(on_compacted(memory, 2), 2000, 50.0)
+    stale, same = decide(Observation(9600, BUDGET, 5000, 51.0, compactions=1), memory, policy)
+    assert not stale.fire and same == memory and "out of date" in stale.reason
+    fresh, _ = decide(Observation(9600, BUDGET, 5000, 52.0, compactions=2), memory, policy)
+    assert fresh.fire  # measured after it: judged as any other
+    unknown, _ = decide(Observation(9600, BUDGET, 5000, 52.0), memory, policy)
+    assert unknown.fire  # a generator that does not say is taken at its word
+
+
+def test_only_a_newer_compaction_count_is_kept() -> None:
+    memory = on_compacted(SessionMemory(), 3)
+    assert on_compacted(memory, 2) == memory and on_compacted(memory, None) == memory
+    assert on_compacted(memory, 4).compactions == 4
 
 
 def test_one_crossing_fires_once() -> None:
