@@ -305,6 +305,24 @@ async def test_a_long_answer_in_a_dense_script_is_weighed_at_its_own_rate(
         await nc.close()
 
 
+async def test_what_a_compaction_frees_in_a_dense_script_is_priced_by_its_bytes(
+        private_nats: NatsServer) -> None:
+    """All Chinese (two bytes beyond each character's first), at 87% of the
+    budget, 3,000 of its 5,000 characters before the live zone: about 3,750
+    tokens to free. Priced as if they were plain characters, 750, less than
+    the summary written in their place, and the session was left to fill up."""
+    async with running_decider(private_nats.url, DeciderSettings()) as (bus, decider):
+        await bus.js_publish(subjects.RESPONSE_GENERATION, GenerationReport(
+            session_id="dense", model="m", prompt_tokens=None, sent_chars=4800,
+            sent_messages=19, num_ctx=8192, next_prompt_chars=5000, next_prompt_messages=20,
+            next_prompt_extra_bytes=10000, compactable_chars=3000,
+            compactable_chars_by_level={"gentle": 3000}, tokens_per_char=0.25,
+            tokens_per_extra_byte=0.5), session_id="dense")
+        await decider_caught_up(private_nats.url, decider.status)
+        [request] = await stored_requests(bus)
+        assert request.payload.session_id == "dense" and request.payload.level == "gentle"
+
+
 async def test_reports_are_judged_without_an_acknowledgement_each(
         private_nats: NatsServer) -> None:
     """A report costs the server one delivery to the decider, not also an

@@ -26,7 +26,7 @@ from schemas import subjects
 from schemas.envelope import Envelope, new_id
 from schemas.messages import CompactionRequest, CompactionResult, GenerationReport
 from services.compaction_decider.settings import DeciderSettings
-from services.core.context import context_tokens, summary_allowance
+from services.core.context import context_tokens, part_tokens, summary_allowance
 from services.core.decision import (
     Decision,
     Observation,
@@ -228,20 +228,17 @@ class Decider:
                                 report.count_basis)
                if report.tokens_per_char is not None else tracked.calibration)
         limit = prompt_budget(report.num_ctx, self.settings.output_headroom)
-        upcoming = context_tokens(Size(report.next_prompt_chars or report.sent_chars,
-                                       report.next_prompt_extra_bytes if report.next_prompt_chars
-                                       else report.sent_extra_bytes,
-                                       report.next_prompt_messages if report.next_prompt_chars
-                                       else report.sent_messages), cal)
+        whole = next_prompt(report)
+        upcoming = context_tokens(whole, cal)
         level = level_for(upcoming, limit, self.policy())
         # What a compaction at that level replaces: its own, smaller live zone.
         freeable = report.compactable_chars or 0
         if level is not None:
             freeable = report.compactable_chars_by_level.get(level.value, freeable)
         obs = Observation(next_prompt_tokens=upcoming, budget=limit,
-                          compactable_tokens=estimate_tokens(freeable, cal),
+                          compactable_tokens=part_tokens(whole, freeable, cal),
                           now=time.monotonic(),
-                          summary_tokens=estimate_tokens(report.summary_chars, cal),
+                          summary_tokens=part_tokens(whole, report.summary_chars, cal),
                           summary_allowance=summary_allowance(report.num_ctx, limit, cal),
                           compactions=report.compactions)
         return decide(obs, tracked.memory, self.policy())
@@ -263,3 +260,12 @@ class Decider:
             tracked.awaiting = None
             tracked.memory = on_result(tracked.memory, env.payload.tokens_after,
                                        time.monotonic())
+
+
+def next_prompt(report: GenerationReport) -> Size:
+    """What the session's next call sends, as the report says (the call just
+    made, from a generator that does not say)."""
+    if report.next_prompt_chars:
+        return Size(report.next_prompt_chars, report.next_prompt_extra_bytes,
+                    report.next_prompt_messages)
+    return Size(report.sent_chars, report.sent_extra_bytes, report.sent_messages)

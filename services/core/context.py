@@ -34,6 +34,14 @@ def context_tokens(size: Size, calibration: Calibration) -> int:
     return estimate_size(size, calibration)
 
 
+def part_tokens(whole: Size, chars: int, calibration: Calibration) -> int:
+    """Tokens in `chars` characters of a prompt of size `whole` (what a
+    compaction replaces, the summary), taken to be made up as the whole is:
+    a report gives such parts in characters alone, and a dense script's
+    cost lies in its bytes."""
+    return context_tokens(whole.part(chars), calibration)
+
+
 def next_prompt_tokens(system: str, conversation: Conversation,
                        tools: Sequence[Mapping[str, Any]], calibration: Calibration) -> int:
     """Tokens in the context of a session with this history and these tools."""

@@ -31,6 +31,16 @@ class Size:
         return Size(self.chars + other.chars, self.extra_bytes + other.extra_bytes,
                     self.messages + other.messages)
 
+    def part(self, chars: int) -> Size:
+        """A part of this text of `chars` characters, taken to be made up as
+        the whole is: its share of the extra bytes and of the messages. What
+        a report says in characters alone (what a compaction frees) is then
+        priced as dense text costs, by its bytes."""
+        if chars <= 0 or self.chars <= 0:
+            return Size(max(0, chars))
+        share = min(1.0, chars / self.chars)
+        return Size(chars, round(self.extra_bytes * share), round(self.messages * share))
+
     def __sub__(self, other: Size) -> Size:
         return Size(max(0, self.chars - other.chars),
                     max(0, self.extra_bytes - other.extra_bytes),

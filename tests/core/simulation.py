@@ -40,7 +40,7 @@ from typing import Any
 
 from schemas.history import ChatMessage, Conversation, Role, Snapshot, ToolCall
 from services.core.boundary import choose_boundary, tail_turns_for
-from services.core.context import summary_allowance
+from services.core.context import part_tokens, summary_allowance
 from services.core.decision import (
     EMERGENCY_FRACTION,
     Level,
@@ -80,7 +80,6 @@ from services.core.tokens import (
     calibrate,
     default_headroom,
     estimate_size,
-    estimate_tokens,
 )
 
 Msg = dict[str, Any]
@@ -746,9 +745,9 @@ class Simulation:
         compactable = 0
         if level is not None:
             boundary = choose_boundary(s.history.messages, tail_turns_for(level, sc.tail_turns))
-            compactable = estimate_tokens(weights.compactable(boundary), s.calibration)
+            compactable = part_tokens(size, weights.compactable(boundary), s.calibration)
         obs = Observation(estimate, sc.budget, compactable, s.now,
-                          summary_tokens=estimate_tokens(weights.summary, s.calibration),
+                          summary_tokens=part_tokens(size, weights.summary, s.calibration),
                           summary_allowance=summary_allowance(sc.num_ctx, sc.budget,
                                                               s.calibration))
         decision, s.memory = decide(obs, s.memory, sc.policy)

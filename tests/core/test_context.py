@@ -14,6 +14,7 @@ from services.core.context import (
     context_tokens,
     next_prompt_size,
     next_prompt_tokens,
+    part_tokens,
     summary_allowance,
 )
 from services.core.prompt import SUMMARY_PREFIX, HistoryWeights, render_messages
@@ -66,3 +67,21 @@ def test_the_summary_bound_is_the_reply_room_and_the_notes_framing() -> None:
     assert framing >= len(SUMMARY_PREFIX)
     assert bound == 1024 + round(framing * 0.25)
     assert summary_allowance(2048, prompt_budget(2048), calibration) < bound
+
+
+def test_a_part_of_a_prompt_takes_its_share_of_the_bytes_and_messages() -> None:
+    whole = Size(5000, 10000, 20)
+    assert whole.part(3000) == Size(3000, 6000, 12)
+    assert whole.part(0) == Size() and whole.part(-5) == Size()
+    assert whole.part(9000) == Size(9000, 10000, 20)  # never more than the whole has
+    assert Size().part(100) == Size(100)
+
+
+@given(st.integers(1, 100_000), st.integers(0, 300_000), st.integers(0, 500),
+       st.floats(0.0, 1.0))
+def test_the_parts_of_a_prompt_never_cost_more_than_the_whole(
+        chars: int, extra: int, messages: int, share: float) -> None:
+    whole = Size(chars, extra, messages)
+    cal = Calibration(tokens_per_char=0.25, tokens_per_extra_byte=0.5)
+    part = int(chars * share)
+    assert part_tokens(whole, part, cal) <= context_tokens(whole, cal) + 1

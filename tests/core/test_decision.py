@@ -9,7 +9,12 @@ from hypothesis import strategies as st
 
 from schemas.history import ChatMessage, Conversation
 from services.core.boundary import choose_boundary, tail_turns_for
-from services.core.context import context_tokens, next_prompt_size, summary_allowance
+from services.core.context import (
+    context_tokens,
+    next_prompt_size,
+    part_tokens,
+    summary_allowance,
+)
 from services.core.decision import (
     FIT_MARGIN,
     Decision,
@@ -341,12 +346,13 @@ def observe(conversation: Conversation, now: float, calibration: Calibration,
     """What the decider sees of this history, as the generator's report sizes it."""
     limit = prompt_budget(RELIEF_NUM_CTX)
     weights = HistoryWeights.of("", conversation)
-    estimate = context_tokens(next_prompt_size("", conversation), calibration)
+    whole = next_prompt_size("", conversation)
+    estimate = context_tokens(whole, calibration)
     level = level_for(estimate, limit, policy)
     boundary = choose_boundary(conversation.messages, tail_turns_for(level or Level.gentle, 4))
     return Observation(
-        estimate, limit, estimate_tokens(weights.compactable(boundary), calibration), now,
-        summary_tokens=estimate_tokens(weights.summary, calibration),
+        estimate, limit, part_tokens(whole, weights.compactable(boundary), calibration), now,
+        summary_tokens=part_tokens(whole, weights.summary, calibration),
         summary_allowance=summary_allowance(RELIEF_NUM_CTX, limit, calibration),
     ), level
 
