@@ -31,9 +31,14 @@ EVENTS = (subjects.COMPACTION_REQUEST, subjects.COMPACTION_EVENT, subjects.COMPA
 SYSTEM_PROMPT = "You are a careful assistant. Answer briefly."
 
 
+# A summariser whose own window is smaller than NUM_CTX.
+SMALL_WRITER_WINDOW = 2048
+
+
 @pytest.fixture
 def stub() -> Iterator[str]:
-    with running_stub("--model-latency", "summariser=1500") as url:
+    with running_stub("--model-latency", "summariser=1500",
+                      "--context-length", f"small-writer={SMALL_WRITER_WINDOW}") as url:
         yield url
 
 
@@ -433,6 +438,26 @@ async def test_every_summary_call_fits_the_summarisers_window_at_every_level(
     writer = (await stub_stats(stub))["models"]["writer"]
     assert writer["requests"] > 1  # in pieces
     assert writer["max_prompt_tokens"] <= 2048 - 256 and writer["truncated"] == 0
+
+
+async def test_a_summariser_whose_own_window_is_smaller_gets_pieces_that_fit_it(
+    private_nats: NatsServer, stub: str, start: Callable[..., httpx.AsyncClient]
+) -> None:
+    """No COMPACTION_NUM_CTX: the summariser's window is taken as NUM_CTX, but
+    the model's own is a quarter of it. Pieces planned for NUM_CTX would be
+    sent with the smaller window and lose their start (instructions first)."""
+    http = start(NUM_CTX="8192", COMPACTION_THRESHOLD="0", COMPACTION_MODEL="small-writer",
+                 COMPACTION_TAIL_TURNS="4")
+    sid = await create(http)
+    await http.post(f"/api/sessions/{sid}/messages", json={"content": "Port the parser."})
+    await chat(http, sid, 12, filler=700)
+    async with watching(private_nats.url, *EVENTS) as watcher:
+        await publish_request(private_nats.url, sid, "gentle")
+        result = await next_result(watcher, sid)
+    assert (result["status"], result["method"]) == ("completed", "summary"), result
+    writer = (await stub_stats(stub))["models"]["small-writer"]
+    assert writer["requests"] > 1  # in pieces
+    assert writer["max_prompt_tokens"] <= SMALL_WRITER_WINDOW and writer["truncated"] == 0
 
 
 async def test_after_an_oversized_message_long_turns_never_overflow_any_call(

@@ -50,6 +50,7 @@ from services.core.splice import (
 from services.core.splice import first_user_request as first_request_of
 from services.core.state_machine import Action, CompactionMode, IllegalTransition
 from services.core.tokens import Calibration, stored_calibration
+from services.generator.models import capped_window
 from services.generator.provider import ChatProvider, ChatRequest, ChatResult, ProviderError
 from services.generator.session_lock import LockTimeout, SessionLocks
 from services.generator.settings import GeneratorSettings
@@ -275,7 +276,7 @@ class Compactor:
                          job: Job) -> str:
         """notes₁ from the first piece, notes₂ from notes₁ and the next, ...
         Each piece is planned (and checked) with the notes it is sent with."""
-        window, start, done = self._summary_window(record), 0, 0
+        window, start, done = await self._summary_window(record), 0, 0
         while start < len(zone.entries):
             await self._progress(job, done, done + count_pieces(zone, notes, window, start))
             piece = next_piece(zone, start, notes, window)
@@ -318,16 +319,19 @@ class Compactor:
     def _summary_model(self, record: SessionRecord) -> str:
         return self._settings.compaction_model or record.model_or(self._settings.model)
 
-    def _summary_window(self, record: SessionRecord) -> SummaryWindow:
+    async def _summary_window(self, record: SessionRecord) -> SummaryWindow:
         """The summariser's window, estimated with the session's calibration when
         the summariser is the session's own model (another model's is unknown:
-        the conservative fallback)."""
-        settings = self._settings
-        own = self._summary_model(record) == record.model_or(settings.model)
+        the conservative fallback). Never beyond the summariser's own window:
+        the provider would send the smaller one, and a prompt planned for the
+        larger would lose its start."""
+        settings, model = self._settings, self._summary_model(record)
+        own = model == record.model_or(settings.model)
         calibration = stored_calibration(record) if own else Calibration()
         # The session's model may have a smaller window than NUM_CTX (its record knows).
         num_ctx = settings.compaction_num_ctx or (
             record.window(settings.num_ctx) if own else settings.num_ctx)
+        num_ctx = capped_window(num_ctx, await self._provider.facts(model))
         return SummaryWindow.for_summaries(num_ctx, calibration)
 
     async def _splice(self, record: SessionRecord, current: HistoryView, plan: CompactionPlan,
