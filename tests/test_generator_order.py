@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import nats
+import pytest
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig
 
@@ -163,3 +164,21 @@ async def test_a_later_query_waits_for_a_dead_generators_query_without_spinning(
     # may the second query's first delivery; before, every hand-back did.
     assert writes <= 12, f"{writes} lock writes while the second query waited"
     assert delivered <= 20, f"the second query came back {delivered} times"
+
+
+@pytest.mark.parametrize(("replicas", "api"), [(1, "DIRECT.GET"), (3, "STREAM.MSG.GET")])
+async def test_with_replicas_the_order_is_read_from_the_streams_leader(
+        private_nats: NatsServer, stub_url: str, replicas: int, api: str) -> None:
+    """A direct get may be answered by a replica that has not stored the
+    earlier query yet: with replicas, the ordering check asks the leader.
+    (The layout here has one replica; only the generator's reads change.)"""
+    settings = GeneratorSettings(ollama_host=stub_url, model="stub-model",
+                                 jetstream_replicas=replicas)
+    async with generator_on(private_nats.url, settings) as (bus, replies), \
+            watching(private_nats.url, f"$JS.API.*.*.{subjects.QUERIES_STREAM}",
+                     f"$JS.API.*.*.*.{subjects.QUERIES_STREAM}") as api_calls:
+        await replies.wait_for(await ask(bus, "hello"))
+    asked = {e["subject"].removeprefix("$JS.API.").removesuffix(f".{subjects.QUERIES_STREAM}")
+             for e in api_calls.events}
+    reads = asked & {"DIRECT.GET", "STREAM.MSG.GET"}
+    assert reads == {api}, asked

@@ -544,11 +544,14 @@ class Generator:
         """The stream sequence of the session's oldest query before this one
         that is still to be answered, if any."""
         ours, start = msg.metadata.sequence.stream, 1
+        # A direct get may be answered by a replica behind the leader, which
+        # would not know an earlier query yet; with replicas, ask the leader.
+        direct = self._settings.jetstream_replicas == 1
         while True:
             try:
                 oldest = await self._bus.js.get_msg(
                     subjects.QUERIES_STREAM, seq=start, subject=subjects.query(sid), next=True,
-                    direct=True,
+                    direct=direct,
                 )
             except NotFoundError:
                 return None
