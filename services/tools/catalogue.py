@@ -51,6 +51,10 @@ _UNARY: dict[type[ast.unaryop], Callable[[Number], Number]] = {
 }
 MAX_EXPRESSION_CHARS = 200
 MAX_EXPONENT = 1000
+# Whole numbers up to about 4,200 digits. Powers of powers stay within 200
+# characters yet grow without bound, and CPython multiplies big numbers
+# holding the GIL: one call would stop the whole process, not just a thread.
+MAX_RESULT_BITS = 14_000
 
 
 def calculate(expression: str) -> str:
@@ -64,6 +68,8 @@ def calculate(expression: str) -> str:
         raise ToolFailure(f"not an arithmetic expression: {expression!r}") from err
     except ZeroDivisionError as err:
         raise ToolFailure("division by zero") from err
+    except OverflowError as err:
+        raise ToolFailure("result too large") from err
 
 
 def _evaluate(node: ast.AST) -> Number:
@@ -73,10 +79,24 @@ def _evaluate(node: ast.AST) -> Number:
         left, right = _evaluate(node.left), _evaluate(node.right)
         if isinstance(node.op, ast.Pow) and abs(right) > MAX_EXPONENT:
             raise ToolFailure(f"exponent larger than {MAX_EXPONENT}")
+        if _result_bits(node.op, left, right) > MAX_RESULT_BITS:
+            raise ToolFailure(f"result larger than {MAX_RESULT_BITS} bits")
         return _BINARY[type(node.op)](left, right)
     if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
         return _UNARY[type(node.op)](_evaluate(node.operand))
     raise ToolFailure(f"unsupported element in expression: {type(node).__name__}")
+
+
+def _result_bits(op: ast.operator, left: Number, right: Number) -> int:
+    """An upper bound on the size of a whole-number result, before it is made
+    (0 where it cannot grow: floats overflow instead, the rest shrink)."""
+    if not (isinstance(left, int) and isinstance(right, int)):
+        return 0
+    if isinstance(op, ast.Pow) and right > 0:
+        return abs(left).bit_length() * right
+    if isinstance(op, ast.Mult):
+        return abs(left).bit_length() + abs(right).bit_length()
+    return 0
 
 
 def word_count(text: str) -> str:
