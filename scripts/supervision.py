@@ -9,6 +9,7 @@ started again takes up the queues where its last run left them.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import subprocess
 import sys
@@ -128,4 +129,7 @@ def wait_or_kill(proc: subprocess.Popen[bytes], signals: StopSignals) -> None:
 
 
 def say(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
+    # Once the terminal is closed (its SIGHUP is how a stop begins), writing
+    # to it fails; the stop must go on all the same.
+    with contextlib.suppress(OSError):
+        print(line, file=sys.stderr, flush=True)

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
+import pty
+import select
 import signal
 import socket
 import subprocess
 import sys
+import termios
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,14 +59,19 @@ class Ports:
     metrics: tuple[int, ...] = field(default_factory=lambda: tuple(free_port() for _ in range(3)))
 
 
-def launch(tmp_path: Path, ports: Ports, **extra: str) -> subprocess.Popen[bytes]:
+def launch_env(tmp_path: Path, ports: Ports, **extra: str) -> dict[str, str]:
     env = {**os.environ, "DATA_DIR": str(tmp_path), "NATS_PORT": str(ports.nats),
            "GATEWAY_PORT": str(ports.gateway), "OLLAMA_STUB_PORT": str(ports.stub),
            "OLLAMA_HOST": f"http://127.0.0.1:{ports.dead_ollama}", "LOG_FORMAT": "json",
            "METRICS_PORTS": ",".join(str(port) for port in ports.metrics), **extra}
     env.pop("NATS_URL", None)
+    return env
+
+
+def launch(tmp_path: Path, ports: Ports, **extra: str) -> subprocess.Popen[bytes]:
     with (tmp_path / "run.log").open("wb") as log:  # the child keeps its own copy
-        return subprocess.Popen([sys.executable, "scripts/run.py"], cwd=REPO_ROOT, env=env,
+        return subprocess.Popen([sys.executable, "scripts/run.py"], cwd=REPO_ROOT,
+                                env=launch_env(tmp_path, ports, **extra),
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
@@ -158,6 +168,47 @@ def test_a_second_ctrl_c_hurries_the_stop_and_leaves_nothing_running(tmp_path: P
         assert proc.wait(30) == 0
     assert "hurrying" in log.read_text()
     with pytest.raises(ProcessLookupError):
+        os.killpg(proc.pid, 0)
+    assert not any(listening(port) for port in (ports.nats, ports.stub, ports.gateway))
+
+
+def take_the_terminal() -> None:
+    # In the launcher, a session leader by now: the pseudo-terminal on its
+    # stdin becomes its controlling terminal, as a terminal window's is.
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+
+def read_until(primary: int, text: str, timeout_s: float) -> None:
+    """Read the terminal until `text` has been written to it (its line ends
+    as the program wrote them, not as the terminal shows them)."""
+    seen, deadline = b"", time.monotonic() + timeout_s
+    while text.encode() not in seen.replace(b"\r\n", b"\n"):
+        left = deadline - time.monotonic()
+        assert left > 0, f"no {text!r} on the terminal"
+        if select.select([primary], [], [], left)[0]:
+            seen = (seen + os.read(primary, 65536))[-65536:]
+
+
+def test_closing_the_terminal_stops_everything_and_leaves_nothing_running(
+        tmp_path: Path) -> None:
+    """The window `make run` ran in is closed: its SIGHUP begins the stop, and
+    from then on every write to the terminal fails (EIO). Neither may cut the
+    stop short, or NATS and the stand-in run on and hold their ports."""
+    ports = Ports()
+    primary, secondary = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "scripts/run.py"], cwd=REPO_ROOT,
+                            env=launch_env(tmp_path, ports), stdin=secondary, stdout=secondary,
+                            stderr=secondary, start_new_session=True,
+                            preexec_fn=take_the_terminal)
+    os.close(secondary)
+    try:
+        read_until(primary, "(Ctrl-C stops everything)\n\n", 60)  # the whole announcement
+        os.close(primary)  # the window closed
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    with pytest.raises(ProcessLookupError):  # nothing of the launcher's group is left
         os.killpg(proc.pid, 0)
     assert not any(listening(port) for port in (ports.nats, ports.stub, ports.gateway))
 

@@ -7,9 +7,10 @@ tasks, so every line a handler logs carries them without passing a logger.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
-from typing import Literal
+from typing import Literal, TextIO, cast
 
 import structlog
 
@@ -35,8 +36,27 @@ def configure_logging(service: str, level: str = "info", fmt: LogFormat = "auto"
         wrapper_class=structlog.make_filtering_bound_logger(
             logging.getLevelNamesMapping().get(level.upper(), logging.INFO)
         ),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=cast(TextIO, Unfailing(sys.stderr))),
         cache_logger_on_first_use=True,
     )
     structlog.contextvars.clear_contextvars()
     structlog.contextvars.bind_contextvars(service=service)
+
+
+class Unfailing:
+    """A stream whose writes never raise. Once the terminal `make run` ran in
+    is closed, writing to it fails (EIO); a line then has nowhere to go, and a
+    service draining on that SIGHUP must not fail over its own log."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except OSError:
+            return len(text)
+
+    def flush(self) -> None:
+        with contextlib.suppress(OSError):
+            self._stream.flush()
