@@ -223,6 +223,77 @@ def test_stop_ends_the_answer_keeps_its_text_and_gives_send_back(
     assert page.locator("#messages .msg-assistant .msg-tag").count() == 1
 
 
+def network_failures_only(watched: Watched) -> None:
+    """Requests a test cut on purpose show as console errors: only those may."""
+    watched.problems[:] = [p for p in watched.problems if "net::ERR_FAILED" not in p]
+
+
+def test_a_stop_that_fails_gives_stop_back_and_the_answer_goes_on(
+        watched: Watched, stub_url: str) -> None:
+    page = watched.page
+    create_session(page)
+    stop_button = page.locator("#stop-button")
+    configure_stub_now(stub_url, paused_models=[ANSWER_MODEL])
+    try:
+        page.fill("#message-input", "a long story, please")
+        page.click("#send-button")
+        pending = page.locator("#messages .msg-pending")
+        playwright_api.expect(pending.locator(".msg-text")).not_to_have_text("")
+        page.route("**/api/sessions/*/stop", lambda route: route.abort())
+        stop_button.click()
+        playwright_api.expect(page.locator("#notice")).to_contain_text("Could not stop")
+        # Still being written, and it can still be stopped.
+        playwright_api.expect(pending.locator(".msg-status")).to_have_text("writing…")
+        playwright_api.expect(stop_button).to_be_enabled()
+        page.unroute("**/api/sessions/*/stop")
+        stop_button.click()
+        playwright_api.expect(pending).to_have_count(0)
+    finally:
+        configure_stub_now(stub_url, paused_models=[])
+    answer = page.locator("#messages .msg-assistant").last
+    playwright_api.expect(answer.locator(".msg-tag")).to_have_text("stopped")
+    network_failures_only(watched)
+
+
+def test_a_retry_that_fails_leaves_the_answer_standing(watched: Watched) -> None:
+    page = watched.page
+    create_session(page)
+    send(page, "hello")
+    answer = page.locator("#messages .msg-assistant").first
+    page.route("**/api/sessions/*/retry", lambda route: route.abort())
+    answer.locator(".retry-button").click()
+    playwright_api.expect(page.locator("#messages .msg-failed")).to_have_count(1)
+    # No fresh answer was stored: the old one is still the one in the context.
+    playwright_api.expect(answer).not_to_have_class(re.compile(r"\bmsg-superseded\b"))
+    playwright_api.expect(answer.locator(".msg-tag")).to_have_count(0)
+    playwright_api.expect(answer.locator(".retry-button")).to_be_enabled()
+    network_failures_only(watched)
+
+
+def test_a_live_feed_the_gateway_refused_is_opened_again_by_the_page(
+        watched: Watched) -> None:
+    page = watched.page
+    refused: list[str] = []
+
+    def refuse_once(route: playwright_api.Route) -> None:
+        if refused:
+            route.continue_()
+            return
+        refused.append(route.request.url)
+        # As the gateway answers a client over its share of streams; the
+        # browser does not try such a stream again by itself.
+        route.fulfill(status=429, content_type="application/json",
+                      body='{"error": {"code": "too_many_streams", "message": "too many"}}')
+
+    page.route("**/api/events*", refuse_once)
+    create_session(page)
+    playwright_api.expect(page.locator("#live-status")).to_have_attribute(
+        "data-live", "connected")
+    assert len(refused) == 1
+    # The refused stream shows as a console error; only it may.
+    watched.problems[:] = [p for p in watched.problems if "429" not in p]
+
+
 def test_retry_replaces_the_last_answer_with_a_fresh_one(watched: Watched) -> None:
     page = watched.page
     create_session(page)
@@ -280,8 +351,7 @@ def test_an_answer_lost_on_the_way_is_sent_again_and_answered_once(
     playwright_api.expect(page.locator("#messages .msg-failed")).to_have_count(0)
     page.unroute("**/api/events*")
     playwright_api.expect(page.locator("#live-status")).to_have_attribute("data-live", "connected")
-    # The aborted requests are the console errors this test caused on purpose.
-    watched.problems[:] = [p for p in watched.problems if "net::ERR_FAILED" not in p]
+    network_failures_only(watched)  # the aborted requests, cut on purpose
     assert len(keys) == 2 and keys[0] and keys[0] == keys[1], keys
     stored = httpx.get(f"{system.base_url}/api/sessions/{sid}", timeout=10).json()["messages"]
     assert [m["role"] for m in stored] == ["user", "assistant"]

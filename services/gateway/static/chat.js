@@ -215,7 +215,11 @@ function scrollToEnd(force = false) {
 
 // Failures after which the message may or may not have been taken: sending it
 // again under its key is answered once (stored or not, it is never doubled).
-const UNKNOWN_OUTCOME = ["network_error", "stream_ended", "nats_unavailable", "reply_timeout", "gateway_stopping"];
+// (An error status without our JSON, from a proxy on the way, reads as http_<status>.)
+const UNKNOWN_OUTCOME = [
+  "network_error", "stream_ended", "nats_unavailable", "reply_timeout", "gateway_stopping",
+  "http_502", "http_503", "http_504",
+];
 
 // The assistant answer being streamed into the list.
 // `again` sends the request again, offered after a failure of unknown outcome.
@@ -239,6 +243,9 @@ function pendingAnswer(again) {
     },
     stopping() {
       status.textContent = "stopping…";
+    },
+    notStopping() {
+      status.textContent = writing ? "writing…" : pendingText(waiting);
     },
     append(piece) {
       const stick = nearBottom();
@@ -340,22 +347,34 @@ export async function sendMessage(event) {
 }
 
 // A fresh answer to the last message: the old one stays on screen, marked
-// superseded, until the new one is stored.
+// superseded, until the new one is stored; if none is, it stands again.
 async function retryAnswer() {
   const id = app.sessionId;
   if (!id || app.busy) return;
   const last = ui.messages.lastElementChild;
-  if (last?.classList.contains("msg-assistant")) {
-    last.querySelector(".msg-actions")?.remove();
-    markSuperseded(last);
+  const old = last?.classList.contains("msg-assistant") ? last : null;
+  const actions = old?.querySelector(".msg-actions");
+  if (old) {
+    if (actions) show(actions, false);
+    markSuperseded(old);
   }
-  await runTurn(API.retry(id), null, newKey());
+  const answered = await runTurn(API.retry(id), null, newKey());
+  if (!answered && old?.isConnected) {
+    unmarkSuperseded(old);
+    if (actions) show(actions, true);
+  }
 }
 
 function markSuperseded(node) {
   node.classList.add("msg-superseded");
   node.title = "Superseded by a retry: no longer in the model's context";
-  node.querySelector(".msg-head")?.append(el("span", { className: "msg-tag", text: "superseded" }));
+  node.querySelector(".msg-head")?.append(el("span", { className: "msg-tag superseded-tag", text: "superseded" }));
+}
+
+function unmarkSuperseded(node) {
+  node.classList.remove("msg-superseded");
+  node.removeAttribute("title");
+  node.querySelector(".msg-head .superseded-tag")?.remove();
 }
 
 export async function stopAnswer() {
@@ -364,11 +383,17 @@ export async function stopAnswer() {
   ui.stopButton.disabled = true;
   app.pending?.stopping();
   const response = await postStop(id).catch(() => null);
-  if (response && response.status !== 202) {
+  if (response?.status === 202) return;
+  if (response) {
     const err = await readError(response);
     showNotice(`Could not stop: ${err.error?.message ?? response.status}`);
-  } else if (!response) {
+  } else {
     showNotice("Could not stop: the gateway is unreachable");
+  }
+  // The answer goes on: it can still be stopped once it is being written.
+  if (app.pending && app.sessionId === id) {
+    app.pending.notStopping();
+    ui.stopButton.disabled = !app.busy;
   }
 }
 
@@ -401,6 +426,7 @@ async function runTurn(url, body, key) {
       if (document.activeElement === document.body) ui.input.focus();
     }
   }
+  return succeeded;
 }
 
 // Reads the answer of a message's POST into the pending bubble; true when it completed.

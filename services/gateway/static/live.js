@@ -104,21 +104,29 @@ function setLive(status) {
   ui.liveStatus.textContent = `live: ${status}`;
 }
 
+// The browser tries a dropped stream again by itself, but gives up on one
+// answered with an error status (429 too many streams, 503 while the gateway
+// stops): the page then tries again itself, waiting longer each time.
+const RETRY_FIRST_MS = 1000;
+const RETRY_MOST_MS = 30000;
+
 export function disconnectEvents() {
+  clearTimeout(app.eventsRetry);
+  app.eventsRetry = null;
   if (app.events) app.events.close();
   app.events = null;
   setLive("off");
 }
 
-export function connectEvents(id) {
+export function connectEvents(id, { retryMs = RETRY_FIRST_MS, wasDown = false } = {}) {
   disconnectEvents();
   setLive("connecting");
   const source = openEvents(id);
   app.events = source;
-  let wasDown = false;
   source.onopen = () => {
     if (app.events !== source) return;
     setLive("connected");
+    retryMs = RETRY_FIRST_MS;
     if (wasDown) {
       logLine("live", "reconnected; reloading the session");
       scheduleRefresh();
@@ -128,7 +136,14 @@ export function connectEvents(id) {
   source.onerror = () => {
     if (app.events !== source) return;
     wasDown = true;
-    setLive(source.readyState === EventSource.CLOSED ? "closed" : "reconnecting");
+    if (source.readyState !== EventSource.CLOSED) {
+      setLive("reconnecting");
+      return;
+    }
+    setLive("closed");
+    app.eventsRetry = setTimeout(() => {
+      if (app.events === source) connectEvents(id, { retryMs: Math.min(retryMs * 2, RETRY_MOST_MS), wasDown: true });
+    }, retryMs);
   };
   for (const type of LIVE_EVENT_TYPES) {
     source.addEventListener(type, (event) => {

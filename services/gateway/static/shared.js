@@ -56,6 +56,7 @@ export const app = {
   busy: false, // a message is being answered
   abort: null, // AbortController of the answer being read
   events: null, // EventSource
+  eventsRetry: null, // timer of the next try at the live feed, after the browser gave up
   lastGeneration: null, // payload of the latest response.generation
   lastReply: null, // prompt/completion tokens of the latest done event
   reloadAfterTurn: false, // a reload was asked for while an answer was streaming
