@@ -65,9 +65,9 @@ class Snapshot(Strict):
     # so a redelivered request finds its work done; None inside a turn.
     request_id: str | None = None
     # The queries whose turns this and earlier compactions folded into the
-    # summary, and retries whose answers later retries replaced, the latest
-    # last (a bounded number of them): a query that comes back (its
-    # acknowledgement lost, or resent under its key) finds it was answered.
+    # summary, and those whose answers retries replaced, the latest last (a
+    # bounded number of them): a query that comes back (its acknowledgement
+    # lost, or resent under its key) finds it was answered.
     compacted_query_ids: tuple[str, ...] = ()
     # What the transcript's marker tells a person; None on snapshots written
     # before markers carried them.
@@ -115,8 +115,8 @@ class Conversation(Strict):
     compacted_by: str | None = None
     # The queries whose turns are folded into the summary (see `Snapshot`).
     compacted_query_ids: tuple[str, ...] = ()
-    # Retries whose answers a later retry replaced in the context: answered,
-    # though the context no longer shows it (see `answered`).
+    # Queries whose answers a retry replaced in the context (a message's, or
+    # an earlier retry's): answered, though the context may no longer show it.
     superseded_query_ids: tuple[str, ...] = ()
     # The last entry folded in was a snapshot: no model call has been sent
     # with this summary yet, so a prompt cache can share only the system prompt.

@@ -19,6 +19,7 @@ import structlog
 import structlog.testing
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig
 
 from schemas import subjects
 from schemas.history import ChatMessage, Snapshot
@@ -31,8 +32,10 @@ from services.generator.service import QUERY_CONSUMER, Generator
 from services.generator.session_lock import SessionLocks
 from services.generator.settings import GeneratorSettings
 from services.shared.bus import Bus, decode
+from services.shared.consumer import ensure_consumer
 from services.shared.history_store import HistoryStore
 from services.shared.jetstream import ensure_layout, locks_bucket
+from services.shared.query_errors import QueryErrors
 from services.shared.sessions import SessionStore
 from tests.events import eventually
 from tests.nats_server import NatsServer, running_nats
@@ -233,6 +236,40 @@ async def test_an_error_answer_comes_back_to_another_generator_the_same() -> Non
             assert (again.query_id, again.error_code) == (told.query_id, "ollama_unreachable")
             assert other.model.calls == 0
             assert not (await HistoryStore(other.bus.js).read(SID)).conversation.messages
+
+
+async def test_a_query_told_nats_unavailable_whose_turn_was_stored_gets_that_answer(
+        private_nats: NatsServer) -> None:
+    """NATS took the turn's write but its acknowledgement never came back in
+    time: the caller was told 503, the error kept, and the generator died
+    before acknowledging the query. The one it comes back to answers from
+    the history, not with the kept 503."""
+    settings = GeneratorSettings(model="stub-model", query_ack_wait_s=1)
+    nc = await nats.connect(private_nats.url)
+    js = nc.jetstream()
+    await ensure_layout(js, settings.lock_lease_s)
+    await ensure_consumer(nc, subjects.QUERIES_STREAM, ConsumerConfig(
+        durable_name=QUERY_CONSUMER, filter_subject=f"{subjects.QUERY_PREFIX}.*",
+        ack_policy=AckPolicy.EXPLICIT, ack_wait=settings.query_ack_wait_s,
+        max_ack_pending=10_000))
+    bus = Bus(nc, "gateway")
+    env, _ = await bus.js_publish(subjects.query(SID), Query(session_id=SID, content="hi"),
+                                  session_id=SID)
+    dying = await js.pull_subscribe_bind(QUERY_CONSUMER, subjects.QUERIES_STREAM)
+    await dying.fetch(1, timeout=5)  # and never acknowledged
+    await dying.unsubscribe()
+    history = HistoryStore(js)
+    await history.append(SID, await history.read(SID), [
+        ChatMessage(role="user", content="hi", query_id=env.message_id),
+        ChatMessage(role="assistant", content="stored after all", query_id=env.message_id)])
+    await QueryErrors(js).keep(Reply(session_id=SID, query_id=env.message_id,
+                                     error_code="nats_unavailable", error="NATS away"))
+    async with in_process_generator(private_nats.url, settings, Answering()) as rig:
+        reply = await asyncio.wait_for(rig.replies.get(), 15)
+    await nc.close()
+    assert (reply.query_id, reply.reply, reply.error_code) == (
+        env.message_id, "stored after all", None)
+    assert rig.model.calls == 0
 
 
 async def test_nats_not_answering_is_waited_out_beyond_the_crash_retries(

@@ -61,7 +61,7 @@ class Replies:
 async def generator_on(url: str, settings: GeneratorSettings
                        ) -> AsyncIterator[tuple[Bus, Replies]]:
     nc = await nats.connect(url)
-    bus = Bus(nc, "generator")
+    bus = Bus(nc, "generator", settings.jetstream_replicas)
     await ensure_layout(bus.js, settings.lock_lease_s)
     await (await SessionStore.open(bus.js)).create(SessionRecord(session_id=SID))
     replies = Replies()

@@ -10,6 +10,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, RedirectResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from services.core.numbers import whole_number
 from services.gateway.access_rules import (
     TOKEN_COOKIE,
     Facts,
@@ -108,7 +109,7 @@ def facts_of(request: Request, page_token: str | None) -> Facts:
         method=request.method, path=scope["path"], scheme=scope.get("scheme", "http"),
         host=headers.get("host", ""), origin=headers.get("origin"),
         content_type=headers.get("content-type"),
-        content_length=int(length) if length.isascii() and length.isdigit() else None,
+        content_length=whole_number(length),
         token=bearer(headers.get("authorization")) or page_token
         or request.cookies.get(TOKEN_COOKIE),
     )

@@ -147,7 +147,8 @@ class Answering:
         """Whether the query at `seq` still waits in the QUERIES stream, and
         its message (None if it does not read as a query: another gateway's make)."""
         try:
-            msg = await self._bus.js.get_msg(subjects.QUERIES_STREAM, seq, direct=True)
+            msg = await self._bus.js.get_msg(subjects.QUERIES_STREAM, seq,
+                                             direct=self._bus.fresh_reads_direct)
         except NotFoundError:
             return False, None
         try:

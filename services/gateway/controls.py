@@ -106,7 +106,7 @@ class Controls:
         """The id of the session's query queued last, if one is in the queue."""
         try:
             msg = await self._bus.js.get_last_msg(subjects.QUERIES_STREAM, subjects.query(sid),
-                                                  direct=True)
+                                                  direct=self._bus.fresh_reads_direct)
         except NotFoundError:
             return None
         try:

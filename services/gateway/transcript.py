@@ -12,6 +12,7 @@ import contextlib
 from collections.abc import Awaitable, Callable
 
 import structlog
+from nats.errors import NoRespondersError
 from nats.js.errors import KeyNotFoundError, NotFoundError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -120,8 +121,10 @@ class TranscriptRoutes:
         the delete may announce one, and that is no reason to say 204 twice.)"""
         for stream, subject in ((subjects.HISTORY_STREAM, subjects.history(sid)),
                                 (subjects.QUERIES_STREAM, subjects.query(sid))):
-            with contextlib.suppress(NotFoundError):
-                await self._bus.js.get_last_msg(stream, subject, direct=True)
+            # No stream at all (NATS back without its store): nothing left either.
+            with contextlib.suppress(NotFoundError, NoRespondersError):
+                await self._bus.js.get_last_msg(stream, subject,
+                                                direct=self._bus.fresh_reads_direct)
                 return True
         return False
 
@@ -131,7 +134,8 @@ class TranscriptRoutes:
         while True:
             try:
                 msg = await js.get_msg(subjects.QUERIES_STREAM, seq=seq + 1,
-                                       subject=subjects.query(sid), next=True, direct=True)
+                                       subject=subjects.query(sid), next=True,
+                                       direct=self._bus.fresh_reads_direct)
             except NotFoundError:
                 return
             seq = int(msg.seq or seq + 1)

@@ -416,10 +416,14 @@ class Generator:
     async def _error_answered(self, msg: Msg, query_id: str) -> Reply | None:
         """The error this query was answered with, by this process or, for a
         redelivery, any other (one that died before its acknowledgement
-        reached the server): such a query must not be answered anew."""
+        reached the server): such a query must not be answered anew. Not
+        `nats_unavailable`: the turn may have been stored all the same, and
+        the history, read under the lock, says whether it was."""
         reply = self._answered.error_reply(msg.metadata.sequence.stream, query_id)
         if reply is None and msg.metadata.num_delivered > 1:
             reply = await self._errors.of(query_id)
+        if reply is not None and reply.error_code == "nats_unavailable":
+            return None
         return reply
 
     async def _meets_compaction(self, sid: str) -> bool:
@@ -544,14 +548,11 @@ class Generator:
         """The stream sequence of the session's oldest query before this one
         that is still to be answered, if any."""
         ours, start = msg.metadata.sequence.stream, 1
-        # A direct get may be answered by a replica behind the leader, which
-        # would not know an earlier query yet; with replicas, ask the leader.
-        direct = self._settings.jetstream_replicas == 1
         while True:
             try:
                 oldest = await self._bus.js.get_msg(
                     subjects.QUERIES_STREAM, seq=start, subject=subjects.query(sid), next=True,
-                    direct=direct,
+                    direct=self._bus.fresh_reads_direct,
                 )
             except NotFoundError:
                 return None

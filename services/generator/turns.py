@@ -525,7 +525,7 @@ def _answered_before(view: HistoryView, sid: str, query_id: str) -> Reply | None
     done = view.conversation.answered(sid, query_id)
     if done is not None:
         if done.error_code == "already_answered":
-            log.warning("query_answered_before_compaction")
+            log.warning("query_answered_earlier_out_of_context", error=done.error)
         else:
             log.info("query_already_answered")
     return done

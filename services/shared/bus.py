@@ -169,10 +169,14 @@ async def _on_reconnect() -> None:
 class Bus:
     """One service's connection, with its sender id stamped on what it sends."""
 
-    def __init__(self, nc: NATS, sender_id: str) -> None:
+    def __init__(self, nc: NATS, sender_id: str, replicas: int = 1) -> None:
         self.nc = nc
         self.js: JetStreamContext = nc.jetstream()
         self.sender_id = sender_id
+        # A direct get may be answered by any replica, one behind the leader
+        # included: a read that must see what was just stored (is a query
+        # still queued?) asks the leader when there are replicas.
+        self.fresh_reads_direct = replicas == 1
 
     @property
     def connected(self) -> bool:

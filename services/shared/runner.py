@@ -96,7 +96,7 @@ async def serve(
     stopping.cancel()
     nc = connecting.result()
     metrics.watch_connection(nc, name)
-    bus = Bus(nc, name)
+    bus = Bus(nc, name, settings.jetstream_replicas)
 
     async def make_layout() -> None:
         await _make_layout(bus, layout, lock_lease_s, settings.jetstream_replicas)

@@ -110,10 +110,11 @@ class SessionStore:
         return True
 
     async def update(self, record: SessionRecord) -> bool:
-        """Store a changed record over the one last read, if that is still the
-        one stored. False when it is not: the session was deleted (its purge
-        is a newer revision), or another process wrote it meanwhile; either
-        way the next read sees what is stored."""
+        """Store a changed record over the revision this process last read or
+        wrote of it (read now, if it has none cached), if that is still the one
+        stored. False when it is not: the session was deleted (its purge is a
+        newer revision), or another process wrote it meanwhile; either way the
+        next read sees what is stored."""
         sid = record.session_id
         known = self._cache.get(sid)
         try:
