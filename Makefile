@@ -8,8 +8,13 @@ STAMP := $(VENV)/.installed
 
 .PHONY: run test test-compose lint schemas bench clean
 
+# A venv left half-made (no pip: the system lacked its venv package) or made
+# with an older Python is made again, not reused on every later run.
 $(STAMP): pyproject.toml
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { \
+		echo "Python 3.11 or later is needed; $(PYTHON) is older (try PYTHON=python3.11)"; exit 1; }
+	$(BIN)/python -c 'import sys, pip; assert sys.version_info >= (3, 11)' 2>/dev/null \
+		|| { rm -rf $(VENV) && $(PYTHON) -m venv $(VENV); }
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
