@@ -28,6 +28,7 @@ from schemas.subjects import SYSTEM_SUBJECTS
 from scripts.nats_passwords import admin_options
 from scripts.run import NATS_PASSWORDS
 from services.shared.bus import connect, round_trip
+from services.shared.logging import configure_logging
 from services.shared.runner import main as run_main
 from services.shared.settings import ServiceSettings
 
@@ -175,6 +176,9 @@ class Printer:
 
 async def watch(args: argparse.Namespace) -> None:
     settings = ServiceSettings()
+    # What it says of its own connection goes to stderr, like any service's
+    # log: the messages it shows are stdout's alone.
+    configure_logging("watch", settings.log_level, settings.log_format)
     console = Console(no_color=args.no_color, highlight=False)
     # No credentials given: those `make run` keeps for its operator, if any.
     nc = await connect(settings.nats_url, "watch", settings.nats_connect_timeout_s,

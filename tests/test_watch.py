@@ -4,6 +4,7 @@ session and subject, raw with --json; run as a process against real NATS."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -17,7 +18,7 @@ from nats.aio.client import Client as NATS
 
 from schemas import subjects
 from scripts.watch import describe
-from tests.nats_server import running_shipped_nats
+from tests.nats_server import NatsServer, running_shipped_nats
 from tests.processes import REPO_ROOT
 
 
@@ -80,13 +81,14 @@ def test_what_is_not_an_envelope_is_shown_raw() -> None:
 
 
 @asynccontextmanager
-async def watcher(nats_url: str, *args: str, data_dir: Path | None = None
+async def watcher(nats_url: str, *args: str, data_dir: Path | None = None,
+                  stderr: int = asyncio.subprocess.STDOUT
                   ) -> AsyncIterator[asyncio.subprocess.Process]:
     env = {**os.environ, "NATS_URL": nats_url, "PYTHONUNBUFFERED": "1",
            **({"DATA_DIR": str(data_dir)} if data_dir else {})}
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "scripts.watch", *args, cwd=REPO_ROOT, env=env,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+        stdout=asyncio.subprocess.PIPE, stderr=stderr)
     try:
         yield proc
     finally:
@@ -132,6 +134,29 @@ async def test_json_prints_the_raw_envelope_of_the_subjects_asked_for(
         lines = await line_with(proc, "compaction.result")
     assert len(lines) == 1
     assert json.loads(lines[0])["payload"]["tokens_after"] == 300
+
+
+async def test_json_output_stays_envelopes_while_nats_restarts(
+        private_nats: NatsServer) -> None:
+    """What the watcher says of its connection goes to stderr: `--json`
+    output piped into another program is one envelope per line, always."""
+    async with watcher(private_nats.url, "--json", "--subject", "compaction.>",
+                       stderr=asyncio.subprocess.PIPE) as proc:
+        assert proc.stderr is not None
+        await asyncio.wait_for(proc.stderr.readline(), 20)  # "watching ...": subscribed
+        private_nats.restart()
+        nc = await nats.connect(private_nats.url)
+        try:
+            # Published until the watcher, reconnected, hears one.
+            async with asyncio.timeout(30):
+                while True:
+                    await nc.publish("compaction.result", RESULT)
+                    with contextlib.suppress(TimeoutError):
+                        line = await asyncio.wait_for(proc.stdout.readline(), 0.5)
+                        break
+        finally:
+            await nc.close()
+    assert json.loads(line)["payload"]["tokens_after"] == 300, line
 
 
 async def test_without_credentials_it_watches_make_runs_server_as_its_admin(
