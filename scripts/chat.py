@@ -32,9 +32,12 @@ DEFAULT_URL = "http://127.0.0.1:8080"
 HELP = ("Commands: /compact [instructions] · /state · /transcript · /again · /help · /quit\n"
         "Anything else is sent as a message.")
 Event = tuple[str, Any]
-# Failures after which a message may or may not have been taken.
-UNKNOWN_OUTCOME = frozenset({"reply_timeout", "nats_unavailable", "gateway_stopping",
-                             "network_error"})
+# Failures after which a message may or may not have been taken; the page
+# (services/gateway/static/chat.js) offers Send again after the same ones.
+# An error status without the gateway's JSON (a proxy's) reads as http_<status>.
+UNKNOWN_OUTCOME = frozenset({"network_error", "stream_ended", "nats_unavailable",
+                             "reply_timeout", "gateway_stopping",
+                             "http_502", "http_503", "http_504"})
 
 
 class ChatError(Exception):
@@ -63,7 +66,8 @@ def failure(response: httpx.Response) -> ChatError:
         err = response.json()["error"]
         return ChatError(f"{err['code']}: {err['message']}", err["code"])
     except (ValueError, KeyError, TypeError):
-        return ChatError(f"HTTP {response.status_code}: {response.text[:200]}")
+        return ChatError(f"HTTP {response.status_code}: {response.text[:200]}",
+                         f"http_{response.status_code}")
 
 
 class Chat:
@@ -112,6 +116,10 @@ class Chat:
         key = key or uuid.uuid4().hex
         try:
             self.stream_answer(content, key)
+        except KeyboardInterrupt:  # Ctrl-C while it answers: stop that answer, not the chat
+            self.unsure = (content, key)
+            self.stop_answer()
+            return
         except (ChatError, httpx.TransportError) as err:
             code = err.code if isinstance(err, ChatError) else "network_error"
             if code not in UNKNOWN_OUTCOME:
@@ -120,6 +128,18 @@ class Chat:
             raise ChatError(f"{err}; /again sends it once more, answered once", code) from err
         self.unsure = None
         self.context_line()
+
+    def stop_answer(self) -> None:
+        self.out.print()
+        response = self.client.post(f"/api/sessions/{self.sid}/stop", json={})
+        if response.status_code == 202:
+            said = "stopping: the answer is kept as far as it was written"
+        elif response.status_code == 409:
+            said = ("no answer was being written yet: the message stays queued and is "
+                    "answered into the history")
+        else:
+            said = f"could not stop: {failure(response)}"
+        self.out.print(Text(f"{said}; /again shows what became of it", style="yellow"))
 
     def again(self, _: str = "") -> None:
         if self.unsure is None:
@@ -152,6 +172,10 @@ class Chat:
                     if not shown:  # answered whole: stored already, or sent once before
                         self.out.print(data["reply"], end="", markup=False, highlight=False)
                     break
+            else:
+                self.out.print()
+                raise ChatError("stream_ended: the answer's stream ended before the answer did",
+                                "stream_ended")
         self.out.print()
 
     def context_line(self) -> None:
@@ -163,8 +187,17 @@ class Chat:
             f"{s['compactions']} compactions", style="dim"))
 
     def compact(self, instructions: str) -> None:
-        """Ask for a compaction and follow it on the live feed to its result."""
-        body = {"instructions": instructions} if instructions else {}
+        """Ask for a compaction and follow it on the live feed to its result
+        (Ctrl-C stops following it; the compaction goes on)."""
+        try:
+            self.follow_compaction({"instructions": instructions} if instructions else {})
+        except KeyboardInterrupt:
+            self.out.print(Text("\nno longer following the compaction; it goes on, and "
+                                "/state tells when it is done", style="yellow"))
+            return
+        self.context_line()
+
+    def follow_compaction(self, body: dict[str, str]) -> None:
         with self.client.stream("GET", "/api/events", params={"session_id": self.sid},
                                 timeout=httpx.Timeout(30, read=None)) as events:
             for name, data in sse_events(events.iter_lines()):
@@ -178,7 +211,6 @@ class Chat:
                 elif name == "compaction.result":
                     self.out.print(Text(result_text(data["payload"]), style="yellow"))
                     break
-        self.context_line()
 
     def state(self, _: str = "") -> None:
         s = self.session()
@@ -286,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
                     break
             except (ChatError, httpx.HTTPError) as err:
                 console.print(Text(f"error: {err}", style="bold red"))
+            except KeyboardInterrupt:  # mid-command: back to the prompt, as in a shell
+                console.print(Text("\n(interrupted)", style="yellow"))
     return 0
 
 

@@ -6,14 +6,18 @@ from __future__ import annotations
 
 import os
 import queue
+import re
+import signal
 import subprocess
 import sys
 import threading
 from collections.abc import Iterator
 from typing import IO
 
+import httpx
 import pytest
 
+from scripts.chat import UNKNOWN_OUTCOME, failure
 from tests.events import until
 from tests.nats_server import NatsServer
 from tests.processes import REPO_ROOT
@@ -124,3 +128,45 @@ class Printed:
         """All printed since, once the child has closed its output."""
         self._reader.join(timeout=60)
         return "".join(self._lines.get_nowait() for _ in range(self._lines.qsize()))
+
+
+def test_ctrl_c_while_it_answers_stops_that_answer_and_the_chat_goes_on(
+        private_nats: NatsServer) -> None:
+    with running_stub() as stub, \
+            running_system(private_nats.url, stub, {}, services=("generator", "gateway")) \
+            as system:
+        configure_stub_now(stub, paused_models=["stub-model"])  # first piece, then waits
+        client = subprocess.Popen(
+            [sys.executable, "-m", "scripts.chat", "--url", system.base_url],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            cwd=REPO_ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        assert client.stdin is not None and client.stdout is not None
+        printed = Printed(client.stdout)
+        try:
+            client.stdin.write("tell me a long story\n")
+            client.stdin.flush()
+            sid = printed.next_with("session ").split("session ", 1)[1].split()[0]
+            with system.client() as http:
+                until(lambda: http.get(f"/api/sessions/{sid}").json()["phase"] == "generating",
+                      "the answer under way")
+                client.send_signal(signal.SIGINT)  # what Ctrl-C does in a terminal
+                assert "stopping" in printed.next_with("/again")
+            configure_stub_now(stub, paused_models=[])
+            client.stdin.write("and now briefly\n/quit\n")
+            client.stdin.close()
+            assert client.wait(timeout=60) == 0
+            out = printed.rest()
+        finally:
+            if client.poll() is None:
+                client.kill()
+    assert "assistant: Echo: and now briefly (turn 2)" in out, out
+
+
+def test_the_terminal_chat_and_the_page_send_again_after_the_same_failures() -> None:
+    page = (REPO_ROOT / "services/gateway/static/chat.js").read_text()
+    listed = re.search(r"const UNKNOWN_OUTCOME = \[(.*?)\];", page, re.S)
+    assert listed is not None
+    assert set(re.findall(r'"([a-z_0-9]+)"', listed.group(1))) == set(UNKNOWN_OUTCOME)
+    # Without the gateway's JSON (a proxy's answer), a failure is named by its status.
+    proxied = httpx.Response(503, text="<html>Service Unavailable</html>")
+    assert failure(proxied).code == "http_503"
