@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import json
 import random
+import signal
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -368,3 +369,27 @@ async def test_a_message_handed_back_with_a_delay_comes_back_after_the_delay(
     assert again.metadata.sequence.stream == msg.metadata.sequence.stream
     assert again.metadata.num_delivered == 2
     assert await Delivery(again, heartbeat_s=10).ack_confirmed(timeout_s=5)
+
+
+async def test_letting_go_while_nats_stalls_leaves_the_connection_working(
+        private_nats: NatsServer) -> None:
+    """NATS stops answering, its socket open (paused), while a loop lets go of
+    its inbox. nats-py's drain, cut short by the time limit, left a flush
+    waiting, whose PONG, when NATS answered again, ended the connection's read
+    loop: nothing was received any more. And the inbox stayed subscribed."""
+    nc = await nats.connect(private_nats.url)
+    try:
+        await fresh_stream(nc, "stall")
+        subscribed = set(nc._subs)
+        holder = Holder(room=2)
+        loop = PullLoop(nc, stream_of("stall"), "worker", holder.on_message, holder.capacity)
+        await loop.start()
+        private_nats.signal(signal.SIGSTOP)
+        try:
+            await loop.stop()
+        finally:
+            private_nats.signal(signal.SIGCONT)
+        await round_trip(nc, timeout_s=10)  # the connection still receives
+        assert set(nc._subs) == subscribed
+    finally:
+        await nc.close()

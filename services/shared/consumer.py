@@ -36,6 +36,8 @@ from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig, ConsumerInfo, DeliverPolicy, Header
 from nats.js.errors import NotFoundError
 
+from services.shared.bus import round_trip
+
 log = structlog.get_logger()
 # How long a pull request stands on the server before it ends unfilled.
 REQUEST_EXPIRES_S = 5.0
@@ -150,6 +152,8 @@ class PullLoop:
         self._stopping = False
         self._reconnects = 0
         self._task: asyncio.Task[None] | None = None
+        # Inboxes let go of whose deliveries are still being handed over.
+        self._handing_over: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
         await self._listen()
@@ -177,19 +181,39 @@ class PullLoop:
         self._stopping = True
         self._wake.set()
         await self._let_go()
+        if self._handing_over:
+            await asyncio.wait(self._handing_over, timeout=LET_GO_S)
         if self._task is not None:
             await self._task
 
     async def _let_go(self) -> None:
         """Stop the deliveries to our inbox (the server skips requests nobody
         listens to), handing over first what has already arrived: dropped,
-        it would wait out the consumer's ack wait before anyone saw it."""
-        if self._sub is None:
+        it would wait out the consumer's ack wait before anyone saw it.
+
+        Not nats-py's `drain()`: it flushes, and a flush cut short by a time
+        limit, with NATS stalled, ends the connection's read loop when the
+        PONG comes at last (`bus.round_trip`); the drain also leaves its
+        subscription behind, made again on every reconnect."""
+        sub, self._sub = self._sub, None
+        if sub is None:
             return
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self._sub.drain(), LET_GO_S)  # type: ignore[no-untyped-call]
-        with contextlib.suppress(Exception):
-            await self._sub.unsubscribe()  # the drain timed out
+        with contextlib.suppress(Exception):  # NATS away: it forgets the inbox by itself
+            await self._nc._send_unsubscribe(sub._id)
+            await round_trip(self._nc, LET_GO_S)  # what was sent before the unsubscribe is in
+        self._nc._remove_sub(sub._id)
+        task = asyncio.create_task(self._hand_over(sub))
+        self._handing_over.add(task)
+        task.add_done_callback(self._handing_over.discard)
+
+    @staticmethod
+    async def _hand_over(sub: Subscription) -> None:
+        """Each delivery that arrived goes to its handler, then the inbox's
+        reader stops (a handler busy meanwhile is not cut short)."""
+        try:
+            await sub._pending_queue.join()
+        finally:
+            sub._stop_processing()
 
     async def _run(self) -> None:
         while not self._stopping:
