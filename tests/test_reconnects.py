@@ -70,3 +70,17 @@ async def test_coming_back_again_mid_restore_starts_it_over() -> None:
     await reconnects.stop()
     # The hung step of the first restore was cancelled, not finished twice.
     assert journal.entries == ["layout done", "layout done", "consumers done"]
+
+
+async def test_a_step_failing_for_long_is_tried_again_less_and_less_often() -> None:
+    journal, pauses = Journal(), list[float]()
+
+    async def pause(seconds: float) -> None:
+        pauses.append(seconds)
+
+    reconnects = Reconnects(sleep=pause)
+    reconnects.add(Step("layout", journal, failures=7))
+    await reconnects.on_reconnect()
+    await journal.reaches(8)
+    await reconnects.stop()
+    assert pauses == [0.5, 1.0, 2.0, 4.0, 8.0, 10.0, 10.0]
