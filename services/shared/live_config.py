@@ -61,8 +61,9 @@ class LiveSettings(Generic[S]):
     async def stop(self) -> None:
         if self._task:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            # Waited for, not awaited: its CancelledError is its own, and a
+            # cancel of the caller (a stop, a newer reconnect) must still land.
+            await asyncio.wait({self._task})
         if self._watcher is not None:
             with contextlib.suppress(Exception):  # NATS away: nothing to unsubscribe from
                 await self._watcher.stop()  # type: ignore[no-untyped-call]

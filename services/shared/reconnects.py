@@ -13,7 +13,6 @@ nats-py waits for its reconnect callback before it goes on.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Awaitable, Callable
 
 import structlog
@@ -48,8 +47,7 @@ class Reconnects:
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await asyncio.wait({self._task})  # not `await`: a cancel of ours must land
 
     async def _restore(self) -> None:
         for step in self._steps:
