@@ -198,9 +198,12 @@ class PullLoop:
         sub, self._sub = self._sub, None
         if sub is None:
             return
-        with contextlib.suppress(Exception):  # NATS away: it forgets the inbox by itself
-            await self._nc._send_unsubscribe(sub._id)
-            await round_trip(self._nc, LET_GO_S)  # what was sent before the unsubscribe is in
+        # NATS away: nothing more can come on the lost connection, and the
+        # server forgets the inbox by itself; a round trip would only wait.
+        if self._nc.is_connected:
+            with contextlib.suppress(Exception):
+                await self._nc._send_unsubscribe(sub._id)
+                await round_trip(self._nc, LET_GO_S)  # what came before the unsubscribe is in
         self._nc._remove_sub(sub._id)
         task = asyncio.create_task(self._hand_over(sub))
         self._handing_over.add(task)

@@ -39,6 +39,8 @@ from services.shared.settings import ServiceSettings
 
 VERSION = "0.1.0"
 SHUTDOWN_TIMEOUT_S = 10.0
+# How often a reconnect loop that missed its cancel is cancelled again at the end.
+RECONNECT_CANCELS = 20
 # Allocations between two young-generation garbage collections (default 700).
 GC_THRESHOLD = 50_000
 log = structlog.get_logger()
@@ -173,6 +175,22 @@ async def _close(nc: NATS) -> None:
         nc._pending = []
         nc._pending_data_size = 0
     await nc.close()
+    await _reconnecting_ended(nc)
+
+
+async def _reconnecting_ended(nc: NATS) -> None:
+    """nats-py's reconnect loop can miss its cancel: one that lands as a
+    refused connection fails is turned by `asyncio.wait_for` (Python 3.11)
+    into that refusal, taken for one more failed try, and the loop goes on
+    after the close, keeping the process from ever exiting. So it is
+    cancelled again until it has ended (a bounded number of times)."""
+    task = nc._reconnection_task
+    for _ in range(RECONNECT_CANCELS):
+        if task is None or task.done():
+            return
+        task.cancel()
+        await asyncio.wait({task}, timeout=0.1)
+    log.warning("nats_reconnect_loop_not_ended")
 
 
 def _stop_on_signals() -> asyncio.Event:
