@@ -78,12 +78,8 @@ def test_again_sends_a_late_message_once_more_and_it_is_answered_once(
             running_system(private_nats.url, stub, {"REPLY_TIMEOUT_S": "1"},
                            services=("generator", "gateway")) as system:
         configure_stub_now(stub, held_models=["stub-model"])
-        client = subprocess.Popen(
-            [sys.executable, "-m", "scripts.chat", "--url", system.base_url],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            cwd=REPO_ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        assert client.stdin is not None and client.stdout is not None
-        printed = Printed(client.stdout)
+        client, printed = chat_client(system)
+        assert client.stdin is not None
         client.stdin.write("hello\n")
         client.stdin.flush()
         sid = printed.next_with("session ").split("session ", 1)[1].split()[0]
@@ -99,6 +95,16 @@ def test_again_sends_a_late_message_once_more_and_it_is_answered_once(
             stored = http.get(f"/api/sessions/{sid}").json()["messages"]
     assert "assistant: Echo: hello (turn 1)" in out, out
     assert [m["role"] for m in stored] == ["user", "assistant"]
+
+
+def chat_client(system: System) -> tuple[subprocess.Popen[str], Printed]:
+    """The client, fed line by line, and what it prints as it prints it."""
+    client = subprocess.Popen(
+        [sys.executable, "-m", "scripts.chat", "--url", system.base_url],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=REPO_ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert client.stdout is not None
+    return client, Printed(client.stdout)
 
 
 class Printed:
@@ -136,12 +142,8 @@ def test_ctrl_c_while_it_answers_stops_that_answer_and_the_chat_goes_on(
             running_system(private_nats.url, stub, {}, services=("generator", "gateway")) \
             as system:
         configure_stub_now(stub, paused_models=["stub-model"])  # first piece, then waits
-        client = subprocess.Popen(
-            [sys.executable, "-m", "scripts.chat", "--url", system.base_url],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            cwd=REPO_ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        assert client.stdin is not None and client.stdout is not None
-        printed = Printed(client.stdout)
+        client, printed = chat_client(system)
+        assert client.stdin is not None
         try:
             client.stdin.write("tell me a long story\n")
             client.stdin.flush()

@@ -10,16 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, MutableMapping
+from collections.abc import AsyncIterator, Iterator, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
 import nats
 import structlog
 import structlog.testing
+from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig
 
 from schemas import subjects
 from schemas.history import ChatMessage, Snapshot
@@ -28,7 +28,7 @@ from schemas.session import SessionRecord
 from services.core.failed_tries import MAX_CRASHES
 from services.generator.models import ModelFacts
 from services.generator.provider import ChatRequest, ChatResult, OnToken, ProviderError
-from services.generator.service import QUERY_CONSUMER, Generator
+from services.generator.service import QUERY_CONSUMER, Generator, work_queue_consumer
 from services.generator.session_lock import SessionLocks
 from services.generator.settings import GeneratorSettings
 from services.shared.bus import Bus, decode
@@ -85,6 +85,30 @@ ACKS_REFUSED = """authorization {
      permissions: {publish: {allow: ">", deny: "$JS.ACK.QUERIES.>"}}}
   ]
 }"""
+
+
+@contextlib.contextmanager
+def acks_refused() -> Iterator[tuple[NatsServer, str]]:
+    """A server of its own refusing every query's acknowledgement, and the
+    address a generator connects to it at."""
+    with running_nats(ACKS_REFUSED) as server:
+        yield server, server.url.replace("nats://", "nats://generator:generator@")
+
+
+async def queries_consumer(nc: NATS, settings: GeneratorSettings) -> None:
+    """The layout and the generators' shared consumer of queries, as they make them."""
+    await ensure_layout(nc.jetstream(), settings.lock_lease_s)
+    await ensure_consumer(nc, subjects.QUERIES_STREAM, work_queue_consumer(
+        QUERY_CONSUMER, f"{subjects.QUERY_PREFIX}.*", settings.query_ack_wait_s))
+
+
+async def taken_and_never_acknowledged(js: JetStreamContext) -> Msg:
+    """The next query, taken by a generator that dies with it: it comes back
+    only after the ack wait."""
+    dying = await js.pull_subscribe_bind(QUERY_CONSUMER, subjects.QUERIES_STREAM)
+    [taken] = await dying.fetch(1, timeout=5)
+    await dying.unsubscribe()
+    return taken
 
 
 @dataclass
@@ -207,8 +231,7 @@ async def test_an_error_answer_whose_acknowledgement_is_lost_is_sent_again_not_r
     and were answered anew, the history would gain a turn the caller was told
     had failed, after the session's later queries."""
     settings = GeneratorSettings(model="stub-model", query_ack_wait_s=1)
-    with running_nats(ACKS_REFUSED) as server:
-        url = server.url.replace("nats://", "nats://generator:generator@")
+    with acks_refused() as (_, url):
         async with in_process_generator(url, settings, UnreachableOnce()) as rig:
             await rig.bus.js_publish(subjects.query(SID), Query(session_id=SID, content="hi"),
                                      session_id=SID)
@@ -224,8 +247,7 @@ async def test_an_error_answer_comes_back_to_another_generator_the_same() -> Non
     """The generator that answered with an error is gone before its
     acknowledgement counted; the query comes back to one that never saw it."""
     settings = GeneratorSettings(model="stub-model", query_ack_wait_s=1)
-    with running_nats(ACKS_REFUSED) as server:
-        url = server.url.replace("nats://", "nats://generator:generator@")
+    with acks_refused() as (_, url):
         async with in_process_generator(url, settings, UnreachableOnce()) as first:
             await first.bus.js_publish(subjects.query(SID), Query(session_id=SID, content="hi"),
                                        session_id=SID)
@@ -247,17 +269,10 @@ async def test_a_query_told_nats_unavailable_whose_turn_was_stored_gets_that_ans
     settings = GeneratorSettings(model="stub-model", query_ack_wait_s=1)
     nc = await nats.connect(private_nats.url)
     js = nc.jetstream()
-    await ensure_layout(js, settings.lock_lease_s)
-    await ensure_consumer(nc, subjects.QUERIES_STREAM, ConsumerConfig(
-        durable_name=QUERY_CONSUMER, filter_subject=f"{subjects.QUERY_PREFIX}.*",
-        ack_policy=AckPolicy.EXPLICIT, ack_wait=settings.query_ack_wait_s,
-        max_ack_pending=10_000))
-    bus = Bus(nc, "gateway")
-    env, _ = await bus.js_publish(subjects.query(SID), Query(session_id=SID, content="hi"),
-                                  session_id=SID)
-    dying = await js.pull_subscribe_bind(QUERY_CONSUMER, subjects.QUERIES_STREAM)
-    await dying.fetch(1, timeout=5)  # and never acknowledged
-    await dying.unsubscribe()
+    await queries_consumer(nc, settings)
+    env, _ = await Bus(nc, "gateway").js_publish(
+        subjects.query(SID), Query(session_id=SID, content="hi"), session_id=SID)
+    await taken_and_never_acknowledged(js)
     history = HistoryStore(js)
     await history.append(SID, await history.read(SID), [
         ChatMessage(role="user", content="hi", query_id=env.message_id),

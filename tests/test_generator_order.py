@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 import nats
 import pytest
 from nats.aio.msg import Msg
-from nats.js.api import AckPolicy, ConsumerConfig
 
 from schemas import subjects
 from schemas.messages import CompactionRequest, Query, Reply
@@ -21,13 +20,16 @@ from schemas.session import SessionRecord
 from services.generator.service import QUERY_CONSUMER, build
 from services.generator.settings import GeneratorSettings
 from services.shared.bus import Bus, decode
-from services.shared.consumer import ensure_consumer
 from services.shared.history_store import HistoryStore
 from services.shared.jetstream import ensure_layout
 from services.shared.sessions import SessionStore
 from tests.events import consumer_caught_up, watching
-from tests.nats_server import NatsServer, running_nats
-from tests.test_generator_crashes import ACKS_REFUSED
+from tests.nats_server import NatsServer
+from tests.test_generator_crashes import (
+    acks_refused,
+    queries_consumer,
+    taken_and_never_acknowledged,
+)
 
 SID = "ordered"
 ACKS_ALLOWED = """authorization {
@@ -89,8 +91,7 @@ async def test_a_lost_acknowledgement_keeps_later_queries_waiting(stub_url: str)
     answered again after them (the history once read Q3, Q1, Q2)."""
     settings = GeneratorSettings(ollama_host=stub_url, model="stub-model",
                                  query_ack_wait_s=3, lock_lease_s=2, compaction_tail_turns=1)
-    with running_nats(ACKS_REFUSED) as server:
-        url = server.url.replace("nats://", "nats://generator:generator@")
+    with acks_refused() as (server, url):
         async with generator_on(url, settings) as (bus, replies), \
                 watching(url, subjects.COMPACTION_RESULT) as results:
             first = await ask(bus, "one " * 60)
@@ -141,17 +142,10 @@ async def test_a_later_query_waits_for_a_dead_generators_query_without_spinning(
     settings = GeneratorSettings(ollama_host=stub_url, model="stub-model",
                                  query_ack_wait_s=3, lock_lease_s=2)
     nc = await nats.connect(private_nats.url)
-    js = nc.jetstream()
-    await ensure_layout(js, settings.lock_lease_s)
-    await ensure_consumer(nc, subjects.QUERIES_STREAM, ConsumerConfig(
-        durable_name=QUERY_CONSUMER, filter_subject=f"{subjects.QUERY_PREFIX}.*",
-        ack_policy=AckPolicy.EXPLICIT, ack_wait=settings.query_ack_wait_s,
-        max_ack_pending=10_000))
+    await queries_consumer(nc, settings)
     first = await ask(Bus(nc, "gateway"), "one")
-    dying = await js.pull_subscribe_bind(QUERY_CONSUMER, subjects.QUERIES_STREAM)
-    [taken] = await dying.fetch(1, timeout=5)  # and never acknowledged
+    taken = await taken_and_never_acknowledged(nc.jetstream())
     assert taken.metadata.sequence.stream == 1
-    await dying.unsubscribe()
     async with generator_on(private_nats.url, settings) as (bus, replies):
         writes, delivered = await lock_writes(bus), await deliveries(bus)
         second = await ask(bus, "two")

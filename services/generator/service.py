@@ -211,9 +211,7 @@ class Generator:
                     on_message: Callable[[Msg], Awaitable[None]],
                     capacity: Callable[[], int]) -> PullLoop:
         """A loop on a durable consumer shared by every generator process."""
-        config = ConsumerConfig(
-            durable_name=durable, filter_subject=subject, ack_policy=AckPolicy.EXPLICIT,
-            ack_wait=self._settings.query_ack_wait_s, max_ack_pending=10_000)
+        config = work_queue_consumer(durable, subject, self._settings.query_ack_wait_s)
         await ensure_consumer(self._bus.nc, stream, config)
         self._consumers.append((stream, config))
         return PullLoop(self._bus.nc, stream, durable, on_message, capacity)
@@ -563,6 +561,13 @@ class Generator:
                     seq, (oldest.headers or {}).get(MSG_ID_HEADER)):
                 return seq
             start = seq + 1  # acknowledged here, not yet dropped by the server
+
+
+def work_queue_consumer(durable: str, subject: str, ack_wait_s: float) -> ConsumerConfig:
+    """The durable consumer every generator process shares on a work queue."""
+    return ConsumerConfig(durable_name=durable, filter_subject=subject,
+                          ack_policy=AckPolicy.EXPLICIT, ack_wait=ack_wait_s,
+                          max_ack_pending=10_000)
 
 
 async def build(bus: Bus, settings: GeneratorSettings) -> Generator:
