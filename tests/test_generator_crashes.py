@@ -20,6 +20,8 @@ import structlog.testing
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
+from nats.js.api import KeyValueConfig
+from nats.js.errors import ServiceUnavailableError
 
 from schemas import subjects
 from schemas.history import ChatMessage, Snapshot
@@ -285,6 +287,29 @@ async def test_a_query_told_nats_unavailable_whose_turn_was_stored_gets_that_ans
     assert (reply.query_id, reply.reply, reply.error_code) == (
         env.message_id, "stored after all", None)
     assert rig.model.calls == 0
+
+
+async def test_a_lock_nats_has_no_room_for_is_told_as_storage_full_at_once(
+        private_nats: NatsServer) -> None:
+    """The store is full when a turn would take its session's lock: the caller
+    hears storage_full at once, not a crash tried again and again."""
+    settings = GeneratorSettings(model="stub-model")
+    nc = await nats.connect(private_nats.url)
+    locks = await nc.jetstream().create_key_value(KeyValueConfig(
+        bucket=subjects.LOCKS_BUCKET, history=1, ttl=settings.lock_lease_s, max_bytes=400))
+    with contextlib.suppress(ServiceUnavailableError):  # full
+        for key in range(100):
+            await locks.put(f"other-{key}", b"x" * 60)
+    await nc.close()
+    with structlog.testing.capture_logs() as logs:
+        async with in_process_generator(private_nats.url, settings, Answering()) as rig:
+            await rig.bus.js_publish(subjects.query(SID), Query(session_id=SID, content="hi"),
+                                     session_id=SID)
+            reply = await asyncio.wait_for(rig.replies.get(), 15)
+            stored = (await HistoryStore(rig.bus.js).read(SID)).conversation.messages
+    assert reply.error_code == "storage_full" and reply.error
+    assert "nothing was stored" in reply.error and stored == ()
+    assert not any(entry["event"] == "query_crashed" for entry in logs)
 
 
 async def test_nats_not_answering_is_waited_out_beyond_the_crash_retries(

@@ -44,7 +44,7 @@ from services.shared import metrics
 from services.shared.bus import MSG_ID_HEADER, Bus
 from services.shared.consumer import Delivery, PullLoop, ensure_consumer
 from services.shared.history_store import HistoryConflict, HistoryStore
-from services.shared.jetstream import locks_bucket
+from services.shared.jetstream import NO_ROOM, locks_bucket, no_room
 from services.shared.live_config import LiveSettings
 from services.shared.nats_away import NATS_AWAY
 from services.shared.query_errors import QueryErrors
@@ -517,7 +517,15 @@ class Generator:
 
     async def _unexpected(self, delivery: Delivery, env: Envelope[Query],
                           err: Exception) -> None:
-        """A bug or NATS not answering: try again in a while, then tell the caller."""
+        """A bug or NATS not answering: try again in a while, then tell the
+        caller. NATS refusing a write for want of room (the session's lock,
+        before anything of the turn was stored) is told at once."""
+        if no_room(err):
+            with contextlib.suppress(Exception):
+                await self._states.recover(env.payload.session_id, env.correlation_id)
+            await self._send_reply(delivery, env, self._error_reply(env, TurnError(
+                "storage_full", f"nothing was stored: {NO_ROOM}")))
+            return
         if isinstance(err, NATS_AWAY):
             log.warning("query_met_nats_away", error=type(err).__name__)
         else:

@@ -111,7 +111,9 @@ class ReplicasMismatch(RuntimeError):
 # The server refusing a write for want of room: an account's or its own limits,
 # or its disk or memory full (JSAccountResourcesExceeded, JSInsufficientResources,
 # JSMemoryResourcesExceeded, JSStorageResourcesExceeded in nats-server's errors).
-NO_ROOM_CODES = frozenset({10002, 10023, 10028, 10047})
+# Account or server resources exceeded, insufficient storage, a stream's or
+# bucket's own byte limit (an operator may set one) reached.
+NO_ROOM_CODES = frozenset({10002, 10023, 10028, 10047, 10077})
 NO_ROOM = ("NATS has no room left to store it (JetStream's limits, or its disk or memory, "
            "are full). Free space or raise the limits, then try again.")
 
