@@ -101,6 +101,9 @@ def create_session(page: playwright_api.Page) -> str:
     page.click("#new-session-create")
     playwright_api.expect(page.locator("#message-input")).to_be_enabled()
     page.wait_for_function("location.hash.includes('session=')")
+    # Read by the page: a first read still on its way when a test sends would
+    # draw the transcript again once the turn ends, whatever the turn showed.
+    playwright_api.expect(page.locator("#state-badge")).to_have_attribute("data-state", "idle")
     return str(page.evaluate("decodeURIComponent(location.hash.split('session=')[1])"))
 
 
