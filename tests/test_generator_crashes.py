@@ -280,7 +280,7 @@ async def test_a_query_told_nats_unavailable_whose_turn_was_stored_gets_that_ans
         ChatMessage(role="user", content="hi", query_id=env.message_id),
         ChatMessage(role="assistant", content="stored after all", query_id=env.message_id)])
     await QueryErrors(js).keep(Reply(session_id=SID, query_id=env.message_id,
-                                     error_code="nats_unavailable", error="NATS away"))
+                                     error_code="nats_unavailable", error="NATS away"), "hi")
     async with in_process_generator(private_nats.url, settings, Answering()) as rig:
         reply = await asyncio.wait_for(rig.replies.get(), 15)
     await nc.close()

@@ -16,14 +16,17 @@ import pytest
 
 from schemas import subjects
 from schemas.history import ChatMessage, Conversation, HistoryEntry
+from schemas.messages import Reply
 from services.gateway.idempotency import (
     InvalidKey,
     KeyReused,
     earlier_outcome,
+    kept_outcome,
     key_of,
     query_id_for,
     same_message,
 )
+from services.shared.query_errors import KeptError, digest
 from tests import slow_answers
 from tests.events import server_sent_events, watching
 from tests.nats_server import free_port
@@ -87,6 +90,15 @@ def test_a_resend_is_compared_with_the_first_sending_when_that_could_be_read() -
     same_message(None, "anything")  # a first sending unknown, or not read as a query
     with pytest.raises(KeyReused):
         same_message("hi", "something else")
+
+
+def test_a_kept_error_is_the_outcome_only_of_the_message_it_answered() -> None:
+    error = Reply(session_id="s", query_id="q1", error_code="timeout", error="too slow")
+    kept = KeptError(reply=error, question_digest=digest("hi"))
+    assert kept_outcome(kept, "hi") == error and kept_outcome(None, "hi") is None
+    with pytest.raises(KeyReused):
+        kept_outcome(kept, "something else")
+    assert kept_outcome(KeptError(reply=error), "anything") == error  # kept without a digest
 
 
 def test_a_turn_folded_into_the_summary_is_said_to_be_answered() -> None:
@@ -284,6 +296,17 @@ async def test_a_gateway_started_since_the_error_reply_tells_that_error(
         late.stop()
     assert again.status_code == 404, again.text
     assert again.json() == first.json()
+
+
+async def test_a_key_reused_for_another_message_after_an_error_is_refused(
+    http: httpx.AsyncClient,
+) -> None:
+    sid, first = await failed_once(http, "errored-then-reused")
+    other = await say(http, sid, "something else", "errored-then-reused")
+    assert other.status_code == 422, other.text
+    assert other.json()["error"]["code"] == "idempotency_key_reused"
+    again = await say(http, sid, "hello", "errored-then-reused")  # the same message: its error
+    assert (again.status_code, again.json()) == (first.status_code, first.json())
 
 
 async def test_an_error_no_longer_kept_is_failed_before_rather_than_a_wait(

@@ -137,7 +137,8 @@ class Answering:
         conversation = (await self._history.read(sid)).conversation
         earlier = idempotency.earlier_outcome(conversation, sid, query_id, query.content)
         if earlier is None and errors:
-            earlier = await self._replies.error_of(query_id)
+            earlier = idempotency.kept_outcome(await self._replies.error_of(query_id),
+                                               query.content)
         if earlier is not None:
             log.info("resend_answered_before", session_id=sid, query_id=query_id,
                      error_code=earlier.error_code)

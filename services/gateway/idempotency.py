@@ -21,6 +21,7 @@ import re
 
 from schemas.history import Conversation
 from schemas.messages import Reply
+from services.shared.query_errors import KeptError
 
 HEADER = "idempotency-key"
 # Printable ASCII without spaces, as long as the common UUIDs and ULIDs and more.
@@ -64,6 +65,16 @@ def earlier_outcome(conversation: Conversation, session_id: str, query_id: str,
     of its own: the one it answers again is another query's.)"""
     same_message(conversation.question(query_id), content)
     return conversation.answered(session_id, query_id)
+
+
+def kept_outcome(kept: KeptError | None, content: str) -> Reply | None:
+    """The error reply kept for a query sent before under this id, if one is;
+    KeyReused when it answered another message than the one resent."""
+    if kept is None:
+        return None
+    if not kept.answers(content):
+        raise KeyReused
+    return kept.reply
 
 
 def same_message(first: str | None, resent: str) -> None:

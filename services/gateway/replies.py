@@ -38,7 +38,7 @@ from schemas.envelope import new_id
 from schemas.messages import Reply, Token
 from services.shared.bus import Bus
 from services.shared.history_store import HistoryStore
-from services.shared.query_errors import QueryErrors
+from services.shared.query_errors import KeptError, QueryErrors
 
 log = structlog.get_logger()
 Event = Reply | Token
@@ -117,7 +117,7 @@ class ReplyRouter:
         if not same_query:
             self._by_query.pop(waiting.query_id, None)
 
-    async def error_of(self, query_id: str) -> Reply | None:
+    async def error_of(self, query_id: str) -> KeptError | None:
         """The error reply this query got, if one came within the QUERIES
         stream's duplicate window (past it, a resend is a new try)."""
         return await self._errors.of(query_id)
@@ -135,13 +135,17 @@ class ReplyRouter:
             sid, query_id = waiting.sid, waiting.query_id
             try:
                 reply = ((await self._history.read(sid)).conversation.answered(sid, query_id)
-                         or await self._errors.of(query_id))
+                         or await self._kept_reply(query_id))
             except Exception as err:  # NATS away again: the next reconnect asks again
                 log.warning("missed_reply_unchecked", session_id=sid, error=repr(err))
                 continue
             if reply is not None:
                 log.info("missed_reply_recovered", session_id=sid, query_id=query_id)
                 waiting.events.put_nowait(reply)
+
+    async def _kept_reply(self, query_id: str) -> Reply | None:
+        kept = await self._errors.of(query_id)
+        return kept.reply if kept is not None else None
 
     async def _on_reply(self, msg: Msg) -> None:
         env = await self._bus.decode_or_report(msg, Reply)

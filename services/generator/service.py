@@ -419,7 +419,8 @@ class Generator:
         the history, read under the lock, says whether it was."""
         reply = self._answered.error_reply(msg.metadata.sequence.stream, query_id)
         if reply is None and msg.metadata.num_delivered > 1:
-            reply = await self._errors.of(query_id)
+            kept = await self._errors.of(query_id)
+            reply = kept.reply if kept is not None else None
         if reply is not None and reply.error_code == "nats_unavailable":
             return None
         return reply
@@ -506,7 +507,7 @@ class Generator:
         # stored by now and a redelivery finds it; an error is kept first, so
         # a redelivery (and whoever finds the query gone) finds that too.
         if reply.error:
-            await self._errors.keep(reply)
+            await self._errors.keep(reply, env.payload.content)
         self._answered.remember(delivery.msg.metadata.sequence.stream, reply,
                                 delivery.ack_confirmed(ACK_CONFIRM_S))
         sid = env.payload.session_id

@@ -9,11 +9,13 @@ error still tells the caller that error, not that it cannot know."""
 
 from __future__ import annotations
 
+import hashlib
+
 import structlog
 from nats.js import JetStreamContext
 from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from schemas.messages import Reply
 from services.shared.jetstream import query_errors_bucket
@@ -21,28 +23,50 @@ from services.shared.jetstream import query_errors_bucket
 log = structlog.get_logger()
 
 
+def digest(question: str) -> str:
+    return hashlib.sha256(question.encode()).hexdigest()
+
+
+class KeptError(BaseModel):
+    """An error reply as kept, with a digest of the message it answered: a
+    resend under the same key with another message is refused, not told the
+    first one's error."""
+
+    reply: Reply
+    question_digest: str | None = None  # None: kept without one
+
+    def answers(self, question: str) -> bool:
+        """Whether this error answered `question` (taken as yes when not known)."""
+        return self.question_digest in (None, digest(question))
+
+
 class QueryErrors:
     def __init__(self, js: JetStreamContext) -> None:
         self._js = js
         self._kv: KeyValue | None = None
 
-    async def keep(self, reply: Reply) -> None:
+    async def keep(self, reply: Reply, question: str) -> None:
         """Best effort: a reply NATS will not take is still sent (or not) on its
         own, and a resend then meets the key's other outcomes."""
+        kept = KeptError(reply=reply, question_digest=digest(question))
         try:
-            await (await self._bucket()).put(reply.query_id, reply.model_dump_json().encode())
+            await (await self._bucket()).put(reply.query_id, kept.model_dump_json().encode())
         except Exception as err:
             log.warning("error_reply_not_kept", query_id=reply.query_id,
                         error=f"{type(err).__name__}: {err}")
 
-    async def of(self, query_id: str) -> Reply | None:
+    async def of(self, query_id: str) -> KeptError | None:
         """The error reply this query got within the window, if it got one."""
         try:
             entry = await (await self._bucket()).get(query_id)
         except KeyNotFoundError:
             return None
         try:
-            return Reply.model_validate_json(entry.value or b"")
+            return KeptError.model_validate_json(entry.value or b"")
+        except ValidationError:
+            pass
+        try:  # kept before the digest was: the reply alone
+            return KeptError(reply=Reply.model_validate_json(entry.value or b""))
         except ValidationError:
             log.warning("kept_error_reply_unreadable", query_id=query_id)
             return None
