@@ -4,8 +4,9 @@ it succeeds, and from the start again when NATS comes back once more."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
-from services.shared.reconnects import Reconnects
+from services.shared.reconnects import Reconnects, cancel_until_done
 
 
 class Journal:
@@ -84,3 +85,37 @@ async def test_a_step_failing_for_long_is_tried_again_less_and_less_often() -> N
     await journal.reaches(8)
     await reconnects.stop()
     assert pauses == [0.5, 1.0, 2.0, 4.0, 8.0, 10.0, 10.0]
+
+
+async def test_a_task_that_misses_its_cancel_is_cancelled_again_until_it_ends() -> None:
+    """As nats-py's reconnect loop does when a cancel lands as a refused
+    connection fails: the cancel reads as one more failed try."""
+    missed = asyncio.Event()
+
+    async def retrying() -> None:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            missed.set()  # taken for a failed try: on to the next
+        await asyncio.Event().wait()
+
+    task = asyncio.create_task(retrying())
+    await asyncio.sleep(0)  # under way
+    assert await cancel_until_done(task)
+    assert missed.is_set() and task.cancelled()
+
+
+async def test_a_task_that_will_not_end_is_given_up_on_within_the_bound() -> None:
+    giving_up = asyncio.Event()
+
+    async def stubborn() -> None:
+        while not giving_up.is_set():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.Event().wait()
+
+    task = asyncio.create_task(stubborn())
+    await asyncio.sleep(0)  # under way
+    assert not await cancel_until_done(task, tries=3, wait_s=0.01)
+    giving_up.set()
+    task.cancel()
+    await task  # ends by itself now

@@ -163,6 +163,8 @@ class PullLoop:
         """Requests deliver to a fresh inbox of ours: those standing on an old
         one (before a reconnect) have no one listening, so the server skips them."""
         await self._let_go()
+        if self._stopping:
+            return
         self._reconnects = self._nc.stats["reconnects"]
         self._credits.reset()
         self._sub = await self._nc.subscribe(self._nc.new_inbox(), cb=self._on_delivery)
@@ -178,13 +180,13 @@ class PullLoop:
         self._wake.set()
 
     async def stop(self) -> None:
+        # The loop first (it asks for nothing more once stopping, and may be
+        # letting go of an inbox itself), then the inbox.
         self._stopping = True
         self._wake.set()
-        await self._let_go()
-        if self._handing_over:
-            await asyncio.wait(self._handing_over, timeout=LET_GO_S)
         if self._task is not None:
             await self._task
+        await self._let_go()
 
     async def _let_go(self) -> None:
         """Stop the deliveries to our inbox (the server skips requests nobody
@@ -198,6 +200,7 @@ class PullLoop:
         sub, self._sub = self._sub, None
         if sub is None:
             return
+        reconnects = self._nc.stats["reconnects"]
         # NATS away: nothing more can come on the lost connection, and the
         # server forgets the inbox by itself; a round trip would only wait.
         if self._nc.is_connected:
@@ -205,9 +208,15 @@ class PullLoop:
                 await self._nc._send_unsubscribe(sub._id)
                 await round_trip(self._nc, LET_GO_S)  # what came before the unsubscribe is in
         self._nc._remove_sub(sub._id)
+        if self._nc.stats["reconnects"] != reconnects:  # subscribed again on the way back
+            with contextlib.suppress(Exception):
+                await self._nc._send_unsubscribe(sub._id)
         task = asyncio.create_task(self._hand_over(sub))
         self._handing_over.add(task)
         task.add_done_callback(self._handing_over.discard)
+        # One inbox's deliveries at a time reach the handler, as before a let-go;
+        # a handler still busy after the bound goes on, not cut short.
+        await asyncio.wait({task}, timeout=LET_GO_S)
 
     @staticmethod
     async def _hand_over(sub: Subscription) -> None:

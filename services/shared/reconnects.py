@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import structlog
 
@@ -23,6 +24,9 @@ Sleep = Callable[[float], Awaitable[None]]
 # a server that refuses for long is not asked twice a second all that while.
 RETRY_S = 0.5
 MOST_RETRY_S = 10.0
+# A task that missed its cancel is cancelled again this often, this far apart.
+CANCELS = 20
+CANCEL_WAIT_S = 0.1
 log = structlog.get_logger()
 
 
@@ -45,9 +49,8 @@ class Reconnects:
         self._task = asyncio.create_task(self._restore())
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.wait({self._task})  # not `await`: a cancel of ours must land
+        if self._task is not None and not await cancel_until_done(self._task):
+            log.warning("jetstream_restore_not_ended")
 
     async def _restore(self) -> None:
         for step in self._steps:
@@ -65,3 +68,18 @@ class Reconnects:
                             error=f"{type(err).__name__}: {err}", retry_in_s=delay)
             await self._sleep(delay)
             delay = min(delay * 2, max(MOST_RETRY_S, self._retry_s))
+
+
+async def cancel_until_done(task: asyncio.Task[Any], tries: int = CANCELS,
+                            wait_s: float = CANCEL_WAIT_S) -> bool:
+    """Cancel `task` until it has ended, at most `tries` times; whether it has.
+    A cancel can be missed: Python 3.11's `asyncio.wait_for` turns one that
+    lands as its inner call fails into that failure, which a retry loop takes
+    for one more failed try. Waited for, not awaited: a cancel of the caller
+    must still land."""
+    for _ in range(tries):
+        if task.done():
+            return True
+        task.cancel()
+        await asyncio.wait({task}, timeout=wait_s)
+    return task.done()

@@ -34,13 +34,11 @@ from services.shared import metrics
 from services.shared.bus import Bus, connect
 from services.shared.jetstream import ensure_layout
 from services.shared.logging import configure_logging
-from services.shared.reconnects import Reconnects
+from services.shared.reconnects import Reconnects, cancel_until_done
 from services.shared.settings import ServiceSettings
 
 VERSION = "0.1.0"
 SHUTDOWN_TIMEOUT_S = 10.0
-# How often a reconnect loop that missed its cancel is cancelled again at the end.
-RECONNECT_CANCELS = 20
 # Allocations between two young-generation garbage collections (default 700).
 GC_THRESHOLD = 50_000
 log = structlog.get_logger()
@@ -179,18 +177,11 @@ async def _close(nc: NATS) -> None:
 
 
 async def _reconnecting_ended(nc: NATS) -> None:
-    """nats-py's reconnect loop can miss its cancel: one that lands as a
-    refused connection fails is turned by `asyncio.wait_for` (Python 3.11)
-    into that refusal, taken for one more failed try, and the loop goes on
-    after the close, keeping the process from ever exiting. So it is
-    cancelled again until it has ended (a bounded number of times)."""
+    """nats-py's reconnect loop can miss its cancel (`cancel_until_done`) and
+    go on after the close, keeping the process from ever exiting."""
     task = nc._reconnection_task
-    for _ in range(RECONNECT_CANCELS):
-        if task is None or task.done():
-            return
-        task.cancel()
-        await asyncio.wait({task}, timeout=0.1)
-    log.warning("nats_reconnect_loop_not_ended")
+    if task is not None and not await cancel_until_done(task):
+        log.warning("nats_reconnect_loop_not_ended")
 
 
 def _stop_on_signals() -> asyncio.Event:
