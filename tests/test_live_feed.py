@@ -85,7 +85,7 @@ async def gone_at_once() -> Message:
 
 
 async def sent(message: Message) -> None:
-    await asyncio.sleep(0)  # a write that yields, as one under back-pressure does
+    await asyncio.Event().wait()  # a write that never ends: the client is gone
 
 
 async def respond(response: EventStream) -> None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+import pytest
+
 from services.shared.reconnects import Reconnects, cancel_until_done
 
 
@@ -90,32 +92,62 @@ async def test_a_step_failing_for_long_is_tried_again_less_and_less_often() -> N
 async def test_a_task_that_misses_its_cancel_is_cancelled_again_until_it_ends() -> None:
     """As nats-py's reconnect loop does when a cancel lands as a refused
     connection fails: the cancel reads as one more failed try."""
-    missed = asyncio.Event()
+    started, missed = asyncio.Event(), asyncio.Event()
 
     async def retrying() -> None:
         try:
+            started.set()
             await asyncio.Event().wait()
         except asyncio.CancelledError:
             missed.set()  # taken for a failed try: on to the next
         await asyncio.Event().wait()
 
     task = asyncio.create_task(retrying())
-    await asyncio.sleep(0)  # under way
+    await started.wait()
     assert await cancel_until_done(task)
     assert missed.is_set() and task.cancelled()
 
 
 async def test_a_task_that_will_not_end_is_given_up_on_within_the_bound() -> None:
-    giving_up = asyncio.Event()
+    started, giving_up = asyncio.Event(), asyncio.Event()
 
     async def stubborn() -> None:
+        started.set()
         while not giving_up.is_set():
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.Event().wait()
 
     task = asyncio.create_task(stubborn())
-    await asyncio.sleep(0)  # under way
+    await started.wait()
     assert not await cancel_until_done(task, tries=3, wait_s=0.01)
     giving_up.set()
     task.cancel()
     await task  # ends by itself now
+
+
+async def test_a_cancel_of_the_one_waiting_lands_while_the_task_ends() -> None:
+    """A restore stopping the settings watch (`LiveSettings.stop`) or an older
+    restore is itself cancelled, by a newer reconnect or the service's stop:
+    the cancel must land, not be taken for the task's own ending, or the old
+    restore runs on beside the new one."""
+    started, ending, let_end = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+    async def slow_to_end() -> None:
+        started.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            ending.set()
+            await let_end.wait()
+            raise
+
+    task = asyncio.create_task(slow_to_end())
+    await started.wait()
+    stopping = asyncio.create_task(cancel_until_done(task, tries=1, wait_s=60))
+    await ending.wait()  # asked to end and ending: the stopper waits for it
+    stopping.cancel()
+    let_end.set()
+    with pytest.raises(asyncio.CancelledError):
+        await stopping
+    await asyncio.wait({task})
+    assert task.cancelled()

@@ -2,14 +2,16 @@
 (a model's failure is the caller's answer, not a failed attempt): it is
 tried again in a moment, or its caller is told.
 
-Two kinds of failure are told apart. A crash (most likely a bug) is tried a
-few times. NATS not answering (a reconnect, or a stream electing its leader,
-which takes seconds) is waited out for a while with growing pauses, since
-the next try is likely to work, and counts as no crash."""
+Three kinds of failure are told apart. A crash (most likely a bug) is tried
+a few times. NATS not answering (a reconnect, or a stream electing its
+leader, which takes seconds) is waited out for a while with growing pauses,
+since the next try is likely to work, and counts as no crash. NATS refusing
+a write for want of room is told at once: trying again makes no room."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from enum import StrEnum
 
 # After this many crashes of a query its caller gets `internal_error`.
 MAX_CRASHES = 3
@@ -18,6 +20,12 @@ CRASH_PAUSE_S = 0.5
 # time, up to the longest.
 FIRST_AWAY_PAUSE_S = 0.25
 LONGEST_AWAY_PAUSE_S = 4.0
+
+
+class Failure(StrEnum):
+    crash = "crash"
+    nats_away = "nats_away"
+    no_room = "no_room"
 
 
 @dataclass(frozen=True)
@@ -37,15 +45,17 @@ class TryAgain:
 
 @dataclass(frozen=True)
 class GiveUp:
-    code: str  # "internal_error" or "nats_unavailable"
+    code: str  # "internal_error", "nats_unavailable" or "storage_full"
 
 
-def after_failure(tries: Tries, nats_away: bool, now: float, patience_s: float
+def after_failure(tries: Tries, failure: Failure, now: float, patience_s: float
                   ) -> tuple[Tries, TryAgain | GiveUp]:
     """The query's tries with this failure counted, and what to do next.
     NATS is waited out while `patience_s` has not passed since it first
     failed this query."""
-    if not nats_away:
+    if failure is Failure.no_room:
+        return tries, GiveUp("storage_full")
+    if failure is Failure.crash:
         counted = replace(tries, crashes=tries.crashes + 1)
         if counted.crashes >= MAX_CRASHES:
             return counted, GiveUp("internal_error")

@@ -135,17 +135,13 @@ class ReplyRouter:
             sid, query_id = waiting.sid, waiting.query_id
             try:
                 reply = ((await self._history.read(sid)).conversation.answered(sid, query_id)
-                         or await self._kept_reply(query_id))
+                         or await self._errors.reply_of(query_id))
             except Exception as err:  # NATS away again: the next reconnect asks again
                 log.warning("missed_reply_unchecked", session_id=sid, error=repr(err))
                 continue
             if reply is not None:
                 log.info("missed_reply_recovered", session_id=sid, query_id=query_id)
                 waiting.events.put_nowait(reply)
-
-    async def _kept_reply(self, query_id: str) -> Reply | None:
-        kept = await self._errors.of(query_id)
-        return kept.reply if kept is not None else None
 
     async def _on_reply(self, msg: Msg) -> None:
         env = await self._bus.decode_or_report(msg, Reply)

@@ -27,7 +27,7 @@ from nats.js.errors import NotFoundError
 from schemas import subjects
 from schemas.envelope import Envelope
 from schemas.messages import CompactionRequest, Query, Reply, StopAccepted, StopRequest
-from services.core.failed_tries import GiveUp, Tries, TryAgain, after_failure
+from services.core.failed_tries import Failure, GiveUp, Tries, TryAgain, after_failure
 from services.core.state_machine import Action, CompactionMode
 from services.generator.arrival_order import ArrivalOrder, HandBacks
 from services.generator.compaction import Compactor
@@ -60,6 +60,7 @@ FAILURE_TEXT = {
     "internal_error": "the generator failed on this query: {}",
     "nats_unavailable": "NATS did not answer the generator for too long ({}); "
                         "try again in a moment",
+    "storage_full": f"nothing was stored: {NO_ROOM}",
 }
 # How long a later query of a session waits before it is offered again, at
 # first and at most (see `HandBacks`).
@@ -132,6 +133,12 @@ class AnsweredQueries:
             ack.cancel()
 
 
+def failure_of(err: Exception) -> Failure:
+    if no_room(err):
+        return Failure.no_room
+    return Failure.nats_away if isinstance(err, NATS_AWAY) else Failure.crash
+
+
 class FailedTries:
     """Each query's failed attempts lately in this process (see
     `services.core.failed_tries`). Not its delivery count: a query handed
@@ -145,8 +152,7 @@ class FailedTries:
     def count(self, query_id: str, err: Exception) -> TryAgain | GiveUp:
         """Count this failure of the query; says what to do next."""
         tries, outcome = after_failure(self._tries.get(query_id) or Tries(),
-                                       isinstance(err, NATS_AWAY), time.monotonic(),
-                                       self._patience_s)
+                                       failure_of(err), time.monotonic(), self._patience_s)
         self._tries.put(query_id, tries)
         return outcome
 
@@ -419,8 +425,7 @@ class Generator:
         the history, read under the lock, says whether it was."""
         reply = self._answered.error_reply(msg.metadata.sequence.stream, query_id)
         if reply is None and msg.metadata.num_delivered > 1:
-            kept = await self._errors.of(query_id)
-            reply = kept.reply if kept is not None else None
+            reply = await self._errors.reply_of(query_id)
         if reply is not None and reply.error_code == "nats_unavailable":
             return None
         return reply
@@ -518,19 +523,14 @@ class Generator:
 
     async def _unexpected(self, delivery: Delivery, env: Envelope[Query],
                           err: Exception) -> None:
-        """A bug or NATS not answering: try again in a while, then tell the
-        caller. NATS refusing a write for want of room (the session's lock,
-        before anything of the turn was stored) is told at once."""
-        if no_room(err):
-            with contextlib.suppress(Exception):
-                await self._states.recover(env.payload.session_id, env.correlation_id)
-            await self._send_reply(delivery, env, self._error_reply(env, TurnError(
-                "storage_full", f"nothing was stored: {NO_ROOM}")))
-            return
-        if isinstance(err, NATS_AWAY):
-            log.warning("query_met_nats_away", error=type(err).__name__)
-        else:
+        """A bug, NATS not answering, or NATS without room (for the session's
+        lock: nothing of the turn is stored yet): try again in a while, or
+        tell the caller (`services.core.failed_tries`)."""
+        failure = failure_of(err)
+        if failure is Failure.crash:
             log.exception("query_crashed", error=str(err))
+        else:
+            log.warning(f"query_met_{failure.value}", error=type(err).__name__)
         sid = env.payload.session_id
         with contextlib.suppress(Exception):
             await self._states.recover(sid, env.correlation_id)

@@ -24,6 +24,7 @@ from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 from pydantic import ValidationError
 
 from services.shared.jetstream import config_bucket
+from services.shared.reconnects import cancel_until_done
 from services.shared.settings import ServiceSettings
 
 LIVE_KEYS = frozenset({"compaction_threshold", "compaction_cooldown_s", "compaction_min_relief"})
@@ -60,10 +61,7 @@ class LiveSettings(Generic[S]):
 
     async def stop(self) -> None:
         if self._task:
-            self._task.cancel()
-            # Waited for, not awaited: its CancelledError is its own, and a
-            # cancel of the caller (a stop, a newer reconnect) must still land.
-            await asyncio.wait({self._task})
+            await cancel_until_done(self._task)
         if self._watcher is not None:
             with contextlib.suppress(Exception):  # NATS away: nothing to unsubscribe from
                 await self._watcher.stop()  # type: ignore[no-untyped-call]

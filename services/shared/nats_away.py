@@ -21,7 +21,7 @@ from nats.errors import (
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.errors import NoStreamResponseError, ServiceUnavailableError
 
-from services.core.failed_tries import GiveUp, Tries, after_failure
+from services.core.failed_tries import Failure, GiveUp, Tries, after_failure
 
 log = structlog.get_logger()
 T = TypeVar("T")
@@ -47,7 +47,8 @@ async def patiently(attempt: Callable[[], Awaitable[T]], patience_s: float, even
         try:
             return await attempt()
         except NATS_AWAY as err:
-            tries, outcome = after_failure(tries, True, time.monotonic(), patience_s)
+            tries, outcome = after_failure(tries, Failure.nats_away, time.monotonic(),
+                                           patience_s)
             if isinstance(outcome, GiveUp) or isinstance(err, ConnectionClosedError):
                 raise
             log.warning(event, error=type(err).__name__, pause_s=outcome.after_s)

@@ -71,6 +71,11 @@ class QueryErrors:
             log.warning("kept_error_reply_unreadable", query_id=query_id)
             return None
 
+    async def reply_of(self, query_id: str) -> Reply | None:
+        """The kept error reply alone, for those who need not compare messages."""
+        kept = await self.of(query_id)
+        return kept.reply if kept is not None else None
+
     async def _bucket(self) -> KeyValue:
         if self._kv is None:
             self._kv = await query_errors_bucket(self._js)

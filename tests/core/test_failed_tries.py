@@ -1,5 +1,6 @@
 """A query's failed attempts: crashes are tried a few times, NATS not
-answering is waited out for the patience, and neither counts for the other."""
+answering is waited out for the patience, neither counts for the other, and
+no room is told at once."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from services.core.failed_tries import (
     FIRST_AWAY_PAUSE_S,
     LONGEST_AWAY_PAUSE_S,
     MAX_CRASHES,
+    Failure,
     GiveUp,
     Tries,
     TryAgain,
@@ -25,7 +27,8 @@ def run(failures: list[tuple[bool, float]], patience_s: float = PATIENCE_S
     """The outcome of each failure, (NATS away?, when) in turn, until one gives up."""
     tries, outcomes = Tries(), []
     for away, now in failures:
-        tries, outcome = after_failure(tries, away, now, patience_s)
+        failure = Failure.nats_away if away else Failure.crash
+        tries, outcome = after_failure(tries, failure, now, patience_s)
         outcomes.append(outcome)
         if isinstance(outcome, GiveUp):
             break
@@ -74,3 +77,9 @@ def test_no_patience_gives_up_at_the_first_time_nats_is_away() -> None:
 def test_crashes_between_times_nats_was_away_keep_their_own_count() -> None:
     outcomes = run([(True, 0), (False, 1), (True, 2), (False, 3), (True, 4), (False, 5)])
     assert outcomes[-1] == GiveUp("internal_error") and len(outcomes) == 6
+
+
+def test_no_room_is_told_at_once_and_counts_for_nothing_else() -> None:
+    tries = Tries(crashes=1, aways=2, away_since=0.0)
+    assert after_failure(tries, Failure.no_room, 1.0, PATIENCE_S) == (
+        tries, GiveUp("storage_full"))
