@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-compose lint schemas bench clean
+.PHONY: run test test-compose lint schemas bench clean .env
 
 # A venv left half-made (no pip: the system lacked its venv package) or made
 # with an older Python is made again, not reused on every later run.
@@ -42,7 +42,8 @@ lint: $(STAMP)
 schemas: $(STAMP)
 	$(BIN)/python scripts/export_schemas.py
 
-# The NATS users' passwords for compose, made once (mode 0600, never committed).
+# The NATS passwords for compose, made once (mode 0600, never committed). Run
+# again, it keeps those made and adds any a newer version needs.
 .env: $(STAMP)
 	$(BIN)/python scripts/nats_passwords.py .env
 

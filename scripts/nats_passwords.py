@@ -21,6 +21,9 @@ PASSWORD_VARIABLES = {
     "compaction-decider": "NATS_DECIDER_PASSWORD",
     "tools": "NATS_TOOLS_PASSWORD",
 }
+# Not a user of nats-users.conf: what compose.cluster.yaml's nodes ask of each
+# other on their route port, which no client may join without it.
+ROUTE_PASSWORD_VARIABLE = "NATS_ROUTE_PASSWORD"
 # The user each service module connects as.
 SERVICE_USERS = {
     "services.gateway": "gateway",
@@ -35,7 +38,7 @@ def kept_passwords(path: Path) -> dict[str, str]:
     lacks one (a line each, `NAME=value`, as compose's .env reads)."""
     found = read_env_file(path) if path.exists() else {}
     wanted = {variable: found.get(variable) or new_password()
-              for variable in PASSWORD_VARIABLES.values()}
+              for variable in (*PASSWORD_VARIABLES.values(), ROUTE_PASSWORD_VARIABLE)}
     if wanted != {k: v for k, v in found.items() if k in wanted}:
         write_env_file(path, {**found, **wanted})
     return wanted

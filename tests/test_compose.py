@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,12 +20,15 @@ import pytest
 import yaml
 
 from schemas import subjects
+from scripts.nats_passwords import PASSWORD_VARIABLES, ROUTE_PASSWORD_VARIABLE, kept_passwords
 from services.shared.jetstream import MAX_MESSAGE_BYTES, ensure_layout
 from services.shared.nats_auth import inbox_prefix
 from services.shared.runner import SHUTDOWN_TIMEOUT_S
 from tests.compose_stack import Stack, prepare_images, why_docker_cannot_run
 from tests.events import server_sent_events, server_sent_lines
-from tests.nats_server import running_shipped_nats
+from tests.nats_cluster import wait_for_jetstream
+from tests.nats_server import NatsServer, running_shipped_nats
+from tests.ports import free_port
 from tests.stub_server import configure_stub
 from tests.system import gateway_client
 
@@ -85,6 +89,63 @@ async def test_the_nats_configuration_takes_the_largest_history_entry(tmp_path: 
         finally:
             await nc.close()
     assert (Path(shipped.server.store_dir) / "jetstream").is_dir()  # where the config says
+
+
+CLUSTER_NODES = ("nats", "nats-2", "nats-3")
+
+
+def cluster_nodes_on_loopback(root: Path, passwords: dict[str, str]) -> list[NatsServer]:
+    """compose.cluster.yaml's nodes as it starts them, each with its command
+    line, but the hosts of the compose network moved to loopback ports."""
+    services = yaml.safe_load((ROOT / "compose.cluster.yaml").read_text())["services"]
+    route_ports = {name: free_port() for name in CLUSTER_NODES}
+    nodes = []
+    for name in CLUSTER_NODES:
+        command = services[name]["command"]
+        assert command[:3] == ["nats-server", "-c", "/etc/nats/nats-cluster.conf"], name
+        arguments = [re.sub(r"\$\{NATS_ROUTE_PASSWORD[^}]*\}",
+                            passwords[ROUTE_PASSWORD_VARIABLE], argument)
+                     for argument in command[3:]]
+        arguments = [argument.replace("@0.0.0.0:6222", f"@127.0.0.1:{route_ports[name]}")
+                     for argument in arguments]
+        for other, port in route_ports.items():
+            arguments = [argument.replace(f"@{other}:6222", f"@127.0.0.1:{port}")
+                         for argument in arguments]
+        (root / name).mkdir()
+        nodes.append(NatsServer(str(root / name), env={**passwords, "NATS_SERVER_NAME": name},
+                                shipped_config=ROOT / "nats-cluster.conf",
+                                shipped_arguments=tuple(arguments)))
+    return nodes
+
+
+async def route_answer(port: int, password: str) -> bytes:
+    """What a node's route port says to a stranger claiming to be a node."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        await reader.readline()  # INFO
+        connect = {"user": "route", "pass": password, "name": "stranger", "cluster": "chat"}
+        writer.write(b"CONNECT " + json.dumps(connect).encode() + b"\r\nPING\r\n")
+        return await asyncio.wait_for(reader.readline(), 10)
+    finally:
+        writer.close()
+
+
+async def test_the_cluster_file_nodes_join_each_other_and_refuse_a_route_without_the_password(
+        tmp_path: Path) -> None:
+    passwords = kept_passwords(tmp_path / "passwords.env")
+    nodes = cluster_nodes_on_loopback(tmp_path, passwords)
+    admin = passwords[PASSWORD_VARIABLES["admin"]]
+    try:
+        for node in nodes:
+            node.start()
+        await wait_for_jetstream(
+            ",".join(f"nats://admin:{admin}@127.0.0.1:{node.port}" for node in nodes), 3)
+        route_port = int(re.findall(r"127\.0\.0\.1:(\d+)",
+                                    nodes[0].shipped_arguments[1])[0])
+        assert b"Authorization Violation" in await route_answer(route_port, "guessed")
+    finally:
+        for node in nodes:
+            node.stop()
 
 
 # ---------------------------------------------------------------- on a Docker engine

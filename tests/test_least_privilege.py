@@ -18,6 +18,7 @@ import structlog
 from schemas import subjects
 from scripts.nats_passwords import (
     PASSWORD_VARIABLES,
+    ROUTE_PASSWORD_VARIABLE,
     kept_passwords,
     new_password,
     service_credentials,
@@ -177,7 +178,7 @@ def test_passwords_are_made_once_kept_private_and_always_readable_by_the_server(
         tmp_path: Path) -> None:
     kept = tmp_path / ".data" / "nats-passwords.env"
     first = kept_passwords(kept)
-    assert set(first) == set(PASSWORD_VARIABLES.values())
+    assert set(first) == {*PASSWORD_VARIABLES.values(), ROUTE_PASSWORD_VARIABLE}
     assert kept.stat().st_mode & 0o777 == 0o600
     assert kept_passwords(kept) == first  # the next run finds the same
     kept.write_text(kept.read_text().replace("NATS_TOOLS_PASSWORD", "# gone"))
