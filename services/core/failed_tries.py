@@ -10,6 +10,7 @@ a write for want of room is told at once: trying again makes no room."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
@@ -20,6 +21,7 @@ CRASH_PAUSE_S = 0.5
 # time, up to the longest.
 FIRST_AWAY_PAUSE_S = 0.25
 LONGEST_AWAY_PAUSE_S = 4.0
+DOUBLINGS_TO_LONGEST = math.ceil(math.log2(LONGEST_AWAY_PAUSE_S / FIRST_AWAY_PAUSE_S))
 
 
 class Failure(StrEnum):
@@ -64,5 +66,8 @@ def after_failure(tries: Tries, failure: Failure, now: float, patience_s: float
     counted = replace(tries, aways=tries.aways + 1, away_since=since)
     if now - since >= patience_s:
         return counted, GiveUp("nats_unavailable")
-    pause = FIRST_AWAY_PAUSE_S * 2 ** (counted.aways - 1)
+    # The doubling stops at the longest pause: a float power overflows after
+    # about a thousand tries, which a patience of a day reaches.
+    doublings = min(counted.aways - 1, DOUBLINGS_TO_LONGEST)
+    pause = FIRST_AWAY_PAUSE_S * 2 ** doublings
     return counted, TryAgain(min(pause, LONGEST_AWAY_PAUSE_S))

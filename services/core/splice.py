@@ -108,9 +108,10 @@ def _check_unchanged(current: Conversation, plan: CompactionPlan) -> None:
 
 
 def first_user_request(conversation: Conversation) -> str | None:
-    """The session's first user request while it is still raw; after a compaction
-    the summary carries it, so None."""
-    if conversation.summary is not None or conversation.compactions > 0:
+    """The session's first user request while it is still raw; once a summary
+    is written it carries the request, so None. (A compaction that only cut
+    old tool output leaves every message, the first request included.)"""
+    if conversation.summary is not None:
         return None
     for message in conversation.messages:
         if message.role == "user":

@@ -157,6 +157,8 @@ def rate_moved(before: float | None, after: float | None) -> bool:
         return False
     if before is None:
         return True
+    if before == 0:  # a rate may be learnt as exactly nothing
+        return after > 0
     change = after / before - 1
     return change > RATE_RISE_KEPT or change < -RATE_FALL_KEPT
 

@@ -44,3 +44,10 @@ def test_a_message_keeps_everything_but_its_cut_content() -> None:
     assert cut is not None and len(cut.content) <= 300 and "left out" in cut.content
     assert (cut.role, cut.tool_name, cut.query_id) == ("tool", "dump", "q")
     assert cut_content(message, lambda m: True) is message
+
+
+def test_a_text_made_to_look_like_a_marker_is_not_a_count() -> None:
+    """int() refuses over 4,300 digits: every cut of such a text failed."""
+    fake = "x" + "\n[… " + "9" * 5000 + " characters left out here: too long to send whole]"
+    assert left_out(fake) == 0
+    assert left_out(cut_text(fake, 10)) == len(fake) - 10

@@ -83,3 +83,11 @@ def test_no_room_is_told_at_once_and_counts_for_nothing_else() -> None:
     tries = Tries(crashes=1, aways=2, away_since=0.0)
     assert after_failure(tries, Failure.no_room, 1.0, PATIENCE_S) == (
         tries, GiveUp("storage_full"))
+
+
+def test_a_day_of_patience_keeps_pausing_at_the_longest() -> None:
+    """A float power overflowed at the 1,024th try of a long patience."""
+    tries = Tries()
+    for second in range(5000):
+        tries, outcome = after_failure(tries, Failure.nats_away, float(second), 86_400.0)
+    assert outcome == TryAgain(LONGEST_AWAY_PAUSE_S) and tries.aways == 5000

@@ -107,6 +107,13 @@ def test_first_user_request() -> None:
     assert first_user_request(SNAP) == "u0"
     assert first_user_request(Conversation(messages=(msg("assistant", "hi"),))) is None
     assert first_user_request(Conversation(summary="s", messages=TURNS, compactions=1)) is None
+    # Only tool output cut: no summary yet to carry the request.
+    plan = plan_compaction(SNAP, tail_turns=2)
+    assert plan is not None
+    elided = splice_elided(SNAP, plan)
+    assert elided.summary is None and elided.compactions == 1
+    assert first_user_request(Conversation(messages=elided.messages,
+                                           compactions=elided.compactions)) == "u0"
 
 
 @settings(max_examples=120, deadline=None)

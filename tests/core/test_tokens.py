@@ -362,6 +362,8 @@ def test_a_rate_that_rose_is_stored_and_one_that_fell_a_little_is_not() -> None:
     assert not rate_moved(0.25, 0.25 * 1.004)
     assert not rate_moved(0.25, 0.25 * (1 - RATE_FALL_KEPT / 2))
     assert rate_moved(0.25, 0.25 * (1 - RATE_FALL_KEPT * 1.5))
+    # Two counts exactly in proportion teach an extra byte to cost nothing.
+    assert not rate_moved(0.0, 0.0) and rate_moved(0.0, 0.1)
 
 
 def test_a_first_basis_is_stored_but_a_newer_one_alone_is_not() -> None:
