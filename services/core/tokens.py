@@ -206,14 +206,20 @@ def calibrate(
     sent = Size(sent_chars, extra_bytes, messages)
     reused = Size(reused_chars, reused_extra_bytes, reused_messages)
     reported = reported_prompt_tokens
-    if reported is None or not _usable(reported, sent, reused, num_ctx):
+    if reported is None or not _usable(reported, sent, reused):
         return previous
+    if reported >= TRUNCATION_FRACTION * num_ctx:
+        # Capped by truncation: the prompt cost at least this much, likely
+        # more. Thrown away, an estimate too low to stop the overflow would
+        # never learn from the overflows it lets through.
+        return _folded(previous, reported, sent, reused, Reading.either)
     return _folded(previous, reported, sent, reused)
 
 
-def _folded(previous: Calibration, reported: int, sent: Size, reused: Size) -> Calibration:
-    """The calibration after a usable report."""
-    reading = _reading(reported, sent, reused, previous)
+def _folded(previous: Calibration, reported: int, sent: Size, reused: Size,
+            reading: Reading | None = None) -> Calibration:
+    """The calibration after a usable report (read as `reading` if given)."""
+    reading = reading or _reading(reported, sent, reused, previous)
     whole = float(reported)
     if reading is Reading.partial:
         if not previous.reports:
@@ -289,11 +295,9 @@ def _never_lower(learnt: Learnt, previous: Calibration, reading: Reading) -> Lea
     return max(per_char, previous.char_rate), per_byte
 
 
-def _usable(reported: int, sent: Size, reused: Size, num_ctx: int) -> bool:
+def _usable(reported: int, sent: Size, reused: Size) -> bool:
     if reported <= 0 or sent.chars <= 0:
         return False
-    if reported >= TRUNCATION_FRACTION * num_ctx:
-        return False  # capped by truncation
     # Fewer tokens than this for what the cache cannot have held means it
     # held more than we think: nothing reliable to learn.
     return reported >= (sent - reused).chars * MIN_TOKENS_PER_CHAR
@@ -306,7 +310,10 @@ def _reading(reported: int, sent: Size, reused: Size, known: Calibration) -> Rea
     its bytes (a byte-level tokenizer never makes more tokens than bytes)
     and more than twice its expected cost. Partial when too few for the
     whole prompt. Else, where the whole should cost several times the rest,
-    the reading whose expected cost lies nearer (in ratio) the count.
+    the reading whose expected cost lies nearer (in ratio) the count; but
+    one nearer the whole may only raise the rates (`either`): a new part
+    denser than the session's text, counted alone, looks like a whole
+    prompt of sparser text, and read so it would lower them.
     """
     fresh = sent - reused
     if reused.chars <= 0 or fresh.chars <= 0:
@@ -319,7 +326,7 @@ def _reading(reported: int, sent: Size, reused: Size, known: Calibration) -> Rea
     as_whole = _expected(sent, known)
     if not known.reports or as_whole < DISTINGUISHABLE * as_fresh:
         return Reading.either
-    return Reading.whole if reported * reported >= as_whole * as_fresh else Reading.partial
+    return Reading.either if reported * reported >= as_whole * as_fresh else Reading.partial
 
 
 def _cautious_byte_rate(char_rate: float) -> float:
