@@ -148,6 +148,12 @@ async def test_paging_returns_every_item_exactly_once(
     markers = (await http.get(f"/api/sessions/{sid}/transcript",
                               params={"kind": "compaction"})).json()["items"]
     assert markers == [i for i in whole if i["kind"] == "compaction"]
+    newest = (await http.get(f"/api/sessions/{sid}/transcript",
+                             params={"kind": "compaction", "before": "end", "limit": "3"})).json()
+    assert newest["items"] == markers and newest["previous"] is None
+    newest = (await http.get(f"/api/sessions/{sid}/transcript",
+                             params={"kind": "message", "before": "end", "limit": "3"})).json()
+    assert newest["items"] == [i for i in whole if i["kind"] == "message"][-3:]
     default = (await http.get(f"/api/sessions/{sid}/transcript")).json()
     assert default["items"] == whole and default["next"] is None
     exported = await http.get(f"/api/sessions/{sid}/export", params={"format": "json"})

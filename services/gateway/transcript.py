@@ -67,7 +67,7 @@ class TranscriptRoutes:
         if "before" in params and "after" in params:
             return error(400, "invalid_field", "before: not with after", field="before")
         if "before" in params:
-            items, earlier = await page_before(self._bus.js, sid, before, limit)
+            items, earlier = await page_before(self._bus.js, sid, before, limit, kind)
             return JSONResponse({"session_id": sid, "items": [i.as_json() for i in items],
                                  "previous": _text(earlier), "next": None})
         items, following = await page(self._bus.js, sid, after, limit, kind)

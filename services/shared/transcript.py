@@ -64,10 +64,10 @@ async def page(js: JetStreamContext, sid: str, after: Position | None,
 
 
 async def page_before(js: JetStreamContext, sid: str, before: Position | None,
-                      limit: int) -> tuple[list[Item], Position | None]:
-    """The `limit` items just before `before` (None: the end), oldest first,
-    and the cursor of the page before them (None at the start). The page
-    scrolls back with it.
+                      limit: int, kind: str | None = None) -> tuple[list[Item], Position | None]:
+    """The `limit` items just before `before` (None: the end), of one `kind`
+    if given, oldest first, and the cursor of the page before them (None at
+    the start). The page scrolls back with it.
 
     Entries have no backward link on the stream, so stretches of it are read
     forward, each reaching further back than the one before (other sessions'
@@ -80,7 +80,8 @@ async def page_before(js: JetStreamContext, sid: str, before: Position | None,
         low = max(1, top - span + 1)
         kept = [item async for stored in stored_entries(js, sid, low, top)
                 for item in items_of(stored)
-                if before is None or item.position < before] + kept
+                if (before is None or item.position < before) and kind in (None, item.kind)
+                ] + kept
         top, span = low - 1, span * STRETCH_GROWTH
     items = kept[-(limit + 1):]
     if len(items) > limit:
