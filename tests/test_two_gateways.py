@@ -74,3 +74,19 @@ async def test_every_reply_reaches_the_gateway_that_asked(
     for content, response in answers:
         assert response.status_code == 200, response.text
         assert response.json()["reply"].startswith(f"Echo: {content} (turn ")
+
+
+async def test_a_session_deleted_through_one_gateway_is_unknown_to_the_others_controls(
+        gateways: tuple[httpx.AsyncClient, httpx.AsyncClient]) -> None:
+    """The other gateway had seen the session, and took its word for it: it
+    asked for a compaction of the deleted session, and told a stop or a retry
+    there was nothing to do instead of 404."""
+    deleting, other = gateways
+    sid = await create(deleting)
+    answer = await other.post(f"/api/sessions/{sid}/messages", json={"content": "hello"})
+    assert answer.status_code == 200, answer.text
+    assert (await deleting.delete(f"/api/sessions/{sid}")).status_code == 204
+    for control in ("compact", "stop", "retry"):
+        response = await other.post(f"/api/sessions/{sid}/{control}", json={})
+        assert response.status_code == 404, (control, response.text)
+        assert response.json()["error"]["code"] == "unknown_session"

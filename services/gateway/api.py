@@ -100,9 +100,10 @@ class Api:
         self._live = live
         self._listeners = ListenerLimit(settings.max_event_streams_per_client)
         self._known: set[str] = set()
+        self._forgotten = 0  # deletes so far: a look-up that spans one adds nothing
         self._compactions: KeyValue | None = None
         self._transcript = TranscriptRoutes(bus, sessions, self._history, self._existing,
-                                            self._known.discard)
+                                            self._forget)
         self._answering = Answering(bus, settings, history, replies)
 
     def routes(self) -> list[Route | Mount]:
@@ -181,7 +182,7 @@ class Api:
     async def compact(self, request: Request) -> Response:
         sid = session_id_of(request)
         body = await parse_body(request, CompactBody, optional=True)
-        await self._require(sid)
+        await self.require(sid)
         await self._bus.js_publish(
             subjects.COMPACTION_REQUEST,
             CompactionRequest(session_id=sid, auto=False, reason="requested by the user",
@@ -208,7 +209,10 @@ class Api:
         return sid
 
     async def require(self, sid: str) -> None:
-        await self._require(sid)
+        """404 unless the session exists, read afresh: for the controls (compact,
+        stop, retry), which no generator would refuse for a session another
+        gateway deleted."""
+        await self._record(sid)
 
     async def state(self, sid: str) -> dict[str, str]:
         return await self._state(sid)
@@ -218,8 +222,14 @@ class Api:
         look-up until this gateway deletes it (another gateway's delete is
         answered `unknown_session` by the generator)."""
         if sid not in self._known:
+            forgotten = self._forgotten
             await self._record(sid)
-            self._known.add(sid)
+            if self._forgotten == forgotten:  # no delete while it was read
+                self._known.add(sid)
+
+    def _forget(self, sid: str) -> None:
+        self._forgotten += 1
+        self._known.discard(sid)
 
     async def _record(self, sid: str) -> SessionRecord:
         try:
