@@ -20,7 +20,14 @@ from schemas import subjects
 from schemas.messages import Query, Reply
 from services.gateway import idempotency
 from services.gateway.errors import STOPPING, STORAGE_FULL, HttpError, error, nats_away
-from services.gateway.replies import GatewayStopping, ReplyRouter, Waiting, events_until_reply
+from services.gateway.live import KEEPALIVE_S
+from services.gateway.replies import (
+    GatewayStopping,
+    ReplyRouter,
+    Waiting,
+    events_until_reply,
+    streamed_events,
+)
 from services.gateway.settings import GatewaySettings
 from services.shared.bus import BadMessage, Bus, decode
 from services.shared.history_store import HistoryStore
@@ -181,8 +188,11 @@ class Answering:
     async def _streamed_events(self, waiting: Waiting) -> AsyncIterator[str]:
         next_index = 0
         try:
-            async for event in events_until_reply(waiting.events,
-                                                  self._settings.reply_timeout_s):
+            async for event in streamed_events(waiting.events, self._settings.reply_timeout_s,
+                                               KEEPALIVE_S):
+                if event is None:
+                    yield ": keep-alive\n\n"
+                    continue
                 if isinstance(event, Reply):
                     yield sse("error" if event.error else "done", self._reply_body(event))
                     continue
@@ -194,7 +204,8 @@ class Answering:
                 yield sse("token", {"text": event.text, "index": event.index})
         except TimeoutError:
             yield sse("error", {"error": {"code": "reply_timeout",
-                                          "message": f"no answer in time; {STILL_QUEUED}"}})
+                                          "message": f"no answer in time; {STILL_QUEUED}"},
+                                "session_id": waiting.sid})
         except GatewayStopping:
             yield sse("error", {"error": STOPPING, "session_id": waiting.sid})
 

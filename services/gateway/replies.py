@@ -169,10 +169,40 @@ async def events_until_reply(queue: asyncio.Queue[Event | None], timeout_s: floa
     caller's own work instead of raising here."""
     deadline = asyncio.get_running_loop().time() + timeout_s
     while True:
-        async with asyncio.timeout_at(deadline):
-            event = await queue.get()
-        if event is _STOPPING:
-            raise GatewayStopping
+        event = await _next_event(queue, deadline)
         yield event
         if isinstance(event, Reply):
             return
+
+
+async def streamed_events(queue: asyncio.Queue[Event | None], quiet_limit_s: float,
+                          keep_alive_s: float) -> AsyncIterator[Event | None]:
+    """As `events_until_reply`, for an answer streamed as it is written: late
+    means `quiet_limit_s` without a token, not in all (a slow model writes
+    for longer than that, and every token shows it at work); and None after
+    each `keep_alive_s` of quiet (in the queue, behind the lock, while the
+    model loads), for the caller to keep its stream open through proxies
+    that cut idle ones."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + quiet_limit_s
+    while True:
+        beat = loop.time() + keep_alive_s
+        try:
+            event = await _next_event(queue, min(deadline, beat))
+        except TimeoutError:
+            if beat >= deadline:
+                raise
+            yield None
+            continue
+        yield event
+        if isinstance(event, Reply):
+            return
+        deadline = loop.time() + quiet_limit_s
+
+
+async def _next_event(queue: asyncio.Queue[Event | None], deadline: float) -> Event:
+    async with asyncio.timeout_at(deadline):
+        event = await queue.get()
+    if event is _STOPPING:
+        raise GatewayStopping
+    return event
