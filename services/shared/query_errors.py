@@ -10,6 +10,7 @@ error still tells the caller that error, not that it cannot know."""
 from __future__ import annotations
 
 import hashlib
+import re
 
 import structlog
 from nats.js import JetStreamContext
@@ -23,8 +24,19 @@ from services.shared.jetstream import query_errors_bucket
 log = structlog.get_logger()
 
 
+# A KV key's alphabet, with dots only between tokens: narrower than a message
+# id's (any 1-128 characters, from any publisher).
+_KEY = re.compile(r"[-_=/A-Za-z0-9]+(\.[-_=/A-Za-z0-9]+)*")
+
+
 def digest(question: str) -> str:
     return hashlib.sha256(question.encode()).hexdigest()
+
+
+def key_of(query_id: str) -> str:
+    """The bucket key a query's error is kept under: its id, or a digest of
+    an id no key may spell (such an id crashed every redelivery's read)."""
+    return query_id if _KEY.fullmatch(query_id) else "id-" + digest(query_id)
 
 
 class KeptError(BaseModel):
@@ -50,7 +62,8 @@ class QueryErrors:
         own, and a resend then meets the key's other outcomes."""
         kept = KeptError(reply=reply, question_digest=digest(question))
         try:
-            await (await self._bucket()).put(reply.query_id, kept.model_dump_json().encode())
+            await (await self._bucket()).put(key_of(reply.query_id),
+                                             kept.model_dump_json().encode())
         except Exception as err:
             log.warning("error_reply_not_kept", query_id=reply.query_id,
                         error=f"{type(err).__name__}: {err}")
@@ -58,7 +71,7 @@ class QueryErrors:
     async def of(self, query_id: str) -> KeptError | None:
         """The error reply this query got within the window, if it got one."""
         try:
-            entry = await (await self._bucket()).get(query_id)
+            entry = await (await self._bucket()).get(key_of(query_id))
         except KeyNotFoundError:
             return None
         try:
