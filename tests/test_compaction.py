@@ -6,6 +6,7 @@ The window is small (NUM_CTX 2048, budget 1792 tokens) so a few turns of
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
@@ -479,6 +480,46 @@ async def test_after_an_oversized_message_long_turns_never_overflow_any_call(
     assert "emergency" in levels, levels
     stats = await stub_stats(stub)
     assert stats["max_prompt_tokens"] <= NUM_CTX - 256 and stats["truncated"] == 0
+
+
+@pytest.mark.parametrize("end", ["killed", "stopped"])
+async def test_a_generator_ended_in_a_turns_compaction_leaves_no_session_compacting(
+    private_nats: NatsServer, stub: str, end: str
+) -> None:
+    """gen-a is killed, or stopped, while the summary of a turn's emergency
+    compaction is being written. Every compaction started gets its result:
+    gen-a's is ended as failed, by gen-a as it stops, or by gen-b when the
+    query comes back to it. Nothing else ended it (the turn's cancel skipped
+    the result, and the compaction record named gen-a), and the session read
+    compacting for good."""
+    system = System(private_nats.url, stub, {**SMALL_WINDOW, "COMPACTION_MODEL": "summariser"},
+                    services=("gateway",)).start()
+    system.add("gen-a", "services.generator", {"GENERATOR_ID": "gen-a"}).start()
+    try:
+        async with system.http(timeout=60) as http, \
+                watching(private_nats.url, *EVENTS) as watcher:
+            sid = await create(http)  # no decider: only a turn compacts
+            await configure_stub(stub, held_models=["summariser"])
+            talk = asyncio.create_task(chat(http, sid, 12, filler=600))
+            await watcher.wait_for(lambda e: e["payload"].get("event") == "started", 60)
+            if end == "killed":
+                system["gen-a"].kill()
+            else:
+                system["gen-a"].stop()
+                await watcher.wait_for(lambda e: e["payload"].get("status") == "failed")
+            await configure_stub(stub, held_models=[])
+            system.add("gen-b", "services.generator", {"GENERATOR_ID": "gen-b"}).start()
+            replies = await talk
+            assert all(r.status_code == 200 for r in replies), [r.text for r in replies]
+            assert (await session(http, sid))["state"] == "idle"
+        started = [e["correlation_id"] for e in watcher.events
+                   if e["payload"].get("event") == "started"]
+        ended = [e["correlation_id"] for e in watcher.events
+                 if e.get("message_type") == "compaction.result"]
+        assert sorted(started) == sorted(ended)
+        assert watcher.payloads("compaction.result")[0]["status"] == "failed"
+    finally:
+        system.stop()
 
 
 async def test_a_paste_no_compaction_could_fit_is_refused_with_the_history_untouched(

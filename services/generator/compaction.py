@@ -63,6 +63,9 @@ from services.shared.sessions import SessionNotFound, SessionStore
 from services.shared.transcript import trim
 
 log = structlog.get_logger()
+# How long a compaction cut short by the generator's stop may take to say so:
+# the stop must not wait on a NATS that does not answer.
+ENDING_BOUND_S = 2.0
 # Called after each piece of a summary is written (session id, the piece):
 # where progress can be published.
 PieceWritten = Callable[[str, Piece], Awaitable[None]]
@@ -171,8 +174,27 @@ class Compactor:
                 await self._publish(job, self._failed(
                     job, f"compaction failed: {type(err).__name__}: {err}", before))
             raise
+        except asyncio.CancelledError:  # the generator stopping: said, within a bound
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.shield(self._publish(job, self._failed(
+                    job, "the generator stopped while writing it", before))), ENDING_BOUND_S)
+            raise
         await self._publish(job, self._completed(job, record, before, spliced, written))
         return spliced
+
+    async def end_left_running(self, sid: str, correlation_id: str) -> None:
+        """For a query delivered again: a compaction its earlier delivery began
+        inside the turn, on a process that died before its result, is ended
+        and reported failed. Nothing else would end it (the turn may not need
+        one now), and the session would read compacting for good."""
+        try:
+            if not await self._states.compaction_recorded(sid, correlation_id):
+                return
+            job = Job(sid, "emergency", True, "the next prompt would not fit", None,
+                      correlation_id)
+            await self._publish(job, self._failed(job, "the generator writing it stopped"))
+        except Exception as err:  # best effort: the turn itself goes on
+            log.warning("compaction_left_running_not_ended", error=f"{type(err).__name__}: {err}")
 
     async def _attempt(self, job: Job) -> CompactionResult:
         sid = job.session_id

@@ -480,6 +480,8 @@ class Generator:
     async def _answer(self, delivery: Delivery, env: Envelope[Query], lease: Lease,
                       head: HeadStart | None) -> FollowUp | None:
         sid = env.payload.session_id
+        if delivery.msg.metadata.num_delivered > 1:
+            await self._compactor.end_left_running(sid, env.correlation_id)
         await self._states.apply(sid, Action.receive, env.correlation_id)
         follow_up = None
         try:

@@ -94,6 +94,15 @@ class SessionStates:
         await self._record(sid, correlation_id,
                            lambda running: compaction_ended(running, correlation_id))
 
+    async def compaction_recorded(self, sid: str, correlation_id: str) -> bool:
+        """Whether the session's entry holds a compaction under this id."""
+        try:
+            entry = await (await self._bucket()).get(sid)
+        except KeyNotFoundError:
+            return False
+        running = CompactionsRunning.model_validate_json(entry.value or b"{}").running
+        return correlation_id in running
+
     async def _record(self, sid: str, correlation_id: str, change: Change) -> None:
         try:
             for _ in range(RECORD_ATTEMPTS):
