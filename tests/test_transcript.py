@@ -241,6 +241,32 @@ async def test_delete_purges_everything_and_answers_what_is_queued(
     assert posted.status_code == 404
 
 
+async def test_a_session_deleted_during_its_first_answer_is_not_written_again(
+    private_nats: NatsServer, stub: str, start: Start
+) -> None:
+    """The delete purged an empty history subject, which is just what a first
+    turn's append expects: the turn was stored after the delete, for good,
+    and a second delete answered 204."""
+    _, http = start("generator", "gateway")
+    sid = await create(http, auto_compact=False)
+    async with watching(private_nats.url, f"{subjects.STATE_PREFIX}.*") as watcher:
+        await configure_stub(stub, held_models=["stub-model"])
+        asked = asyncio.create_task(http.post(f"/api/sessions/{sid}/messages",
+                                              json={"content": "hello"}))
+        await watcher.wait_for(lambda e: e["payload"].get("to_state") == "generating")
+        assert (await http.delete(f"/api/sessions/{sid}")).status_code == 204
+        await configure_stub(stub, held_models=[])
+        answer = await asked
+        await watcher.wait_for(lambda e: e["payload"].get("to_state") == "idle")
+    assert answer.status_code == 404 and answer.json()["error"]["code"] == "unknown_session"
+    nc = await nats.connect(private_nats.url)
+    try:
+        assert await _count(nc.jetstream(), subjects.HISTORY_STREAM, subjects.history(sid)) == 0
+    finally:
+        await nc.close()
+    assert (await http.delete(f"/api/sessions/{sid}")).status_code == 404
+
+
 async def test_a_compaction_in_flight_when_its_session_is_deleted_ends_skipped(
     private_nats: NatsServer, start: Start
 ) -> None:

@@ -249,6 +249,7 @@ class TurnRunner:
         """Append the turn. A server without room, or NATS not answering for
         all the store's patience, is the caller's to hear of, not a crash to
         try again: each try would ask the model anew."""
+        first = turn.view.last_seq == 0
         try:
             turn.view = await self._history.append(turn.sid, turn.view,
                                                    [*turn.messages, answer], supersedes)
@@ -259,6 +260,12 @@ class TurnRunner:
             if not no_room(err):
                 raise
             raise TurnError("storage_full", f"the answer was not kept: {NO_ROOM}") from err
+        if first and not await self._sessions.exists(turn.sid):
+            # Deleted while its first answer was written: the delete removes
+            # the record before the history, so this read sees it gone
+            # whenever the purge may have come before the append.
+            await self._history.discard(turn.sid)
+            raise SessionNotFound(turn.sid)
 
     async def _history_under(self, sid: str, lease: Lease) -> HistoryView:
         """The session's history, read with its lock held."""

@@ -222,6 +222,13 @@ class HistoryStore:
         self._remember(sid, spliced)
         return spliced
 
+    async def discard(self, sid: str) -> None:
+        """Purge all the session's subject holds: a first turn stored after
+        its session was deleted (the purge left the subject empty, as the
+        first append expects, so its compare-and-swap could not tell)."""
+        self.forget(sid)
+        await self._js.purge_stream(subjects.HISTORY_STREAM, subject=subjects.history(sid))
+
     def forget(self, sid: str) -> None:
         self._cache.pop(sid)
 
