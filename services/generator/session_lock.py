@@ -103,6 +103,9 @@ class Lease:
     renewing: bool = field(default=False)
     # Until the holder's block ends; a renewal under way then is the last.
     held: bool = field(default=True)
+    # A renewal sent without an answer (a timeout, NATS away): it may be
+    # stored all the same, and its revision is then the lease's.
+    unanswered: bytes | None = field(default=None)
 
 
 class SessionLocks:
@@ -235,6 +238,8 @@ class SessionLocks:
             lapsed = isinstance(err, KeyWrongLastSequenceError)
             if not (lapsed or err.err_code in WRONG_LAST_SEQUENCE):
                 raise
+            if await self._answer_found(lease):
+                return await self.release(lease, used)
             # Our lease lapsed and the key expired or changed hands: not ours to delete.
             log.warning("lock_release_skipped", session_id=lease.session_id,
                         revision=lease.revision)
@@ -252,17 +257,44 @@ class SessionLocks:
                 return
             lease.renewing = True
             try:
-                lease.revision = await self._kv.update(
-                    lease.session_id, self._value(lease.purpose), last=lease.revision
-                )
-            except KeyWrongLastSequenceError:
-                lease.lost = True
-                log.error("lock_lost", session_id=lease.session_id, purpose=lease.purpose)
-                return
-            except Exception as err:  # NATS briefly away: try again next period
+                if not await self._renew(lease):
+                    lease.lost = True
+                    log.error("lock_lost", session_id=lease.session_id, purpose=lease.purpose)
+                    return
+            except Exception as err:  # the key not read back: settled next period
                 log.warning("lock_renewal_failed", session_id=lease.session_id, error=str(err))
             finally:
                 lease.renewing = False
+
+    async def _renew(self, lease: Lease) -> bool:
+        """One renewal; False when the lease is lost to someone else."""
+        value = self._value(lease.purpose)
+        try:
+            lease.revision = await self._kv.update(lease.session_id, value, last=lease.revision)
+        except KeyWrongLastSequenceError:
+            # Lost, unless the key holds a renewal of ours whose answer was lost.
+            return await self._answer_found(lease) and await self._renew(lease)
+        except Exception as err:  # NATS briefly away: try again next period
+            lease.unanswered = value
+            log.warning("lock_renewal_failed", session_id=lease.session_id, error=str(err))
+        else:
+            lease.unanswered = None
+        return True
+
+    async def _answer_found(self, lease: Lease) -> bool:
+        """Whether the key holds the renewal that went unanswered: then its
+        revision is the lease's."""
+        if lease.unanswered is None:
+            return False
+        try:
+            entry = await self._kv.get(lease.session_id)
+        except KeyNotFoundError:
+            return False
+        if entry.value != lease.unanswered or entry.revision is None:
+            return False
+        lease.revision, lease.unanswered = entry.revision, None
+        log.info("lock_renewal_found_stored", session_id=lease.session_id)
+        return True
 
     def _value(self, purpose: Purpose) -> bytes:
         return json.dumps(
