@@ -522,6 +522,41 @@ async def test_a_generator_ended_in_a_turns_compaction_leaves_no_session_compact
         system.stop()
 
 
+async def test_a_stop_during_a_turns_compaction_ends_the_turn_with_the_history_as_it_was(
+    private_nats: NatsServer, stub: str, start: Callable[..., httpx.AsyncClient]
+) -> None:
+    """The stop was answered 202, yet the turn wrote its whole summary (up to
+    SUMMARY_TIMEOUT_S), made the compaction, which cannot be undone, and only
+    then ended, stopped."""
+    http = start(services=("generator", "gateway"), COMPACTION_MODEL="summariser")
+    sid = await create(http)
+
+    async def until_stopped() -> httpx.Response:
+        for i in range(1, 40):
+            reply = await http.post(f"/api/sessions/{sid}/messages",
+                                    json={"content": f"question {i} !long 600"})
+            if reply.json().get("stopped"):
+                return reply
+        raise AssertionError("no turn needed a compaction")
+
+    async with watching(private_nats.url, *EVENTS) as watcher:
+        await configure_stub(stub, held_models=["summariser"])
+        try:
+            talk = asyncio.create_task(until_stopped())
+            await watcher.wait_for(lambda e: e["payload"].get("event") == "started", 60)
+            assert (await http.post(f"/api/sessions/{sid}/stop")).status_code == 202
+            reply = await asyncio.wait_for(talk, 60)  # the summariser still held
+            result = await next_result(watcher, sid)
+        finally:
+            await configure_stub(stub, held_models=[])
+    assert reply.status_code == 200 and reply.json()["reply"] == ""
+    assert result["status"] == "skipped" and "stopped" in result["error"], result
+    context = await session(http, sid)
+    assert context["compactions"] == 0 and context["state"] == "idle"
+    assert context["messages"][-1] == {"role": "assistant", "stopped": True,
+                                       "query_id": context["messages"][-1]["query_id"]}
+
+
 async def test_a_paste_no_compaction_could_fit_is_refused_with_the_history_untouched(
     private_nats: NatsServer, stub: str, start: Callable[..., httpx.AsyncClient]
 ) -> None:

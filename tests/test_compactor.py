@@ -24,6 +24,7 @@ from services.generator.provider import OllamaProvider
 from services.generator.session_lock import SessionLocks
 from services.generator.settings import GeneratorSettings
 from services.generator.states import SessionStates
+from services.generator.stops import StopSwitch
 from services.shared.bus import Bus, decode
 from services.shared.history_store import HistoryConflict, HistoryStore, HistoryView
 from services.shared.jetstream import ensure_layout, locks_bucket
@@ -116,7 +117,7 @@ async def test_an_emergency_compaction_whose_splice_is_refused_still_reports_it(
             await nc.subscribe(subjects.COMPACTION_RESULT, cb=results.put)]
     try:
         compacting = asyncio.create_task(
-            compactor.compact_within_turn(record, view, uuid.uuid4().hex))
+            compactor.compact_within_turn(record, view, uuid.uuid4().hex, StopSwitch("q")))
         await next_about(sid, started)  # the summary is being written now
         behind = HistoryStore(nc.jetstream())
         await behind.append(sid, await behind.read(sid), [

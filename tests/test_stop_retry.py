@@ -10,6 +10,7 @@ from typing import Any
 
 import httpx
 import nats
+from nats.aio.msg import Msg
 from nats.js.errors import NotFoundError
 
 from schemas import subjects
@@ -19,7 +20,8 @@ from tests.events import Watcher, eventually, server_sent_events, watching
 from tests.nats_server import NatsServer
 from tests.slow_answers import LONG, SSE, create
 from tests.stub_server import stub_stats
-from tests.system import System
+from tests.system import System, running_system
+from tests.tools_offered import offer_tools
 
 # The slow system's fixtures, by their names in this module.
 stub, system, http = slow_answers.stub, slow_answers.system, slow_answers.http
@@ -229,3 +231,37 @@ def _runner(states: Watcher, sid: str) -> str:
                if p["session_id"] == sid and p["action"] == "start_generation"]
     return str(started[0])
 
+
+
+async def test_a_stop_while_a_tool_call_waits_ends_the_answer_there(
+        private_nats: NatsServer, stub: str) -> None:
+    """The tool does not answer. The stop was answered 202, yet the turn waited
+    out the call (TOOL_TIMEOUT_S), stored its timeout as the tool's result,
+    and only then ended: the answer is stopped where it was."""
+    nc = await nats.connect(private_nats.url)
+    called = asyncio.Event()
+
+    async def never_answers(msg: Msg) -> None:
+        called.set()
+
+    await offer_tools(nc, [{"type": "function", "function": {
+        "name": "wait", "description": "takes its time",
+        "parameters": {"type": "object", "properties": {}}}}])
+    await nc.subscribe(subjects.tool("wait"), cb=never_answers)
+    try:
+        with running_system(private_nats.url, stub, {"TOOL_TIMEOUT_S": "120"},
+                            services=("generator", "gateway")) as running:
+            async with running.http(timeout=60) as client:
+                sid = await create(client)
+                asked = asyncio.create_task(client.post(
+                    f"/api/sessions/{sid}/messages",
+                    json={"content": '!lead "Looking" !tool wait {}'}))
+                await asyncio.wait_for(called.wait(), 30)
+                assert (await client.post(f"/api/sessions/{sid}/stop")).status_code == 202
+                reply = await asyncio.wait_for(asked, 60)
+                assert reply.status_code == 200 and reply.json()["stopped"] is True
+                messages = (await client.get(f"/api/sessions/{sid}")).json()["messages"]
+    finally:
+        await nc.close()
+    assert [m["role"] for m in messages] == ["user", "assistant"]
+    assert messages[-1]["stopped"] is True and messages[-1]["content"] == "Looking"

@@ -55,6 +55,7 @@ from services.generator.provider import ChatProvider, ChatRequest, ChatResult, P
 from services.generator.session_lock import LockTimeout, SessionLocks
 from services.generator.settings import GeneratorSettings
 from services.generator.states import SessionStates
+from services.generator.stops import StopSwitch
 from services.shared import metrics
 from services.shared.bus import Bus
 from services.shared.history_store import HistoryConflict, HistoryStore, HistoryView
@@ -73,6 +74,11 @@ PieceWritten = Callable[[str, Piece], Awaitable[None]]
 
 class CompactionSkipped(Exception):
     """Nothing was changed, for a reason worth telling (not a failure)."""
+
+
+class CompactionStopped(CompactionSkipped):
+    """The turn whose emergency compaction this was is stopped: its summary
+    is left unwritten, the history unchanged."""
 
 
 class CompactionFailed(Exception):
@@ -152,8 +158,10 @@ class Compactor:
         return result
 
     async def compact_within_turn(self, record: SessionRecord, view: HistoryView,
-                                  correlation_id: str) -> HistoryView:
-        """Emergency compaction by a turn that already holds the session lock."""
+                                  correlation_id: str, switch: StopSwitch) -> HistoryView:
+        """Emergency compaction by a turn that already holds the session lock;
+        its summary is given up if the turn's `switch` is thrown (the splice,
+        once begun, is not: its outcome must be known)."""
         job = Job(record.session_id, "emergency", True, "the next prompt would not fit",
                   None, correlation_id)
         self._offered = await self._tools.definitions()
@@ -161,7 +169,9 @@ class Compactor:
         before = self.tokens(record, view.conversation)
         await self._announce(job, before)
         try:
-            written = await self._write_summary(record, plan, job)
+            written = await switch.unless_thrown(self._write_summary(record, plan, job))
+            if written is None:
+                raise CompactionStopped("the answer was stopped while it was written")
             spliced, before = await self._splice(record, view, plan, written, job)
         except CompactionSkipped as err:
             await self._publish(job, self._skipped(job, str(err), before))

@@ -3,8 +3,10 @@
 Each turn this process runs has a `StopSwitch`; a stop request for the
 session throws it. A model call under way then ends at once: its task is
 cancelled, which closes the HTTP stream to the model server, and the server
-stops generating when its client goes away. The turn keeps what was written
-until then and stores it as its answer, marked stopped.
+stops generating when its client goes away. So do the turn's other waits on
+others' work: its tool calls, the summary of its emergency compaction. The
+turn keeps what was written until then and stores it as its answer, marked
+stopped.
 """
 
 from __future__ import annotations
@@ -12,8 +14,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable, Iterator
+from typing import Any, TypeVar
 
-from services.generator.provider import ChatResult
+T = TypeVar("T")
 
 
 class StopSwitch:
@@ -23,7 +26,7 @@ class StopSwitch:
         self.query_id = query_id
         self.thrown = False
         self.written: list[str] = []
-        self._call: asyncio.Future[ChatResult] | None = None
+        self._call: asyncio.Future[Any] | None = None
 
     def throw(self) -> None:
         self.thrown = True
@@ -33,7 +36,7 @@ class StopSwitch:
     async def heard(self, text: str) -> None:
         self.written.append(text)
 
-    async def unless_thrown(self, call: Awaitable[ChatResult]) -> ChatResult | None:
+    async def unless_thrown(self, call: Awaitable[T]) -> T | None:
         """The call's result, or None once the switch is thrown (the call then
         cancelled, and waited for, so its connection is closed)."""
         if self.thrown:
@@ -42,9 +45,10 @@ class StopSwitch:
             return None
         # A task of its own, so that `throw` can cancel the call and nothing
         # else; no waiter beside it (a task and a wait per model call).
-        self._call = asyncio.ensure_future(call)
+        running = asyncio.ensure_future(call)
+        self._call = running
         try:
-            return await self._call
+            return await running
         except asyncio.CancelledError:
             current = asyncio.current_task()
             if self.thrown and not (current and current.cancelling()):

@@ -47,7 +47,12 @@ from services.core.tokens import (
     with_calibration,
     worth_storing,
 )
-from services.generator.compaction import CompactionFailed, CompactionSkipped, Compactor
+from services.generator.compaction import (
+    CompactionFailed,
+    CompactionSkipped,
+    CompactionStopped,
+    Compactor,
+)
 from services.generator.head_start import HeadStart, HeadStartCount, still_good
 from services.generator.models import ModelFacts
 from services.generator.provider import (
@@ -62,7 +67,7 @@ from services.generator.settings import GeneratorSettings
 from services.generator.states import SessionStates
 from services.generator.stops import Stops, StopSwitch
 from services.generator.token_stream import TokenStream
-from services.generator.toolbox import Toolbox
+from services.generator.toolbox import Toolbox, ToolRun
 from services.shared.bus import Bus
 from services.shared.history_store import HistoryStore, HistoryView
 from services.shared.jetstream import NO_ROOM, no_room
@@ -107,10 +112,12 @@ class Turn:
     # A retry's: the history up to the last user message, the answer after
     # it left out (see `services.core.retry`). None for a new message.
     retry_context: Conversation | None = None
-    switch: StopSwitch | None = None
+    # Thrown by a stop; a head start's own when the turn keeps its call.
+    switch: StopSwitch = field(init=False)
 
     def __post_init__(self) -> None:
         self.started_on = self.view.conversation
+        self.switch = StopSwitch(self.env.message_id)
 
     def called(self, prompt: Messages) -> None:
         """A model call is sent with this prompt."""
@@ -223,7 +230,8 @@ class TurnRunner:
         started = time.monotonic()
         await self._states.apply(sid, Action.start_generation, env.correlation_id)
         kept = self._kept(head, turn)
-        turn.switch = kept.switch if kept is not None else StopSwitch(query_id)
+        if kept is not None:
+            turn.switch = kept.switch
         with self.stops.running(sid, turn.switch):
             result, tools = await self._tool_loop(turn, kept)
         answer = ChatMessage(role="assistant", content=result.content, query_id=query_id,
@@ -309,7 +317,10 @@ class TurnRunner:
         tools = head.tools if head else await self._offered_tools(turn.record)
         stream = self._turn_stream(turn.env, head)
         for _ in range(self._settings.max_tool_iterations + 1):
-            prompt = head.prompt if head else await self._fitting_prompt(turn, tools)
+            try:
+                prompt = head.prompt if head else await self._fitting_prompt(turn, tools)
+            except CompactionStopped:
+                return ChatResult(content="", stopped=True), tools
             turn.called(prompt)
             if head is not None:
                 result, head = await head.result(), None  # only the first call starts early
@@ -318,9 +329,12 @@ class TurnRunner:
                                                 turn.switch)
             if not result.tool_calls or result.stopped:
                 return result, tools
+            ran = await self._run_tools(turn, result)
+            if ran is None:  # stopped: the text so far is the answer
+                return ChatResult(content=result.content, stopped=True), tools
             call = ChatMessage(role="assistant", content=result.content,
                                tool_calls=result.tool_calls, query_id=turn.query_id)
-            turn.messages = [*turn.messages, call, *await self._run_tools(turn.env, result)]
+            turn.messages = [*turn.messages, call, *ran]
         raise TurnError(
             "tool_loop_limit",
             f"the model kept calling tools after {self._settings.max_tool_iterations} rounds",
@@ -381,8 +395,10 @@ class TurnRunner:
         if self._fits(turn.record, prompt, tools):
             return True  # the cut alone made room
         try:
-            turn.view = await self._compactor.compact_within_turn(turn.record, turn.view,
-                                                                  turn.env.correlation_id)
+            turn.view = await self._compactor.compact_within_turn(
+                turn.record, turn.view, turn.env.correlation_id, turn.switch)
+        except CompactionStopped:
+            raise
         except (CompactionSkipped, CompactionFailed) as err:
             raise self._overflow(turn.record, prompt, tools,
                                  f"emergency compaction could not make room: {err}") from err
@@ -423,16 +439,23 @@ class TurnRunner:
             f"the budget is {self.budget(record)} (num_ctx {self.num_ctx(record)}); {advice}",
         )
 
-    async def _run_tools(self, env: Envelope[Query], result: ChatResult) -> list[ChatMessage]:
-        sid = env.payload.session_id
+    async def _run_tools(self, turn: Turn, result: ChatResult) -> list[ChatMessage] | None:
+        """The results of the calls `result` asks for; None when the answer is
+        stopped before they all came (the calls are cut short, as a timeout
+        cuts them)."""
+        env, sid = turn.env, turn.sid
         await self._states.apply(sid, Action.dispatch_tool, env.correlation_id)
         await self._states.apply(sid, Action.await_result, env.correlation_id)
-        runs = [await self._toolbox.run(call, env.message_id, env.correlation_id, sid)
-                for call in result.tool_calls]
-        timed_out = any(run.timed_out for run in runs)
+        runs = await turn.switch.unless_thrown(self._runs(env, result))
+        timed_out = runs is None or any(run.timed_out for run in runs)
         await self._states.apply(sid, Action.tool_timeout if timed_out else Action.tool_result,
                                  env.correlation_id)
-        return [run.message for run in runs]
+        return None if runs is None else [run.message for run in runs]
+
+    async def _runs(self, env: Envelope[Query], result: ChatResult) -> list[ToolRun]:
+        return [await self._toolbox.run(call, env.message_id, env.correlation_id,
+                                        env.payload.session_id)
+                for call in result.tool_calls]
 
     async def _call_model(self, env: Envelope[Query], record: SessionRecord, prompt: Messages,
                           tools: Messages, stream: TokenStream | None = None,
