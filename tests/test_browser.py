@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from tests.stub_server import configure_stub_now
-from tests.system import System, running_system
+from tests.system import System, ask, new_session, running_system
 
 # CHROMIUM names another binary (a path or a command).
 CHROMIUM = shutil.which(os.environ.get("CHROMIUM") or "chromium") or shutil.which(
@@ -358,3 +358,117 @@ def test_an_answer_lost_on_the_way_is_sent_again_and_answered_once(
     assert len(keys) == 2 and keys[0] and keys[0] == keys[1], keys
     stored = httpx.get(f"{system.base_url}/api/sessions/{sid}", timeout=10).json()["messages"]
     assert [m["role"] for m in stored] == ["user", "assistant"]
+
+
+def open_session(page: playwright_api.Page, sid: str) -> None:
+    page.goto(f"/#session={sid}")
+    playwright_api.expect(page.locator("#state-badge")).to_have_attribute("data-state", "idle")
+
+
+def test_the_turn_under_way_stays_when_earlier_messages_are_loaded(
+        watched: Watched, system: System, stub_url: str) -> None:
+    page = watched.page
+    with system.client() as client:
+        sid = new_session(client)
+        # More than a page of transcript (100 items), so scrolling up loads more.
+        for n in range(55):
+            assert ask(client, sid, f"t{n}").status_code == 200
+    open_session(page, sid)
+    playwright_api.expect(page.locator("#messages .msg-more")).to_be_visible()
+    configure_stub_now(stub_url, paused_models=[ANSWER_MODEL])
+    try:
+        page.fill("#message-input", "and one more")
+        page.click("#send-button")
+        pending = page.locator("#messages .msg-pending")
+        playwright_api.expect(pending.locator(".msg-text")).not_to_have_text("")
+        page.locator("#messages").evaluate("box => { box.scrollTop = 0; }")
+        users = page.locator("#messages .msg-user .msg-text")
+        playwright_api.expect(users.first).to_have_text("t0")  # the older page is drawn
+        playwright_api.expect(pending).to_have_count(1)
+        playwright_api.expect(users.last).to_have_text("and one more")
+    finally:
+        configure_stub_now(stub_url, paused_models=[])
+    playwright_api.expect(pending).to_have_count(0)
+    answer = page.locator("#messages .msg-assistant .msg-text").last
+    playwright_api.expect(answer).to_have_text(re.compile(r"^Echo: and one more"))
+    playwright_api.expect(users.last).to_have_text("and one more")
+    assert page.locator("#messages .msg-failed").count() == 0
+
+
+def test_the_turn_under_way_stays_when_a_slow_first_read_arrives(
+        watched: Watched, stub_url: str) -> None:
+    page = watched.page
+    create_session(page)
+    send(page, "first question")
+    held: list[playwright_api.Route] = []
+
+    def hold_the_first_read(route: playwright_api.Route) -> None:
+        if held or "kind=" in route.request.url:
+            route.continue_()
+        else:
+            held.append(route)
+
+    page.route("**/transcript?before=end*", hold_the_first_read)
+    configure_stub_now(stub_url, paused_models=[ANSWER_MODEL])
+    try:
+        with page.expect_request(
+                lambda r: "transcript?before=end" in r.url and "kind=" not in r.url):
+            page.reload()
+        page.fill("#message-input", "second question")
+        page.click("#send-button")
+        pending = page.locator("#messages .msg-pending")
+        playwright_api.expect(pending.locator(".msg-text")).not_to_have_text("")
+        assert len(held) == 1
+        held[0].continue_()
+        users = page.locator("#messages .msg-user .msg-text")
+        playwright_api.expect(users.first).to_have_text("first question")  # the read is drawn
+        playwright_api.expect(users).to_have_count(2)
+        playwright_api.expect(users.last).to_have_text("second question")
+        playwright_api.expect(pending).to_have_count(1)
+    finally:
+        configure_stub_now(stub_url, paused_models=[])
+    playwright_api.expect(pending).to_have_count(0)
+    answers = page.locator("#messages .msg-assistant .msg-text")
+    playwright_api.expect(answers.last).to_have_text("Echo: second question (turn 2)")
+    playwright_api.expect(users).to_have_count(2)
+
+
+def test_a_message_that_surely_failed_goes_back_into_the_composer(
+        watched: Watched, stub_url: str) -> None:
+    page = watched.page
+    create_session(page)
+    configure_stub_now(stub_url, quirks=["error"])
+    try:
+        page.fill("#message-input", "please keep this")
+        page.click("#send-button")
+        failed = page.locator("#messages .msg-failed")
+        playwright_api.expect(failed.locator(".msg-error")).to_be_visible()
+    finally:
+        configure_stub_now(stub_url, quirks=[])
+    assert failed.locator(".send-again-button").count() == 0
+    playwright_api.expect(page.locator("#message-input")).to_have_value("please keep this")
+
+
+def test_a_question_kept_by_a_compaction_after_a_retry_is_not_faded(
+        watched: Watched) -> None:
+    page = watched.page
+    create_session(page)
+    for n in range(3):  # long enough for a summary to free room
+        send(page, f"question {n}: " + "the quick brown fox jumps over the lazy dog " * 12)
+    page.locator("#messages .retry-button").click()
+    answers = page.locator("#messages .msg-assistant")
+    playwright_api.expect(answers).to_have_count(4)
+    playwright_api.expect(answers.last.locator(".retry-button")).to_be_enabled()
+    # The tail of one turn keeps the last question and its fresh answer.
+    page.click("#compact-button")
+    playwright_api.expect(page.locator("#messages .msg-divider")).to_have_count(1)
+    # A result that came before the request's own answer was written over by
+    # "Compaction requested", which then stayed.
+    playwright_api.expect(page.locator("#compact-status")).to_contain_text("ompleted")
+    faded = re.compile(r"\bmsg-compacted\b")
+    last_question = page.locator("#messages .msg-user").last
+    playwright_api.expect(last_question.locator(".msg-text")).to_contain_text("question 2")
+    playwright_api.expect(last_question).not_to_have_class(faded)
+    playwright_api.expect(page.locator("#messages .msg-superseded")).to_have_class(faded)
+    playwright_api.expect(page.locator("#messages .msg-user").first).to_have_class(faded)
+    playwright_api.expect(page.locator("#timeline .timeline-row")).to_have_count(1)

@@ -283,6 +283,21 @@ console.log(JSON.stringify({
   faded: [...chat.fadedIndexes(["m", "m", "m", "m", ["c", 2], "m", ["c", 1], "m"].map(
     (k) => (k === "m" ? { kind: "message" } : { kind: "compaction", kept_messages: k[1] })))],
   noMarker: [...chat.fadedIndexes([{ kind: "message" }])],
+  // Two turns, a retry of the second, a marker keeping the last question and
+  // its fresh answer: the answer the retry replaced is not one of the two.
+  retriedBefore: [...chat.fadedIndexes([
+    { kind: "message", role: "user", query_id: "q1" },
+    { kind: "message", role: "assistant", query_id: "q1" },
+    { kind: "message", role: "user", query_id: "q2" },
+    { kind: "message", role: "assistant", query_id: "q2" },
+    { kind: "message", role: "assistant", query_id: "q3", supersedes: "q2" },
+    { kind: "compaction", kept_messages: 2 }])],
+  // A retry after the marker: the answer it replaced was one the marker kept.
+  retriedAfter: [...chat.fadedIndexes([
+    { kind: "message", role: "user", query_id: "q1" },
+    { kind: "message", role: "assistant", query_id: "q1" },
+    { kind: "compaction", kept_messages: 2 },
+    { kind: "message", role: "assistant", query_id: "q2", supersedes: "q1" }])],
   // A question, its answer (a tool call, its result, the text), a retry of it.
   superseded: [...chat.supersededIndexes([
     { kind: "message", role: "user", query_id: "q1" },
@@ -330,6 +345,7 @@ def test_sse_parser_and_helpers_under_node(tmp_path: Path) -> None:
     assert result["divider"] == ["compacted · automatic · 1,255 → 1,002 tokens · 14:02",
                                  "compacted · manual · emergency"]
     assert sorted(result["faded"]) == [0, 1, 2, 3] and result["noMarker"] == []
+    assert sorted(result["retriedBefore"]) == [0, 1, 3] and result["retriedAfter"] == []
     assert sorted(result["superseded"]) == [1, 2, 3]
     assert result["progress"] == ["Compacting… piece 2 of 5", "Compacting… all 5 pieces written",
                                   "Compacting the conversation…"]

@@ -97,7 +97,8 @@ def marker(snapshot: Snapshot, stored_at: datetime | None) -> dict[str, Any]:
         "auto": snapshot.auto, "level": snapshot.level,
         "tokens_before": snapshot.tokens_before, "tokens_after": snapshot.tokens_after,
         "summary": snapshot.summary, "compactions": snapshot.compactions,
-        # The last this many messages before the marker stay in the context.
+        # The last this many messages before the marker stay in the context,
+        # not counting the answers a retry before it replaced (already out).
         "kept_messages": len(snapshot.messages),
     }
 

@@ -47,15 +47,18 @@ export function dividerText(marker) {
 
 // Indexes of the transcript items (oldest first) no longer in the model's context:
 // the messages before the latest compaction marker, except the ones it kept.
+// An answer a retry replaced before the marker had left the context already,
+// so it is not one of the kept ones the marker counts.
 export function fadedIndexes(items) {
   const faded = new Set();
   let last = -1;
   items.forEach((item, i) => { if (item.kind === "compaction") last = i; });
   if (last < 0) return faded;
+  const replaced = supersededIndexes(items.slice(0, last));
   let keep = Number(items[last].kept_messages) || 0;
   for (let i = last - 1; i >= 0; i -= 1) {
     if (items[i].kind !== "message") continue;
-    if (keep > 0) keep -= 1;
+    if (keep > 0 && !replaced.has(i)) keep -= 1;
     else faded.add(i);
   }
   return faded;
@@ -118,6 +121,14 @@ function dividerItem(marker) {
   return el("li", { className: "msg-divider", attrs: { role: "separator" } }, [details]);
 }
 
+// The turn not yet in the stored transcript: its user message (none for a
+// retry) and its answer bubble, streaming or failed. Drawing the transcript
+// again puts them back after it: dropped, the message would vanish unseen,
+// and the answer's tokens, its error and Send again would go to a bubble no
+// longer on the page. The turn's stored messages take their place once it is
+// answered; a new turn, Send again or another session lets them go.
+let unsaved = [];
+
 // The whole transcript loaded so far; older pages come as the list scrolls up.
 function renderTranscript({ toEnd = false } = {}) {
   const faded = fadedIndexes(app.items);
@@ -137,9 +148,10 @@ function renderTranscript({ toEnd = false } = {}) {
     nodes.at(-1).append(el("div", { className: "msg-actions" }, [retryButton()]));
   }
   if (app.older) nodes.unshift(el("li", { className: "msg-more", text: "Scroll up for earlier messages…" }));
-  ui.messages.replaceChildren(...nodes);
-  show(ui.emptyHint, nodes.length === 0);
-  if (nodes.length === 0) ui.emptyHint.textContent = "No messages yet — say something.";
+  ui.messages.replaceChildren(...nodes, ...unsaved);
+  const empty = nodes.length === 0 && unsaved.length === 0;
+  show(ui.emptyHint, empty);
+  if (empty) ui.emptyHint.textContent = "No messages yet — say something.";
   if (toEnd) scrollToEnd(true);
 }
 
@@ -234,8 +246,13 @@ function pendingAnswer(again) {
     status,
   ]);
   ui.messages.append(item);
+  unsaved.push(item);
   scrollToEnd(true);
+  let failure = null;
   return {
+    get failure() {
+      return failure;
+    },
     stateChanged(action, toState) {
       if (writing) return;
       waiting = pendingAfter(waiting, action, toState);
@@ -274,6 +291,7 @@ function pendingAnswer(again) {
       item.removeAttribute("aria-busy");
     },
     fail(error) {
+      failure = error ?? { code: "error" };
       item.classList.remove("msg-pending");
       item.classList.add("msg-failed");
       item.removeAttribute("aria-busy");
@@ -284,11 +302,15 @@ function pendingAnswer(again) {
         ": ",
         error?.message ?? "the answer failed",
       ]);
-      if (UNKNOWN_OUTCOME.includes(error?.code)) box.append(sendAgainButton(item, again));
+      if (offersSendAgain(error)) box.append(sendAgainButton(item, again));
       item.append(box);
       scrollToEnd(true);
     },
   };
+}
+
+function offersSendAgain(error) {
+  return UNKNOWN_OUTCOME.includes(error?.code);
 }
 
 function sendAgainButton(item, again) {
@@ -300,6 +322,7 @@ function sendAgainButton(item, again) {
   button.disabled = app.busy;
   button.addEventListener("click", () => {
     item.remove();
+    unsaved = unsaved.filter((node) => node !== item);
     again();
   });
   return button;
@@ -341,7 +364,9 @@ export async function sendMessage(event) {
   if (!id || app.busy || !content.trim()) return;
   ui.input.value = "";
   show(ui.emptyHint, false);
-  ui.messages.append(messageItem({ role: "user", content }));
+  const asked = messageItem({ role: "user", content });
+  unsaved = [asked];
+  ui.messages.append(asked);
   rememberSession(id, content.slice(0, 40));
   await runTurn(API.messages(id), { content }, newKey());
 }
@@ -358,6 +383,7 @@ async function retryAnswer() {
     if (actions) show(actions, false);
     markSuperseded(old);
   }
+  unsaved = [];
   const answered = await runTurn(API.retry(id), null, newKey());
   if (!answered && old?.isConnected) {
     unmarkSuperseded(old);
@@ -414,19 +440,36 @@ async function runTurn(url, body, key) {
     else answer.fail({ code: "network_error", message: String(err.message || err) });
   } finally {
     // Unless the page moved to another session meanwhile (which aborted this read).
-    if (app.abort === controller) {
-      app.abort = null;
-      app.pending = null;
-      setBusy(false);
-      // On success the stored history (with tool calls) replaces the streamed bubble;
-      // after an error the inline error stays and only the gauge and facts refresh
-      // (unless a compaction rewrote the history meanwhile).
-      loadSession({ messages: succeeded || app.reloadAfterTurn });
-      app.reloadAfterTurn = false;
-      if (document.activeElement === document.body) ui.input.focus();
-    }
+    if (app.abort === controller) endTurn(answer, body, succeeded);
   }
   return succeeded;
+}
+
+function endTurn(answer, body, succeeded) {
+  app.abort = null;
+  app.pending = null;
+  setBusy(false);
+  if (succeeded) unsaved = [];
+  else if (body && !offersSendAgain(answer.failure)) giveBack(body.content);
+  // On success the stored history (with tool calls) replaces the streamed bubble;
+  // after an error the inline error stays and only the gauge and facts refresh
+  // (unless a compaction rewrote the history meanwhile).
+  loadSession({ messages: succeeded || app.reloadAfterTurn });
+  app.reloadAfterTurn = false;
+  if (document.activeElement === document.body) ui.input.focus();
+}
+
+// A message that was surely not taken goes back into the composer, to be sent
+// again or changed, unless the user has begun another one meanwhile.
+function giveBack(content) {
+  if (!ui.input.value.trim()) ui.input.value = content;
+}
+
+// Another session's transcript (or none) is to be shown: this one's goes,
+// its unsaved turn too.
+export function clearTranscript() {
+  unsaved = [];
+  ui.messages.replaceChildren();
 }
 
 // Reads the answer of a message's POST into the pending bubble; true when it completed.

@@ -12,6 +12,10 @@ export const STATES = [
 
 const MAX_LOG_LINES = 50;
 
+// The timeline shows this many of the newest compactions, oldest first; the
+// session's facts count them all.
+const TIMELINE_ROWS = 100;
+
 const WARN_AT = 0.8;
 
 const DANGER_AT = 0.95;
@@ -55,7 +59,8 @@ export function sessionState(phase, compacting) {
 export async function loadTimeline(id) {
   let page;
   try {
-    page = await requestJson(API.transcript(id, { kind: "compaction", limit: 1000 }));
+    const newest = { before: "end", kind: "compaction", limit: TIMELINE_ROWS };
+    page = await requestJson(API.transcript(id, newest));
   } catch {
     return; // the chat shows the error, if any
   }
@@ -161,11 +166,15 @@ export async function requestCompaction(event) {
   const instructions = ui.compactInstructions.value.trim();
   ui.compactButton.disabled = true;
   ui.compactStatus.dataset.kind = "info";
-  ui.compactStatus.textContent = "Requesting compaction…";
+  const requesting = "Requesting compaction…";
+  ui.compactStatus.textContent = requesting;
   try {
     await requestJson(API.compact(id), { method: "POST", body: instructions ? { instructions } : {} });
     if (app.sessionId !== id) return; // the user moved to another session meanwhile
-    ui.compactStatus.textContent = "Compaction requested — progress shows in the events below.";
+    // Unless the live feed told its outcome already (it can outrun this answer).
+    if (ui.compactStatus.textContent === requesting) {
+      ui.compactStatus.textContent = "Compaction requested — progress shows in the events below.";
+    }
     ui.compactInstructions.value = "";
   } catch (err) {
     if (app.sessionId !== id) return;

@@ -5,7 +5,7 @@
 import { API, listSessions, requestJson } from "./api.js";
 import { app, el, isValidSessionId, show, showNotice, ui } from "./shared.js";
 import { compactingAfterRead, connectEvents, disconnectEvents } from "./live.js";
-import { loadNewer, setBusy, setComposerEnabled } from "./chat.js";
+import { clearTranscript, loadNewer, setBusy, setComposerEnabled } from "./chat.js";
 import {
   loadTimeline,
   renderCompacting,
@@ -134,7 +134,7 @@ export function selectSession(id, { updateHash = true } = {}) {
   }
   rememberSession(id);
   showNotice("");
-  ui.messages.replaceChildren();
+  clearTranscript();
   ui.log.replaceChildren();
   renderSessionFacts(null);
   setState("unknown");
@@ -254,7 +254,7 @@ export async function deleteSession() {
   app.sessionId = null;
   app.items = [];
   app.older = null;
-  ui.messages.replaceChildren();
+  clearTranscript();
   ui.timeline.replaceChildren();
   renderSessionFacts(null);
   setComposerEnabled(false);
