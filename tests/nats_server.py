@@ -54,7 +54,7 @@ class NatsServer:
             cwd=self.shipped_config.parent if self.shipped_config else None,
             env={**os.environ, "NATS_STORE_DIR": self.store_dir, **self.env},
         )
-        wait_for_port(self.port, 10.0)
+        wait_for_port(self.port, 10.0, self._proc)
 
     def stop(self) -> None:
         if self._proc and self._proc.poll() is None:
@@ -111,10 +111,17 @@ class NatsServer:
         shutil.rmtree(Path(self.store_dir) / "jetstream", ignore_errors=True)
 
 
-def wait_for_port(port: int, timeout_s: float) -> None:
+def wait_for_port(port: int, timeout_s: float,
+                  process: subprocess.Popen[bytes] | None = None) -> None:
+    """Until something listens on `port`; `process`, if given, must still run
+    then (one that exited found its port taken: what listens is another's)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"the server for port {port} exited ({process.returncode})")
         with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
+            if process is not None and process.poll() is not None:
+                continue  # answered by someone else; reported above
             return
         time.sleep(0.05)
     raise TimeoutError(f"nothing listens on port {port} after {timeout_s} s")

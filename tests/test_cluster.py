@@ -214,10 +214,10 @@ async def test_a_reply_sent_while_the_gateway_was_away_still_reaches_its_caller(
             system = System(cluster.nodes["n2"].url, stub, {**ENV, "QUERY_ACK_WAIT_S": "120"},
                             services=("generator",))
             gateway = system.add("gateway", "services.gateway",
-                                 {"NATS_URL": cluster.nodes["n1"].url, "REPLY_TIMEOUT_S": "30"})
+                                 {"NATS_URL": cluster.nodes["n1"].url, "REPLY_TIMEOUT_S": "120"})
             system.start()
             try:
-                async with system.http(timeout=60) as http:
+                async with system.http(timeout=150) as http:
                     sid = (await http.post("/api/sessions", json={})).json()["session_id"]
                     await configure_stub(stub, held_models=["stub-model"])
                     asking = asyncio.create_task(http.post(f"/api/sessions/{sid}/messages",
@@ -232,7 +232,7 @@ async def test_a_reply_sent_while_the_gateway_was_away_still_reaches_its_caller(
                     await replies.wait_for(lambda e: e["payload"]["session_id"] == sid,
                                            timeout_s=REPLY_WAIT_S)
                     cluster.restart("n1")
-                    answer = await asyncio.wait_for(asking, 60)
+                    answer = await asyncio.wait_for(asking, 150)
             finally:
                 system.stop()
     assert answer.status_code == 200, answer.text

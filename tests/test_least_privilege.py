@@ -150,7 +150,9 @@ async def test_each_service_is_refused_what_it_has_no_business_doing(
     denied = next(e for e in logs if e["event"] == "nats_permission_denied")
     assert (denied["log_level"], denied["operation"]) == ("error", SERVER_WORD[operation])
     assert denied["subject"] == subject.lower()  # nats-py lower-cases the server's words
-    assert f'Subject "{subject}"' in secured.server.log()
+    # The server tells the client before it writes its log line.
+    await eventually(lambda: f'Subject "{subject}"' in secured.server.log(),
+                     "the server logged the refusal")
     assert await history_of(secured, "victim") == 0
 
 

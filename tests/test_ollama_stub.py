@@ -31,7 +31,7 @@ from scripts.ollama_stub import (
 )
 
 # Like scripts.ollama_stub, this needs the repo root on sys.path (python -m pytest does it).
-from tests.events import eventually
+from tests.events import eventually, until
 from tests.stub_server import REPO_ROOT, running_stub
 
 DEFAULT_CONFIG: dict[str, Any] = {
@@ -790,9 +790,7 @@ def _stop_while_a_request_hangs(process: subprocess.Popen[str], url: str) -> Non
 
     requester = threading.Thread(target=hanging_request, daemon=True)
     requester.start()
-    deadline = time.monotonic() + 5
-    while stats(url)["requests"] == 0 and time.monotonic() < deadline:
-        time.sleep(0.02)
+    until(lambda: stats(url)["requests"] >= 1, "the request reached the stand-in")
     process.send_signal(signal.SIGTERM)
     process.wait(timeout=5)
     requester.join(timeout=5)

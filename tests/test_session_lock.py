@@ -14,28 +14,37 @@ from nats.js.api import KeyValueConfig, StorageType
 from nats.js.kv import KeyValue
 
 from schemas import subjects
-from services.generator.session_lock import LockTimeout, SessionLocks
+from services.generator.session_lock import Lease, LockTimeout, SessionLocks
 from services.shared.bus import round_trip
 from services.shared.jetstream import ensure_layout, locks_bucket
+from tests.events import eventually
 from tests.nats_server import NatsServer
 
+# Short, for the tests of expiry and renewal; the others take a lease no
+# stall of a busy machine outlasts, so what they see held stays held.
 LEASE_S = 1.0
+LONG_LEASE_S = 60.0
 
 
-async def new_locks(nc: NATS) -> SessionLocks:
+async def new_locks(nc: NATS, lease_s: float = LEASE_S) -> SessionLocks:
     bucket = f"locks_test_{uuid.uuid4().hex[:8]}"
     kv = await nc.jetstream().create_key_value(KeyValueConfig(
-        bucket=bucket, history=1, ttl=LEASE_S, storage=StorageType.FILE))
-    return SessionLocks(kv, "holder-a", LEASE_S, wait_s=0.3)
+        bucket=bucket, history=1, ttl=lease_s, storage=StorageType.FILE))
+    return SessionLocks(kv, "holder-a", lease_s, wait_s=0.3)
 
 
 @pytest.fixture
 async def locks(nc: NATS) -> SessionLocks:
-    return await new_locks(nc)
+    return await new_locks(nc, LONG_LEASE_S)
+
+
+@pytest.fixture
+async def short_locks(nc: NATS) -> SessionLocks:
+    return await new_locks(nc, LEASE_S)
 
 
 def other_holder(locks: SessionLocks, wait_s: float = 0.3) -> SessionLocks:
-    return SessionLocks(locks._kv, "holder-b", LEASE_S, wait_s)
+    return SessionLocks(locks._kv, "holder-b", locks._lease_s, wait_s)
 
 
 async def test_one_holder_at_a_time_and_revision_is_the_fencing_token(
@@ -57,9 +66,12 @@ async def test_other_sessions_are_not_blocked(locks: SessionLocks) -> None:
     await other_holder(locks).release(other)
 
 
-async def test_renewal_keeps_the_lock_past_its_lease(locks: SessionLocks) -> None:
+async def test_renewal_keeps_the_lock_past_its_lease(short_locks: SessionLocks) -> None:
+    locks = short_locks
     async with locks.hold("s1", "query") as lease:
-        await asyncio.sleep(LEASE_S * 2.5)
+        taken_at = lease.revision
+        # Renewed every third of a lease: three renewals outlast the first lease.
+        await eventually(lambda: lease.revision >= taken_at + 3, "three renewals")
         assert not lease.lost
         with pytest.raises(LockTimeout):
             await other_holder(locks).acquire("s1", "query")
@@ -68,22 +80,23 @@ async def test_renewal_keeps_the_lock_past_its_lease(locks: SessionLocks) -> Non
 
 
 async def test_a_holder_that_stops_renewing_frees_the_session_within_a_lease(
-    locks: SessionLocks,
+    short_locks: SessionLocks,
 ) -> None:
+    locks = short_locks
     await locks.acquire("s1", "query")  # never renewed, never released: a dead holder
     # The server expires keys on a timer of its own: allow a few leases under load.
     taken = await other_holder(locks, wait_s=LEASE_S * 6).acquire("s1", "query")
     assert taken.revision > 0
 
 
-async def test_a_stale_holder_cannot_release_the_next_holders_lock(locks: SessionLocks) -> None:
+async def test_a_stale_holder_cannot_release_the_next_holders_lock(
+        short_locks: SessionLocks) -> None:
+    locks = short_locks
     stale = await locks.acquire("s1", "query")
-    await asyncio.sleep(LEASE_S * 1.5)  # lease lapses; the key expires
-    fresh = await other_holder(locks, wait_s=LEASE_S * 6).acquire("s1", "query")
-    await locks.release(stale)  # must not delete the fresh holder's key
-    with pytest.raises(LockTimeout):
-        await other_holder(locks).acquire("s1", "query")
-    await other_holder(locks).release(fresh)
+    # Taken once the stale lease lapsed and its key expired; renewed after.
+    async with other_holder(locks, wait_s=LEASE_S * 6).hold("s1", "query"):
+        await locks.release(stale)  # must not delete the fresh holder's key
+        assert await other_holder(locks).try_acquire("s1", "query") is None
 
 
 async def test_waiters_get_the_lock_when_it_is_released(locks: SessionLocks) -> None:
@@ -155,21 +168,22 @@ async def test_a_renewal_in_flight_when_the_holder_finishes_does_not_strand_the_
     refused and the session stay locked for a whole lease."""
     client = await nats.connect(private_nats.url)
     try:
-        locks = await new_locks(client)
+        locks = await new_locks(client, LEASE_S)
+        leases: list[Lease] = []
+        finish = asyncio.Event()
 
-        held = asyncio.Event()
+        async def hold_until_told() -> None:
+            async with locks.hold("s1", "query") as lease:
+                leases.append(lease)
+                await finish.wait()
 
-        async def hold_past_one_renewal() -> None:
-            async with locks.hold("s1", "query"):
-                held.set()
-                await asyncio.sleep(LEASE_S / 3 + 0.15)  # the renewal went out at lease/3
-
-        holder = asyncio.create_task(hold_past_one_renewal())
-        await asyncio.wait_for(held.wait(), 5)  # the renewal clock starts now
-        await asyncio.sleep(LEASE_S / 3 - 0.1)
+        holder = asyncio.create_task(hold_until_told())
+        await eventually(lambda: bool(leases), "the lock held")
         private_nats.signal(signal.SIGSTOP)
         try:
-            await asyncio.sleep(0.4)
+            await eventually(lambda: leases[0].renewing, "a renewal sent, not answered")
+            finish.set()
+            await eventually(lambda: not leases[0].held, "the holder done, its renewal out")
         finally:
             private_nats.signal(signal.SIGCONT)
         await asyncio.wait_for(holder, 10)
