@@ -74,6 +74,23 @@ def test_invalid_settings_fail_loudly(monkeypatch: pytest.MonkeyPatch) -> None:
         DeciderSettings()
 
 
+@pytest.mark.parametrize("settings", [GeneratorSettings, GatewaySettings])
+def test_a_window_too_small_to_work_in_is_refused_at_the_start(settings: type) -> None:
+    """NUM_CTX 256 left a prompt budget of one token: every message was refused
+    413; a summariser's window under about 900 made every compaction fail."""
+    with pytest.raises(ValueError, match="num_ctx"):
+        settings(num_ctx=256)
+    with pytest.raises(ValueError, match="leaves 392 tokens of NUM_CTX 8192"):
+        settings(num_ctx=8192, output_headroom=7800)
+    assert settings(num_ctx=1024).num_ctx == 1024
+    assert settings(num_ctx=8192, output_headroom=7680).output_headroom == 7680
+
+
+def test_a_summariser_window_too_small_to_work_in_is_refused() -> None:
+    with pytest.raises(ValueError, match="compaction_num_ctx"):
+        GeneratorSettings(compaction_num_ctx=512)
+
+
 @pytest.mark.parametrize("module", sorted(SERVICE_MODULES.values()))
 def test_a_service_with_a_bad_setting_says_which_in_a_line_and_stops(module: str) -> None:
     env = {**os.environ, "JETSTREAM_REPLICAS": "9", "NATS_URL": "nats://127.0.0.1:1"}

@@ -385,6 +385,21 @@ def estimate_size(size: Size, calibration: Calibration) -> int:
     return estimate_tokens(size.chars, calibration, size.messages, size.extra_bytes)
 
 
+# The smallest window the product accepts: the summariser's instructions alone
+# cost some 600 tokens, and a window of 256 left a prompt budget of 1.
+MIN_NUM_CTX = 1024
+# The least prompt budget a configured headroom may leave.
+MIN_PROMPT_BUDGET = 512
+
+
+def check_headroom(num_ctx: int, output_headroom: int | None) -> None:
+    """ValueError when a configured headroom leaves the prompt too little."""
+    if output_headroom is not None and num_ctx - output_headroom < MIN_PROMPT_BUDGET:
+        raise ValueError(
+            f"OUTPUT_HEADROOM {output_headroom} leaves {num_ctx - output_headroom} tokens of "
+            f"NUM_CTX {num_ctx} for the prompt; at least {MIN_PROMPT_BUDGET} are needed")
+
+
 def budget(num_ctx: int, output_headroom: int) -> int:
     """Prompt tokens a call may use: the window minus the room kept for the reply."""
     if num_ctx < 1 or output_headroom < 0:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
+from services.core.tokens import MIN_NUM_CTX, check_headroom
 from services.shared.settings import ServiceSettings
 
 
@@ -14,7 +15,7 @@ class GatewaySettings(ServiceSettings):
     gateway_port: int = Field(default=8080, ge=0, le=65535)
     # The window and budget of the page's gauge for the next prompt. (The gauge
     # of the last prompt uses the window the generator reported with it.)
-    num_ctx: int = Field(default=8192, ge=256)
+    num_ctx: int = Field(default=8192, ge=MIN_NUM_CTX)
     output_headroom: int | None = Field(default=None, ge=0)
     model: str = "llama3.2"
     # How long an HTTP caller waits for an answer before getting 504.
@@ -43,3 +44,8 @@ class GatewaySettings(ServiceSettings):
     @classmethod
     def _empty_is_none(cls, token: str | None) -> str | None:
         return token or None
+
+    @model_validator(mode="after")
+    def _leaves_room_for_a_prompt(self) -> GatewaySettings:
+        check_headroom(self.num_ctx, self.output_headroom)
+        return self

@@ -6,8 +6,9 @@ import socket
 import uuid
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
+from services.core.tokens import MIN_NUM_CTX, check_headroom
 from services.generator.models import TimeLimits
 from services.shared.jetstream import DEFAULT_LOCK_LEASE_S
 from services.shared.settings import ServiceSettings
@@ -26,7 +27,7 @@ def _instance_id() -> str:
 class GeneratorSettings(ServiceSettings):
     ollama_host: str = "http://127.0.0.1:11434"
     model: str = "llama3.2"
-    num_ctx: int = Field(default=8192, ge=256)
+    num_ctx: int = Field(default=8192, ge=MIN_NUM_CTX)
     # Tokens kept free for the answer: the prompt budget is num_ctx minus this.
     # None: an eighth of the window, at least 256.
     output_headroom: int | None = Field(default=None, ge=0)
@@ -39,7 +40,7 @@ class GeneratorSettings(ServiceSettings):
     blocking_query_wait_s: float = Field(default=0.0, ge=0)
     compaction_model: str | None = None
     # The summariser's window (COMPACTION_MODEL may be another model); None: num_ctx.
-    compaction_num_ctx: int | None = Field(default=None, ge=256)
+    compaction_num_ctx: int | None = Field(default=None, ge=MIN_NUM_CTX)
     # A whole summary call's limit; the two model limits below apply within it.
     summary_timeout_s: float = Field(default=600.0, gt=0)
     # Seconds a transcript entry is kept; None: for ever. Never drops what
@@ -72,3 +73,8 @@ class GeneratorSettings(ServiceSettings):
         return TimeLimits(
             self.ollama_first_token_timeout_s or fallback or DEFAULT_FIRST_TOKEN_TIMEOUT_S,
             self.ollama_token_gap_timeout_s or fallback or DEFAULT_TOKEN_GAP_TIMEOUT_S)
+
+    @model_validator(mode="after")
+    def _leaves_room_for_a_prompt(self) -> GeneratorSettings:
+        check_headroom(self.num_ctx, self.output_headroom)
+        return self
