@@ -20,7 +20,7 @@ from typing import Any
 from schemas.history import Conversation
 from services.core.prompt import MESSAGE_OVERHEAD_CHARS, SUMMARY_PREFIX, render_messages
 from services.core.text_size import Size, prompt_size
-from services.core.tokens import Calibration, estimate_size, estimate_tokens
+from services.core.tokens import Calibration, default_headroom, estimate_size, estimate_tokens
 
 
 def next_prompt_size(system: str, conversation: Conversation,
@@ -51,11 +51,16 @@ def next_prompt_tokens(system: str, conversation: Conversation,
 def summary_allowance(num_ctx: int, budget: int, calibration: Calibration) -> int:
     """The most tokens the summary message a compaction writes may take.
 
-    The summariser's answer has the window's reply room (`num_ctx - budget`)
-    to be written in, so no summary is longer; its message also carries the
-    fixed prefix that presents it as notes. A compaction's relief is what it
-    removes less this, never less: counting the new summary as free is how a
-    compaction that only rewrites the notes looked worth making.
+    The summariser writes within the reply room of its window (`pieces.
+    SummaryWindow`: an eighth of it, when its window is the session's), or
+    the session's reply room (`num_ctx - budget`) if that is larger; its
+    message also carries the fixed prefix that presents it as notes. (A
+    summary cut at that room is written again with more, up to half the
+    window: a bound too rare to price every compaction at.) A compaction's
+    relief is what it removes less this, never less: counting the new
+    summary as free is how a compaction that only rewrites the notes looked
+    worth making.
     """
     framing = estimate_tokens(len(SUMMARY_PREFIX) + MESSAGE_OVERHEAD_CHARS, calibration, 1)
-    return max(0, num_ctx - budget) + framing
+    room = max(num_ctx - budget, default_headroom(num_ctx))
+    return room + framing

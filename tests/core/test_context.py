@@ -67,6 +67,10 @@ def test_the_summary_bound_is_the_reply_room_and_the_notes_framing() -> None:
     assert framing >= len(SUMMARY_PREFIX)
     assert bound == 1024 + round(framing * 0.25)
     assert summary_allowance(2048, prompt_budget(2048), calibration) < bound
+    # A small OUTPUT_HEADROOM leaves the summariser its own room, an eighth of
+    # its window: the summary was sized at 512 where it may take 4,096.
+    small_room = summary_allowance(32768, prompt_budget(32768, 512), calibration)
+    assert small_room == 4096 + round(framing * 0.25)
 
 
 def test_a_part_of_a_prompt_takes_its_share_of_the_bytes_and_messages() -> None:
