@@ -103,9 +103,9 @@ class Lease:
     renewing: bool = field(default=False)
     # Until the holder's block ends; a renewal under way then is the last.
     held: bool = field(default=True)
-    # A renewal sent without an answer (a timeout, NATS away): it may be
-    # stored all the same, and its revision is then the lease's.
-    unanswered: bytes | None = field(default=None)
+    # Renewals sent without an answer (a timeout, NATS away) since the last
+    # answered one: each may be stored all the same, its revision the lease's.
+    unanswered: list[bytes] = field(default_factory=list)
 
 
 class SessionLocks:
@@ -275,24 +275,25 @@ class SessionLocks:
             # Lost, unless the key holds a renewal of ours whose answer was lost.
             return await self._answer_found(lease) and await self._renew(lease)
         except Exception as err:  # NATS briefly away: try again next period
-            lease.unanswered = value
+            lease.unanswered.append(value)
             log.warning("lock_renewal_failed", session_id=lease.session_id, error=str(err))
         else:
-            lease.unanswered = None
+            lease.unanswered.clear()
         return True
 
     async def _answer_found(self, lease: Lease) -> bool:
-        """Whether the key holds the renewal that went unanswered: then its
+        """Whether the key holds a renewal that went unanswered: then its
         revision is the lease's."""
-        if lease.unanswered is None:
+        if not lease.unanswered:
             return False
         try:
             entry = await self._kv.get(lease.session_id)
         except KeyNotFoundError:
             return False
-        if entry.value != lease.unanswered or entry.revision is None:
+        if entry.value not in lease.unanswered or entry.revision is None:
             return False
-        lease.revision, lease.unanswered = entry.revision, None
+        lease.revision = entry.revision
+        lease.unanswered.clear()
         log.info("lock_renewal_found_stored", session_id=lease.session_id)
         return True
 
