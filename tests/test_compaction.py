@@ -557,6 +557,27 @@ async def test_a_stop_during_a_turns_compaction_ends_the_turn_with_the_history_a
                                        "query_id": context["messages"][-1]["query_id"]}
 
 
+async def test_a_prompt_the_model_counts_longer_than_its_window_is_never_cut(
+    private_nats: NatsServer, stub: str, start: Callable[..., httpx.AsyncClient]
+) -> None:
+    """The model's tokenizer counts four times what the session's rate says
+    (a new model, say). The estimate finds the next prompt fits; sent without
+    truncation, it is refused, the rates rise to the window it exceeds, and
+    the turn is fitted again. Before, Ollama cut it silently (old messages,
+    on some releases the system prompt) and answered what was left."""
+    http = start(services=("generator", "gateway"))
+    sid = await create(http)
+    assert all(r.status_code == 200 for r in await chat(http, sid, 3, filler=1200))
+    await configure_stub(stub, chars_per_token=1.0)
+    reply = await http.post(f"/api/sessions/{sid}/messages",
+                            json={"content": "question 4 !long 20"})
+    assert reply.status_code == 200, reply.text  # after a compaction whose pieces learnt too
+    assert reply.json()["reply"].startswith("Echo: question 4")
+    stats = await stub_stats(stub)
+    assert stats["truncated"] == 0 and stats["refused_too_long"] >= 1
+    assert (await session(http, sid))["compactions"] == 1
+
+
 async def test_a_paste_no_compaction_could_fit_is_refused_with_the_history_untouched(
     private_nats: NatsServer, stub: str, start: Callable[..., httpx.AsyncClient]
 ) -> None:

@@ -382,7 +382,25 @@ async def test_truncation_with_small_num_ctx(stub_url: str) -> None:
     assert current["requests"] == 1
     assert current["max_prompt_tokens"] == full > 64
     assert current["truncated"] == 1
-    assert current["models"][MODEL] == {"requests": 1, "max_prompt_tokens": full, "truncated": 1}
+    assert current["models"][MODEL] == {"requests": 1, "max_prompt_tokens": full, "truncated": 1,
+                                        "refused_too_long": 0}
+
+
+@pytest.mark.asyncio
+async def test_a_prompt_too_long_sent_without_truncation_is_refused(stub_url: str) -> None:
+    """As Ollama 0.12.6 on: `"truncate": false` turns the silent cut into a 400."""
+    messages = [user("w" * 400), user("latest question")]
+    async with ollama.AsyncClient(host=stub_url) as client:
+        with pytest.raises(ollama.ResponseError) as refused:
+            await client._request_raw("POST", "/api/chat", json={
+                "model": MODEL, "messages": messages, "stream": False,
+                "options": {"num_ctx": 64}, "truncate": False})
+    assert refused.value.status_code == 400
+    assert refused.value.error == "the input length exceeds the context length"
+    current = stats(stub_url)
+    assert (current["truncated"], current["refused_too_long"]) == (0, 1)
+    fits = await chat(stub_url, [user("short")], options={"num_ctx": 64})
+    assert fits.message.content == "Echo: short (turn 1)"
 
 
 @pytest.mark.asyncio
@@ -615,7 +633,7 @@ async def test_reset_zeroes_stats_and_forgets_cache(stub_url: str) -> None:
     assert stats(stub_url)["requests"] == 1
     reset = control().post(f"{stub_url}/_stub/reset").json()
     assert reset == {"requests": 0, "max_prompt_tokens": 0, "truncated": 0, "models": {},
-                     "streams_cut": 0}
+                     "streams_cut": 0, "refused_too_long": 0}
     after = await chat(stub_url, messages)
     assert after.prompt_eval_count == count_prompt_tokens(messages, None, 4.0)
 

@@ -218,12 +218,14 @@ async def test_a_summary_without_thinking_is_not_empty(models_url: str) -> None:
 
 async def test_num_ctx_never_exceeds_the_models_window(models_url: str) -> None:
     """A 5,000-token prompt fits 8192 but not the model's 4096: sent with the
-    model's window, the server cuts it to 4096 (as Ollama does), not to 8192."""
+    model's window, the server refuses it as longer than the window (asked
+    not to cut it, as Ollama would have, to 4096), not answers it in 8192."""
     long_prompt = "word " * 4000
     async with provider_on(models_url) as provider:
-        small = await provider.chat(asking("small", long_prompt))
+        with pytest.raises(ProviderError) as refused:
+            await provider.chat(asking("small", long_prompt))
         plain = await provider.chat(asking("plain", long_prompt))
-    assert small.prompt_tokens == 4096
+    assert refused.value.cause == "context_overflow"
     assert plain.prompt_tokens is not None and 4096 < plain.prompt_tokens < 8192
 
 

@@ -24,6 +24,9 @@ class ChatRequest:
     options: JSONObject
     stream: bool
     think: bool | str | None
+    # False: a prompt longer than the window is refused (400), not cut to fit
+    # (Ollama 0.12.6 and later; earlier ones ignore the field and cut).
+    truncate: bool = True
 
 
 def _check_optional_str(message: Mapping[str, Any], key: str, where: str) -> None:
@@ -107,6 +110,9 @@ def parse_chat_request(body: Any) -> ChatRequest:
     think = body.get("think")
     if think is not None and not isinstance(think, bool | str):
         raise BadRequest("think must be a boolean or a string")
+    truncate = body.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise BadRequest("truncate must be a boolean")
     return ChatRequest(
         model=model,
         messages=parse_messages(body.get("messages")),
@@ -114,4 +120,5 @@ def parse_chat_request(body: Any) -> ChatRequest:
         options=parse_options(body.get("options")),
         stream=stream,
         think=think,
+        truncate=truncate,
     )

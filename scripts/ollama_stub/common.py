@@ -13,6 +13,9 @@ JSONObject = dict[str, Any]
 ChatMessage = dict[str, Any]
 STUB_MODEL = "stub-model:latest"
 STUB_VERSION = "0.0.0-stub"
+# What Ollama (0.12.6 on) answers, with 400, a prompt too long for the window
+# sent with "truncate": false.
+TOO_LONG_TEXT = "the input length exceeds the context length"
 # Events kept by `/_stub/slots` (arrivals, slots taken, first chunks, ends).
 SLOT_LOG_LENGTH = 10_000
 FIXED_TIMESTAMP = "2024-01-01T00:00:00Z"

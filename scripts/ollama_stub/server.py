@@ -17,7 +17,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from .chat_request import BadRequest, ChatRequest, parse_chat_request
-from .common import STUB_MODEL, STUB_VERSION, ChatMessage, normalize_model
+from .common import STUB_MODEL, STUB_VERSION, TOO_LONG_TEXT, ChatMessage, normalize_model
 from .directives import StubConfig, apply_config_update, wait_while_held, wait_while_paused
 from .models import (
     apply_thinking,
@@ -58,15 +58,21 @@ async def _read_json(request: Request) -> Any:
         raise BadRequest(f"request body is not valid JSON: {exc}") from None
 
 
-def receive_prompt(state: StubState, request: ChatRequest) -> tuple[list[ChatMessage], int]:
-    """Record the prompt as received, then truncate it as Ollama would.
+def receive_prompt(state: StubState, request: ChatRequest
+                   ) -> tuple[list[ChatMessage], int] | None:
+    """Record the prompt as received, then truncate it as Ollama would; None
+    when it is too long and the request asked not to be truncated.
 
     Recording comes first so the stats show the untruncated size, under every quirk.
     """
     config = state.config
     num_ctx = request.options.get("num_ctx") or config.default_num_ctx
     received = count_prompt_tokens(request.messages, request.tools, config.chars_per_token)
-    state.record_prompt(request.model, received, truncated=received > num_ctx)
+    too_long = received > num_ctx
+    state.record_prompt(request.model, received, truncated=too_long and request.truncate,
+                        refused=too_long and not request.truncate)
+    if too_long and not request.truncate:
+        return None
     return truncate_to_fit(request.messages, request.tools, num_ctx, config.chars_per_token)
 
 
@@ -108,7 +114,10 @@ async def chat_endpoint(request: Request) -> Response:
     refusal = model_refusal(state.config.models, chat)
     if refusal is not None:
         return refusal
-    kept, prompt_tokens = receive_prompt(state, chat)
+    received = receive_prompt(state, chat)
+    if received is None:
+        return error_response(400, TOO_LONG_TEXT)
+    kept, prompt_tokens = received
     loading_ns = await state.loads.ensure_loaded(chat.model)
     if not chat.messages:
         return load_response(chat.model)

@@ -16,12 +16,15 @@ class ModelStats:
     requests: int = 0
     max_prompt_tokens: int = 0
     truncated: int = 0
+    # Too long for the window, and asked not to be truncated: refused.
+    refused_too_long: int = 0
 
     def as_json(self) -> JSONObject:
         return {
             "requests": self.requests,
             "max_prompt_tokens": self.max_prompt_tokens,
             "truncated": self.truncated,
+            "refused_too_long": self.refused_too_long,
         }
 
 
@@ -64,7 +67,8 @@ class StubState:
         self.prompt_cache.clear()
         self.streams_cut = 0
 
-    def record_prompt(self, model: str, prompt_tokens: int, truncated: bool) -> None:
+    def record_prompt(self, model: str, prompt_tokens: int, truncated: bool,
+                      refused: bool = False) -> None:
         """Per-model bookkeeping; the total request count is taken on arrival instead."""
         entry = self.per_model.setdefault(model, ModelStats())
         entry.requests += 1
@@ -72,3 +76,4 @@ class StubState:
         for stats in (entry, self.totals):
             stats.max_prompt_tokens = max(stats.max_prompt_tokens, prompt_tokens)
             stats.truncated += int(truncated)
+            stats.refused_too_long += int(refused)

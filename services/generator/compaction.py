@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
@@ -27,7 +27,13 @@ import structlog
 from schemas import subjects
 from schemas.envelope import Envelope
 from schemas.history import Conversation
-from schemas.messages import CompactionEvent, CompactionRequest, CompactionResult, Level
+from schemas.messages import (
+    CompactionEvent,
+    CompactionRequest,
+    CompactionResult,
+    ErrorCode,
+    Level,
+)
 from schemas.session import SessionRecord
 from services.core.boundary import tail_turns_for
 from services.core.context import next_prompt_tokens
@@ -49,7 +55,8 @@ from services.core.splice import (
 )
 from services.core.splice import first_user_request as first_request_of
 from services.core.state_machine import Action, CompactionMode, IllegalTransition
-from services.core.tokens import Calibration, stored_calibration
+from services.core.text_size import prompt_size
+from services.core.tokens import Calibration, calibrate, stored_calibration
 from services.generator.models import capped_window
 from services.generator.provider import ChatProvider, ChatRequest, ChatResult, ProviderError
 from services.generator.session_lock import LockTimeout, SessionLocks
@@ -312,14 +319,11 @@ class Compactor:
         while start < len(zone.entries):
             await self._progress(job, done, done + count_pieces(zone, notes, window, start))
             piece = next_piece(zone, start, notes, window)
-            result = await self._provider.chat(ChatRequest(
-                model=self._summary_model(record), messages=piece.messages,
-                num_ctx=window.num_ctx, num_predict=window.output_tokens,
-                # A thinking model could spend the whole output on thinking and
-                # leave the summary empty; streamed so a stall is caught midway.
-                # The model's answers go first, unless this is an emergency
-                # compaction, itself part of an answer (it has no request).
-                think="off", watch_gaps=True, background=job.request_id is not None))
+            try:
+                result = await self._provider.chat(self._piece_request(record, piece, window, job))
+            except ProviderError as err:
+                window = _counted_longer(window, piece, err)  # the same entries, smaller pieces
+                continue
             if result.done_reason == "length":
                 window = _more_room(window)  # the same entries again, with more room
                 continue
@@ -333,6 +337,17 @@ class Compactor:
         await self._progress(job, done, done)
         assert notes is not None  # the zone is never empty
         return notes
+
+    def _piece_request(self, record: SessionRecord, piece: Piece, window: SummaryWindow,
+                       job: Job) -> ChatRequest:
+        return ChatRequest(
+            model=self._summary_model(record), messages=piece.messages,
+            num_ctx=window.num_ctx, num_predict=window.output_tokens,
+            # A thinking model could spend the whole output on thinking and
+            # leave the summary empty; streamed so a stall is caught midway.
+            # The model's answers go first, unless this is an emergency
+            # compaction, itself part of an answer (it has no request).
+            think="off", watch_gaps=True, background=job.request_id is not None)
 
     async def _progress(self, job: Job, done: int, total: int) -> None:
         """How far the summary is, for the page; the total is re-estimated
@@ -468,6 +483,21 @@ class Compactor:
     def _failed(job: Job, error: str, tokens_before: int | None = None) -> CompactionResult:
         return CompactionResult(session_id=job.session_id, status="failed", error=error,
                                 tokens_before=tokens_before, auto=job.auto, level=job.level)
+
+
+def _counted_longer(window: SummaryWindow, piece: Piece, err: ProviderError) -> SummaryWindow:
+    """A piece the model server refused as longer than the window: the window
+    is a count it exceeds, so the rates its pieces are planned with rise to it.
+    Any other error, or a refusal that raises nothing, stands."""
+    if err.cause != ErrorCode.context_overflow:
+        raise err
+    sent = prompt_size(piece.messages)
+    raised = calibrate(window.calibration, window.num_ctx, sent.chars, window.num_ctx,
+                       messages=sent.messages, extra_bytes=sent.extra_bytes)
+    if raised == window.calibration:
+        raise err
+    log.warning("summary_piece_refused_as_too_long", num_ctx=window.num_ctx, chars=sent.chars)
+    return replace(window, calibration=raised)
 
 
 def _more_room(window: SummaryWindow) -> SummaryWindow:

@@ -49,6 +49,12 @@ class ProviderError(Exception):
         self.cause = cause
 
 
+# What Ollama says, with 400, of a prompt longer than the window it was sent
+# with `"truncate": false` (0.12.6: the first; later releases: the others).
+WINDOW_EXCEEDED = ("exceeds the context length", "exceed_context_size_error",
+                   "exceeds the available context size")
+
+
 def model_not_found(model: str) -> ProviderError:
     return ProviderError(ErrorCode.model_not_found, f'the model "{model}" is not there: Ollama has '
                          f"not pulled it. Pull it with `ollama pull {model}`, or pick "
@@ -171,6 +177,9 @@ class OllamaProvider:
     def _refused(self, model: str, err: ollama.ResponseError) -> ProviderError:
         if err.status_code == 404:
             return model_not_found(model)
+        if err.status_code == 400 and any(words in err.error for words in WINDOW_EXCEEDED):
+            return ProviderError(ErrorCode.context_overflow, "the model counted more tokens "
+                                 f"than its window holds: {err.error}")
         return ProviderError("provider_error",
                              f"Ollama answered HTTP {err.status_code}: {err.error}")
 
@@ -179,8 +188,11 @@ class OllamaProvider:
         options: dict[str, Any] = {"num_ctx": num_ctx}
         if request.num_predict is not None:
             options["num_predict"] = request.num_predict
+        # Refused whole rather than cut to fit: Ollama's silent cut drops old
+        # messages (the system prompt too, on some releases) and tells nobody.
+        # Releases before 0.12.6 ignore the field, and still cut.
         body: dict[str, Any] = {"model": request.model, "messages": request.messages,
-                                "options": options}
+                                "options": options, "truncate": False}
         if request.tools and facts.tools:
             body["tools"] = list(request.tools)
         think = think_field(request.think, facts)

@@ -28,7 +28,7 @@ from nats.js.errors import APIError
 from schemas import subjects
 from schemas.envelope import Envelope
 from schemas.history import ChatMessage, Conversation
-from schemas.messages import GenerationReport, Query, Reply
+from schemas.messages import ErrorCode, GenerationReport, Query, Reply
 from schemas.session import SessionRecord
 from services.core.boundary import choose_boundary, tail_turns_for
 from services.core.context import next_prompt_size
@@ -86,6 +86,10 @@ class TurnError(Exception):
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
         self.code = code
+
+
+class WindowExceeded(TurnError):
+    """The model server refused a prompt as longer than its window."""
 
 
 @dataclass
@@ -316,17 +320,24 @@ class TurnRunner:
         """The last call's result, and the tools it was offered."""
         tools = head.tools if head else await self._offered_tools(turn.record)
         stream = self._turn_stream(turn.env, head)
+        refused = False
         for _ in range(self._settings.max_tool_iterations + 1):
             try:
                 prompt = head.prompt if head else await self._fitting_prompt(turn, tools)
             except CompactionStopped:
                 return ChatResult(content="", stopped=True), tools
             turn.called(prompt)
-            if head is not None:
-                result, head = await head.result(), None  # only the first call starts early
-            else:
-                result = await self._call_model(turn.env, turn.record, prompt, tools, stream,
-                                                turn.switch)
+            try:
+                result = await (head.result() if head else self._call_model(
+                    turn.env, turn.record, prompt, tools, stream, turn.switch))
+            except WindowExceeded:
+                if refused:
+                    raise
+                refused = True
+                await self._learn_from_refusal(turn, prompt, tools)
+                continue  # fitted again: compacted, or refused as too long
+            finally:
+                head = None  # only the first call starts early
             if not result.tool_calls or result.stopped:
                 return result, tools
             ran = await self._run_tools(turn, result)
@@ -474,6 +485,8 @@ class TurnRunner:
         try:
             result = await switch.unless_thrown(self._provider.chat(request, on_token))
         except ProviderError as err:
+            if err.cause == ErrorCode.context_overflow:
+                raise WindowExceeded(err.cause, str(err)) from err
             raise TurnError(err.cause, str(err)) from err
         if result is None:
             return ChatResult(content="".join(switch.written), stopped=True)
@@ -481,6 +494,22 @@ class TurnRunner:
             where = " (its output was all in 'thinking')" if result.thinking else ""
             raise TurnError("empty_reply", f"the model returned an empty reply{where}")
         return result
+
+    async def _learn_from_refusal(self, turn: Turn, prompt: Messages, tools: Messages) -> None:
+        """The model server refused as longer than the window a prompt the
+        estimate said would fit: the window is a count the prompt exceeds,
+        so the session's rates rise to it (never fall) and are stored before
+        the prompt is fitted again."""
+        sent = prompt_size(prompt, tools)
+        num_ctx = self.num_ctx(turn.record)
+        previous = stored_calibration(turn.record)
+        raised = calibrate(previous, num_ctx, sent.chars, num_ctx, messages=sent.messages,
+                           extra_bytes=sent.extra_bytes)
+        log.warning("prompt_refused_as_too_long", num_ctx=num_ctx,
+                    estimate=self._estimate(turn.record, prompt, tools))
+        if raised != previous:
+            turn.record = with_calibration(turn.record, raised)
+            await self._sessions.update(turn.record)
 
     async def _recalibrate(self, turn: Turn, result: ChatResult) -> None:
         record, sent, reused = turn.record, turn.sent, turn.reused
