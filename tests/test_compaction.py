@@ -578,6 +578,21 @@ async def test_a_prompt_the_model_counts_longer_than_its_window_is_never_cut(
     assert (await session(http, sid))["compactions"] == 1
 
 
+async def test_an_answer_never_writes_past_the_window(
+    private_nats: NatsServer, stub: str, start: Callable[..., httpx.AsyncClient]
+) -> None:
+    """A model that writes on and on: unbounded, Ollama lets it write ten
+    windows' worth, dropping the start of the prompt (the system prompt) to
+    make room. The answer gets what the prompt leaves of the window."""
+    http = start(services=("generator", "gateway"))
+    sid = await create(http)
+    reply = await http.post(f"/api/sessions/{sid}/messages",
+                            json={"content": "tell me everything !long 20000"})
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    assert body["prompt_tokens"] + body["completion_tokens"] <= NUM_CTX
+
+
 async def test_a_paste_no_compaction_could_fit_is_refused_with_the_history_untouched(
     private_nats: NatsServer, stub: str, start: Callable[..., httpx.AsyncClient]
 ) -> None:

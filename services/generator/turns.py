@@ -471,9 +471,14 @@ class TurnRunner:
     async def _call_model(self, env: Envelope[Query], record: SessionRecord, prompt: Messages,
                           tools: Messages, stream: TokenStream | None = None,
                           switch: StopSwitch | None = None) -> ChatResult:
+        num_ctx = self.num_ctx(record)
+        # The answer may take what the prompt leaves of the window, no more:
+        # unbounded, Ollama lets a looping model write ten windows' worth,
+        # dropping the prompt's start (the system prompt) to make room.
+        room = max(num_ctx - self._estimate(record, prompt, tools), num_ctx - self.budget(record))
         request = ChatRequest(model=record.model_or(self._settings.model), messages=prompt,
-                              num_ctx=self.num_ctx(record), tools=tools,
-                              think=self._settings.think)
+                              num_ctx=num_ctx, tools=tools, think=self._settings.think,
+                              num_predict=room)
         if stream is None and env.payload.stream:
             stream = TokenStream(self._bus, env)
         switch = switch or StopSwitch(env.message_id)
@@ -490,6 +495,8 @@ class TurnRunner:
             raise TurnError(err.cause, str(err)) from err
         if result is None:
             return ChatResult(content="".join(switch.written), stopped=True)
+        if result.done_reason == "length":
+            log.warning("answer_cut_at_its_room", num_predict=room)
         if not result.content.strip() and not result.tool_calls:
             where = " (its output was all in 'thinking')" if result.thinking else ""
             raise TurnError("empty_reply", f"the model returned an empty reply{where}")
