@@ -22,7 +22,8 @@ Level = Literal["gentle", "tighter", "emergency"]
 
 
 class Payload(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # No infinity or NaN: a rate of inf in a report made the decider's sums fail.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
     MESSAGE_TYPE: ClassVar[str]
 
 

@@ -10,6 +10,7 @@ import json
 from collections.abc import AsyncIterator
 
 import nats
+import pytest
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from schemas import subjects
@@ -22,7 +23,7 @@ from services.core.text_size import Size
 from services.core.tokens import Calibration
 from services.shared.bus import Bus, decode, round_trip
 from services.shared.jetstream import ensure_layout
-from tests.events import decider_caught_up, eventually
+from tests.events import decider_caught_up, eventually, watching
 from tests.nats_server import NatsServer, free_port
 
 
@@ -150,6 +151,39 @@ async def test_a_report_read_after_the_result_of_a_compaction_it_predates_is_dro
                              session_id=sid)
         await decider_caught_up(url, decider.status)
         assert len(await stored_requests(bus)) == 2
+
+
+async def test_a_decider_started_after_a_compaction_drops_the_reports_it_predates(
+        private_nats: NatsServer) -> None:
+    """A fresh decider tracked nothing, so it threw the completed result away,
+    and a report measured before that compaction, read after it, asked for
+    another one."""
+    url, sid = private_nats.url, "restarted"
+    async with running_decider(url, DeciderSettings(compaction_cooldown_s=0)) as (bus, decider):
+        await bus.js_publish(subjects.COMPACTION_RESULT,
+                             CompactionResult(session_id=sid, tokens_after=900, compactions=1),
+                             session_id=sid)
+        await eventually(lambda: decider.status()["tracked_sessions"] >= 1, "the result read")
+        await bus.js_publish(subjects.RESPONSE_GENERATION,
+                             crowded_report(sid).model_copy(update={"compactions": 0}),
+                             session_id=sid)
+        await decider_caught_up(url, decider.status)
+        assert await stored_requests(bus) == []
+
+
+async def test_a_report_whose_numbers_no_sum_can_use_is_reported_not_judged(
+        private_nats: NatsServer) -> None:
+    url, sid = private_nats.url, "huge"
+    async with running_decider(url, DeciderSettings()) as (bus, decider), \
+            watching(url, subjects.ERROR_SUBJECT) as errors:
+        await bus.js_publish(subjects.RESPONSE_GENERATION,
+                             crowded_report(sid).model_copy(update={"sent_chars": 10**400}),
+                             session_id=sid)
+        await errors.wait_for(lambda e: e["payload"].get("code") == "unusable_report")
+        await report_and_settle(bus, url, "fine", decider)  # and it goes on
+    with pytest.raises(ValueError, match="finite"):
+        GenerationReport.model_validate({**crowded_report(sid).model_dump(),
+                                         "tokens_per_char": float("inf")})
 
 
 class CuttableLink:

@@ -24,7 +24,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from schemas import subjects
 from schemas.envelope import Envelope, new_id
-from schemas.messages import CompactionRequest, CompactionResult, GenerationReport
+from schemas.messages import CompactionRequest, CompactionResult, ErrorReport, GenerationReport
 from services.compaction_decider.settings import DeciderSettings
 from services.core.context import context_tokens, part_tokens, summary_allowance
 from services.core.decision import (
@@ -172,7 +172,13 @@ class Decider:
         with structlog.contextvars.bound_contextvars(
             session_id=env.payload.session_id, correlation_id=env.correlation_id
         ):
-            await self._consider(env)
+            try:
+                await self._consider(env)
+            except ArithmeticError as err:  # counts a schema allows but no sum can use
+                log.warning("report_unusable", error=f"{type(err).__name__}: {err}")
+                await self._bus.publish(subjects.ERROR_SUBJECT, ErrorReport(
+                    code="unusable_report", message=f"{type(err).__name__}: {err}",
+                    subject=msg.subject), session_id=env.payload.session_id)
 
     async def _consider(self, env: Envelope[GenerationReport]) -> None:
         report, sid = env.payload, env.payload.session_id
@@ -253,6 +259,11 @@ class Decider:
             return
         tracked = self._tracked.get(env.payload.session_id)
         if tracked is None:
+            if env.payload.status == "completed":
+                # Unknown here (a decider started since): what the compaction
+                # made is still the line before which a report is stale.
+                self._track(env.payload.session_id).memory = on_compacted(
+                    SessionMemory(), env.payload.compactions)
             return
         if env.payload.status == "completed":
             tracked.memory = on_compacted(tracked.memory, env.payload.compactions)
