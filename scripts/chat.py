@@ -17,6 +17,7 @@ with a token is opened with GATEWAY_TOKEN set to it in the environment.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import sys
@@ -27,6 +28,8 @@ from typing import Any
 import httpx
 from rich.console import Console
 from rich.text import Text
+
+from scripts.terminal_text import shown
 
 DEFAULT_URL = "http://127.0.0.1:8080"
 HELP = ("Commands: /compact [instructions] · /state · /transcript · /again · /help · /quit\n"
@@ -156,11 +159,11 @@ class Chat:
             if response.status_code != 200:
                 response.read()
                 raise failure(response)
-            shown = False
+            streamed = False
             for name, data in sse_events(response.iter_lines()):
                 if name == "token":
-                    self.out.print(data["text"], end="", markup=False, highlight=False)
-                    shown = True
+                    self.out.print(shown(data["text"]), end="", markup=False, highlight=False)
+                    streamed = True
                 elif name == "restart":
                     self.out.print(Text("\n(generating again)\nassistant: ", style="yellow"),
                                    end="")
@@ -169,8 +172,9 @@ class Chat:
                     error = data["error"]
                     raise ChatError(f"{error['code']}: {error['message']}", error["code"])
                 elif name == "done":
-                    if not shown:  # answered whole: stored already, or sent once before
-                        self.out.print(data["reply"], end="", markup=False, highlight=False)
+                    if not streamed:  # answered whole: stored already, or sent once before
+                        self.out.print(shown(data["reply"]), end="", markup=False,
+                                       highlight=False)
                     break
             else:
                 self.out.print()
@@ -200,6 +204,9 @@ class Chat:
     def follow_compaction(self, body: dict[str, str]) -> None:
         with self.client.stream("GET", "/api/events", params={"session_id": self.sid},
                                 timeout=httpx.Timeout(30, read=None)) as events:
+            if events.status_code != 200:  # refused (too many listeners, say): no compaction
+                events.read()
+                raise failure(events)
             for name, data in sse_events(events.iter_lines()):
                 if name == "" and data == "connected":  # subscribed: nothing is missed
                     response = self.client.post(f"/api/sessions/{self.sid}/compact", json=body)
@@ -209,8 +216,11 @@ class Chat:
                 elif name == "compaction.event":
                     self.out.print(Text("compacting…", style="yellow"))
                 elif name == "compaction.result":
-                    self.out.print(Text(result_text(data["payload"]), style="yellow"))
+                    self.out.print(Text(shown(result_text(data["payload"])), style="yellow"))
                     break
+            else:
+                self.out.print(Text("the live feed ended before the compaction's result; "
+                                    "/state tells when it is done", style="yellow"))
 
     def state(self, _: str = "") -> None:
         s = self.session()
@@ -256,7 +266,7 @@ class Chat:
 
     def print_message(self, message: dict[str, Any]) -> None:
         line = Text(f"{message.get('role', '?')}: ", style="bold")
-        line.append(str(message.get("content") or ""))
+        line.append(shown(str(message.get("content") or "")))
         self.out.print(line)
 
 
@@ -281,6 +291,8 @@ def lines_from_terminal() -> Iterator[str]:
 
 
 def lines_from_pipe() -> Iterator[str]:
+    if isinstance(sys.stdin, io.TextIOWrapper):
+        sys.stdin.reconfigure(errors="replace")  # a stray byte is not the end of the chat
     for line in sys.stdin:
         yield line.rstrip("\n")
 
@@ -303,8 +315,11 @@ def auth_headers() -> dict[str, str]:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     console = Console(highlight=False, soft_wrap=True)
+    # No proxy from the environment for a gateway on this machine: it would
+    # not reach it, and would read every message and the token on the way.
+    local = httpx.URL(args.url).host in ("127.0.0.1", "localhost", "::1")
     with httpx.Client(base_url=args.url.rstrip("/"), headers=auth_headers(),
-                      timeout=httpx.Timeout(30, read=330)) as c:
+                      timeout=httpx.Timeout(30, read=330), trust_env=not local) as c:
         chat = Chat(c, console)
         try:
             chat.open(args.session)

@@ -109,11 +109,16 @@ def gateway_token(wanted: str) -> str:
     if wanted != "auto":
         return wanted
     kept = DATA / "gateway-token"
-    if not kept.exists():
+    token = kept.read_text().strip() if kept.exists() else ""
+    if not token:  # none yet, or a first run cut short left it empty: never no token
         DATA.mkdir(parents=True, exist_ok=True)
-        kept.touch(mode=0o600)
-        kept.write_text(secrets.token_urlsafe(32))
-    return kept.read_text().strip()
+        token = secrets.token_urlsafe(32)
+        written = kept.with_name(kept.name + ".new")
+        written.touch(mode=0o600)
+        written.chmod(0o600)
+        written.write_text(token)
+        written.replace(kept)  # whole or not at all
+    return token
 
 
 # Each starter adds what it starts to `children` before waiting for it, so
@@ -269,7 +274,9 @@ def start_nats(port: int, passwords: dict[str, str]) -> subprocess.Popen[bytes]:
     server = Path(sys.executable).parent / "nats-server"
     return subprocess.Popen([str(server), "-c", str(NATS_CONFIG), "-a", "127.0.0.1",
                              "-p", str(port), "-m", "0"], cwd=ROOT,
-                            env={**os.environ, "NATS_STORE_DIR": str(store),
+                            # Quoted: nats-server reads the value in its own
+                            # language, where a space or a '#' ends it.
+                            env={**os.environ, "NATS_STORE_DIR": json.dumps(str(store)),
                                  **passwords},
                             start_new_session=True)
 

@@ -27,6 +27,7 @@ from rich.text import Text
 from schemas.subjects import SYSTEM_SUBJECTS
 from scripts.nats_passwords import admin_options
 from scripts.run import NATS_PASSWORDS
+from scripts.terminal_text import shown
 from services.shared.bus import connect, round_trip
 from services.shared.logging import configure_logging
 from services.shared.runner import main as run_main
@@ -52,7 +53,7 @@ class Line:
         line.append(f"{self.subject:<28} ", style=style)
         line.append(f"{self.sender:<20} ", style="dim")
         line.append(f"{self.session:<8} ", style="bold")
-        line.append(self.detail)
+        line.append(shown(self.detail))
         return line
 
 

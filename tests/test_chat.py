@@ -20,6 +20,7 @@ import pytest
 from scripts.chat import UNKNOWN_OUTCOME, failure
 from tests.events import until
 from tests.nats_server import NatsServer
+from tests.ports import free_port
 from tests.processes import REPO_ROOT
 from tests.stub_server import configure_stub_now, running_stub
 from tests.system import System, running_system
@@ -31,13 +32,32 @@ def system(nats_url: str, stub_url: str) -> Iterator[System]:
         yield running
 
 
-def chat(system: System, lines: list[str], *args: str) -> str:
+def chat(system: System, lines: list[str], *args: str,
+         env: dict[str, str] | None = None) -> str:
     done = subprocess.run(
         [sys.executable, "-m", "scripts.chat", "--url", system.base_url, *args],
         input="\n".join(lines) + "\n", capture_output=True, text=True, cwd=REPO_ROOT,
-        timeout=90, check=False)
+        timeout=90, check=False, env={**os.environ, **(env or {})})
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout
+
+
+def test_what_the_model_says_is_shown_not_obeyed_and_no_proxy_sees_it(system: System) -> None:
+    """The answer echoes escape sequences (clear the screen, write the
+    clipboard): they reached the terminal. A proxy set in the environment got
+    every request, token included, and a stray byte in piped input ended the
+    chat with a traceback."""
+    dead = f"http://127.0.0.1:{free_port()}"
+    out = chat(system, ["look \x1b]52;c;aGk=\x07 and \x1b[2J here"],
+               env={"HTTP_PROXY": dead, "HTTPS_PROXY": dead, "ALL_PROXY": dead})
+    assert "assistant: Echo: look " in out
+    assert "\x1b" not in out and "\x07" not in out
+    assert "\u241b]52;c;aGk=\u2407 and \u241b[2J here" in out
+    done = subprocess.run([sys.executable, "-m", "scripts.chat", "--url", system.base_url],
+                          input=b"caf\xe9 au lait\n", capture_output=True, cwd=REPO_ROOT,
+                          timeout=90, check=False)
+    assert done.returncode == 0 and b"Traceback" not in done.stderr, done.stderr
+    assert "Echo: caf\ufffd au lait".encode() in done.stdout
 
 
 def test_a_conversation_with_a_compaction(system: System) -> None:

@@ -110,6 +110,9 @@ def listening(port: int) -> bool:
 
 @pytest.mark.parametrize("stop", ["ctrl-c", "sigterm"])
 def test_the_launcher_starts_everything_and_stops_it_all(tmp_path: Path, stop: str) -> None:
+    # A space or a '#' ended the store's path in nats-server's reading of it.
+    tmp_path = tmp_path / "chat data #1"
+    tmp_path.mkdir()
     ports = Ports()
     with launched(tmp_path, ports) as proc:
         base = f"http://127.0.0.1:{ports.gateway}"
@@ -333,6 +336,8 @@ def test_the_launcher_pulls_model_at_start_when_asked(tmp_path: Path) -> None:
 def test_an_auto_token_is_made_once_kept_private_and_printed_in_the_address(
         tmp_path: Path) -> None:
     ports = Ports()
+    # Left empty by a first run cut short: the gateway ran with no token at all.
+    (tmp_path / "gateway-token").write_text("")
     with launched(tmp_path, ports, GATEWAY_TOKEN="auto") as proc:
         wait_until_announced(tmp_path / "run.log", proc, 60)
         kept = tmp_path / "gateway-token"

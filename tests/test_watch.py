@@ -78,6 +78,8 @@ def test_the_watched_subjects_cover_every_subject_the_services_talk_on() -> None
 def test_what_is_not_an_envelope_is_shown_raw() -> None:
     assert describe("tool.list", b"[1, 2]").detail == "[1, 2]"
     assert describe("x", b"\xff{").detail  # never raises
+    # Shown, not obeyed: an escape sequence would retitle the watcher's window.
+    assert describe("x", b"\x1b]0;pwned\x07").text().plain.endswith("\u241b]0;pwned\u2407")
 
 
 @asynccontextmanager
