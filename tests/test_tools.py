@@ -2,18 +2,28 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
 from collections.abc import AsyncIterator
 
 import nats
 import pytest
 from nats.aio.client import Client as NATS
+from nats.micro import add_service
 
 from schemas import subjects
 from schemas.messages import ToolDefinitions, ToolInvocation, ToolListRequest, ToolOutcome
 from services.shared.bus import Bus, decode
-from services.tools.catalogue import TOOLS, ToolFailure, calculate, current_time, word_count
-from services.tools.service import run_tool
+from services.tools.catalogue import (
+    TOOLS,
+    Tool,
+    ToolFailure,
+    calculate,
+    current_time,
+    word_count,
+)
+from services.tools.service import ToolsService, run_tool
 from tests.processes import ServiceProcess
 
 
@@ -74,3 +84,41 @@ async def test_the_service_lists_and_runs_its_tools_over_nats(tools_nc: NATS) ->
     for asking in (subject, subjects.TOOL_LIST):
         bad = await tools_nc.request(asking, b"{broken", timeout=10)
         assert json.loads(bad.data)["payload"]["code"] == "invalid_message"
+
+
+async def test_a_slow_call_holds_up_no_other_call_of_the_same_tool(nc: NATS) -> None:
+    """nats-py hands an endpoint its next request only once its handler
+    returns: a slow recall held every other session's recall behind it, up
+    to their timeouts. A stop still answers the call under way."""
+    entered, gate = threading.Event(), threading.Event()
+
+    def wait(hold: bool = False) -> str:
+        if hold:
+            entered.set()
+            gate.wait(30)
+        return "held" if hold else "quick"
+
+    tools = {"wait": Tool("wait", "waits when asked", {"type": "object"}, wait)}
+    service = ToolsService(Bus(nc, "tools"), tools)
+    micro = await add_service(nc, name="tools-under-test", version="0.0.0")
+    for endpoint in service.endpoints():
+        await micro.add_endpoint(name=endpoint.name, subject=endpoint.subject,
+                                 handler=endpoint.handler)
+    asker = Bus(nc, "generator")
+
+    async def call(arguments: dict[str, bool]) -> str:
+        msg = await asker.request(subjects.tool("wait"), ToolInvocation(
+            name="wait", arguments=arguments), timeout_s=10)
+        return str(decode(msg.data, ToolOutcome, subjects.tool("wait")).payload.content)
+
+    held = asyncio.create_task(call({"hold": True}))
+    try:
+        assert await asyncio.to_thread(entered.wait, 10)  # the slow call is under way
+        assert await call({}) == "quick"
+        stopping = asyncio.create_task(service.stop())
+        gate.set()
+        assert await held == "held"
+        await stopping
+    finally:
+        gate.set()
+        await micro.stop()

@@ -5,7 +5,7 @@ can run: micro endpoints share a queue group, so each call is answered once."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, TypeVar
 
 import structlog
@@ -31,36 +31,49 @@ log = structlog.get_logger()
 Run = Callable[[Envelope[ToolInvocation]], Awaitable[ToolOutcome]]
 Handler = Callable[[Request], Awaitable[None]]
 P = TypeVar("P", bound=Payload)
+# Calls answered at once by this process; past it, an endpoint reads the next
+# call only when one ends.
+MAX_CALLS_AT_ONCE = 64
+# How long a stop waits for the calls under way to be answered.
+STOP_WAIT_S = 5.0
 
 
 class ToolsService:
-    def __init__(self, bus: Bus) -> None:
+    def __init__(self, bus: Bus, tools: Mapping[str, Tool] = TOOLS) -> None:
         self._bus = bus
+        self._tools = tools
         self._calls = 0
+        # A call is answered in a task of its own: nats-py hands an endpoint
+        # its next request only once the handler returns, so one slow recall
+        # held every other session's recall behind it, to their timeouts.
+        self._room = asyncio.Semaphore(MAX_CALLS_AT_ONCE)
+        self._under_way: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
         return None
 
     async def stop(self) -> None:
-        return None
+        """The calls under way are answered before the endpoints go."""
+        if self._under_way:
+            await asyncio.wait(self._under_way, timeout=STOP_WAIT_S)
 
     async def reconnected(self) -> None:
         return None  # its endpoints are plain subscriptions: nats-py renews them
 
     def status(self) -> dict[str, Any]:
-        return {"tools": sorted([*TOOLS, recall.NAME]), "calls": self._calls}
+        return {"tools": sorted([*self._tools, recall.NAME]), "calls": self._calls}
 
     def endpoints(self) -> list[Endpoint]:
         listing = Endpoint("list", subjects.TOOL_LIST,
                            self._replying(ToolListRequest, self._list))
         calls = [Endpoint(name, subjects.tool(name), self._answering(in_thread(tool)))
-                 for name, tool in TOOLS.items()]
+                 for name, tool in self._tools.items()]
         recalling = Endpoint(recall.NAME, subjects.tool(recall.NAME),
                              self._answering(self._recall))
         return [listing, *calls, recalling]
 
     async def _list(self, env: Envelope[ToolListRequest]) -> ToolDefinitions:
-        return ToolDefinitions(tools=[*(t.definition() for t in TOOLS.values()),
+        return ToolDefinitions(tools=[*(t.definition() for t in self._tools.values()),
                                       recall.DEFINITION])
 
     async def _recall(self, env: Envelope[ToolInvocation]) -> ToolOutcome:
@@ -71,13 +84,25 @@ class ToolsService:
             return ToolOutcome(name=recall.NAME, error=f"{type(err).__name__}: {err}")
 
     def _answering(self, run: Run) -> Handler:
-        """One handler for every tool, counting its calls."""
+        """One handler for every tool, counting its calls, each answered in
+        a task of its own."""
         reply = self._replying(ToolInvocation, run)
 
         async def handle(request: Request) -> None:
             self._calls += 1
-            await reply(request)
+            await self._room.acquire()
+            task = asyncio.create_task(self._released_after(reply(request)))
+            self._under_way.add(task)
+            task.add_done_callback(self._under_way.discard)
         return handle
+
+    async def _released_after(self, call: Awaitable[None]) -> None:
+        try:
+            await call
+        except Exception:  # no answer can go (NATS away): the caller times out
+            log.exception("tool_call_not_answered")
+        finally:
+            self._room.release()
 
     def _replying(self, asked: type[P], work: Callable[[Envelope[P]], Awaitable[Payload]]
                   ) -> Handler:
@@ -90,7 +115,10 @@ class ToolsService:
             except BadMessage as err:
                 await request.respond(self._wrap(request.subject, err.report))
                 return
-            await request.respond(self._wrap(request.subject, await work(env), env))
+            with structlog.contextvars.bound_contextvars(session_id=env.session_id,
+                                                         correlation_id=env.correlation_id):
+                answer = await work(env)
+            await request.respond(self._wrap(request.subject, answer, env))
         return handle
 
     def _wrap(self, subject: str, payload: Payload, asked: Envelope[Any] | None = None
