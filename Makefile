@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-compose lint schemas bench clean .env
+.PHONY: run test test-compose lint schemas bench clean .env wheels
 
 # A venv left half-made (no pip: the system lacked its venv package) or made
 # with an older Python is made again, not reused on every later run.
@@ -46,6 +46,12 @@ schemas: $(STAMP)
 # again, it keeps those made and adds any a newer version needs.
 .env: $(STAMP)
 	$(BIN)/python scripts/nats_passwords.py .env
+
+# What an image build without PyPI installs (WHEELS_ONLY=1, see wheels/README):
+# the project's dependencies; the project itself is built from its sources.
+wheels: $(STAMP)
+	$(BIN)/python -m pip wheel --quiet --wheel-dir wheels . setuptools
+	rm -f wheels/compacting_chat-*.whl
 
 bench: $(STAMP)
 	$(BIN)/python scripts/bench.py
