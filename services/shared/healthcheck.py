@@ -31,11 +31,25 @@ NO_RESPONDERS = "503"
 HERE, NONE_CONNECTED, NOT_HERE = "here", "none connected", "not here"
 
 
-async def answers_here(name: str, url: str, host: str) -> str:
+def configured() -> dict[str, str]:
+    """The settings as the service reads them: the environment, in any case,
+    over the keys of the YAML file CONFIG_FILE names."""
+    values: dict[str, str] = {}
+    if os.environ.get("CONFIG_FILE"):
+        from services.shared.settings import read_yaml_config  # only then: it is slow
+
+        values = {key.upper(): str(value) for key, value in read_yaml_config().items()
+                  if value is not None}
+    values.update({key.upper(): value for key, value in os.environ.items()})
+    return values
+
+
+async def answers_here(name: str, url: str, host: str,
+                       settings: dict[str, str] | None = None) -> str:
     servers = [part.strip() for part in url.split(",") if part.strip()]
     nc = await nats.connect(servers, connect_timeout=TIMEOUT_S, inbox_prefix=inbox_prefix(name),
                             allow_reconnect=False, max_reconnect_attempts=0,
-                            error_cb=_quiet, **connect_options(os.environ))
+                            error_cb=_quiet, **connect_options(settings or os.environ))
     try:
         found: asyncio.Future[str] = asyncio.get_running_loop().create_future()
 
@@ -70,11 +84,12 @@ def main() -> int:
         return 2
     # From the environment alone: the settings' imports would double the
     # check's start-up time, which a loaded host makes exceed its timeout.
-    url = os.environ.get("NATS_URL", "nats://127.0.0.1:4222")
+    settings = configured()
+    url = settings.get("NATS_URL", "nats://127.0.0.1:4222")
     try:
         # Bounded as a whole: the client's own connect may retry for long.
         found = asyncio.run(asyncio.wait_for(
-            answers_here(sys.argv[1], url, socket.gethostname()), 2 * TIMEOUT_S))
+            answers_here(sys.argv[1], url, socket.gethostname(), settings), 2 * TIMEOUT_S))
     except Exception as err:  # NATS unreachable: unhealthy, said why
         print(f"unhealthy: {type(err).__name__}: {err}", file=sys.stderr)
         return 1
