@@ -60,7 +60,9 @@ async def streamed(http: httpx.AsyncClient, sid: str, content: str) -> list[Any]
 
 async def test_a_full_store_is_told_as_storage_full_and_keeps_what_it_held(
         small_nats: NatsServer, stub_url: str) -> None:
-    with running_system(small_nats.url, stub_url) as system:
+    # A window an answer of 200,000 characters fits in: an answer may take
+    # only what its prompt leaves of the window.
+    with running_system(small_nats.url, stub_url, {"NUM_CTX": "131072"}) as system:
         async with system.http(timeout=60) as http:
             answered = await filled(http)
             freed, *kept = [sid for sid, turns in answered.items() if turns]
