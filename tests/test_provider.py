@@ -305,3 +305,21 @@ async def test_on_a_one_slot_server_a_summary_waits_for_a_waiting_answer() -> No
             # The holder is gone: the answer has the slot, then the summary.
             assert (await answer).content.startswith("Echo: waiting")
             assert (await summary).content.startswith("Goal: ")
+
+
+async def test_an_error_in_a_stream_under_way_says_the_answer_failed_midway() -> None:
+    """Ollama writes an {"error": ...} line once a stream has begun (its HTTP
+    status long sent); the client calls that status -1, which the caller was
+    told as "Ollama answered HTTP -1"."""
+    with running_stub("--quirk", "error-midway") as url:
+        async with provider_on(url) as provider:
+            tokens: list[str] = []
+
+            async def on_token(text: str) -> None:
+                tokens.append(text)
+
+            with pytest.raises(ProviderError) as failed:
+                await provider.chat(question("a longer question, to be cut"), on_token)
+    assert failed.value.cause == "provider_error"
+    assert "failed during the answer: stub: simulated internal error" in str(failed.value)
+    assert tokens  # it had begun

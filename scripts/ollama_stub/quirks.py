@@ -2,9 +2,11 @@
 
 ``cache-count``: prompt_eval_count counts only what follows the prompt-cache prefix,
 and is left out when that is tiny. ``empty-content``: the answer comes in the thinking
-channel only. ``error``: a 500. ``hang``: no answer until the client goes away or the
-stand-in exits. How models differ (404, no tools, thinking, windows, loads, parallel
-slots) lives in ``models``."""
+channel only. ``error``: a 500. ``error-midway``: a streamed answer's first piece,
+then an ``{"error": ...}`` line and no done chunk, as Ollama ends a stream that fails
+once it has begun (a request not streamed gets the 500). ``hang``: no answer until the
+client goes away or the stand-in exits. How models differ (404, no tools, thinking,
+windows, loads, parallel slots) lives in ``models``."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ if TYPE_CHECKING:  # a type only: the state module imports this one, indirectly
     from .state import StubState
 
 
-QUIRKS = ("cache-count", "empty-content", "error", "hang")
+QUIRKS = ("cache-count", "empty-content", "error", "error-midway", "hang")
 ERROR_TEXT = "stub: simulated internal error"
 # Below this many new tokens a prompt-cache hit makes Ollama omit prompt_eval_count.
 CACHE_MIN_TOKENS = 5

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from starlette.responses import JSONResponse
 
 from .common import JSONObject, sleep_ns
+from .quirks import ERROR_TEXT
 from .replies import Reply
 
 if TYPE_CHECKING:  # a type only: the state module imports this one, indirectly
@@ -74,6 +75,8 @@ class Generation:
     done_reason: str = "stop"
     # Time this request waited for its model to load (``--load-ms``).
     loading_ns: int = 0
+    # The ``error-midway`` quirk: the stream fails after its first piece.
+    fails_midway: bool = False
 
     def final_fields(self, load_ns: int, eval_ns: int) -> JSONObject:
         fields: JSONObject = {
@@ -118,6 +121,9 @@ async def _chunks(generation: Generation, paused: Callable[[], Awaitable[None]]
             await paused()  # a test's "answer being written", for as long as it needs
         await sleep_ns(total_s / len(pieces))
         yield _ndjson(chat_chunk(generation.model, message, done=False))
+        if generation.fails_midway:
+            yield _ndjson({"error": ERROR_TEXT})
+            return
     final = chat_chunk(generation.model, {"role": "assistant", "content": ""}, done=True)
     final.update(generation.final_fields(load_ns, time.perf_counter_ns() - eval_started))
     yield _ndjson(final)

@@ -121,7 +121,8 @@ async def chat_endpoint(request: Request) -> Response:
     loading_ns = await state.loads.ensure_loaded(chat.model)
     if not chat.messages:
         return load_response(chat.model)
-    if "error" in state.config.quirks:
+    quirks = state.config.quirks
+    if "error" in quirks or ("error-midway" in quirks and not chat.stream):
         return error_response(500, ERROR_TEXT)
     if "hang" in state.config.quirks:
         await wait_until_disconnected(request, state)
@@ -130,6 +131,7 @@ async def chat_endpoint(request: Request) -> Response:
     await wait_while_held(state, chat.model)
     generation = prepare_generation(state, chat, kept, prompt_tokens, started_ns)
     generation.loading_ns = loading_ns
+    generation.fails_midway = "error-midway" in quirks
     return await answer_in_slot(state, chat, generation)
 
 

@@ -177,6 +177,8 @@ class OllamaProvider:
     def _refused(self, model: str, err: ollama.ResponseError) -> ProviderError:
         if err.status_code == 404:
             return model_not_found(model)
+        if err.status_code == -1:  # an error line in a stream under way, after a 200
+            return ProviderError("provider_error", f"Ollama failed during the answer: {err.error}")
         if err.status_code == 400 and any(words in err.error for words in WINDOW_EXCEEDED):
             return ProviderError(ErrorCode.context_overflow, "the model counted more tokens "
                                  f"than its window holds: {err.error}")
