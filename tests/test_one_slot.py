@@ -109,6 +109,9 @@ async def test_an_answer_during_a_long_summary_waits_for_one_piece_at_most(
         log = await stub_log(url)
     assert [r["status"] for r in watcher.payloads("compaction.result")] == ["completed"]
     assert arrived(log, "summary") >= 3, log  # a summary in several pieces
+    # Planned for a 2,048 window, sent with the answers' own: Ollama reloads a
+    # model asked with another num_ctx, each time the two take turns.
+    assert {entry["num_ctx"] for entry in log if entry["event"] == "arrived"} == {8192}
     # The answer waited for the first piece only: the next one was held back
     # until the answer had begun, and the rest came after it.
     assert sent_while_the_answer_waited(log) == []

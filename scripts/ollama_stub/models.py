@@ -146,9 +146,13 @@ class ModelSlots:
         self.busy: dict[str, int] = {}
         self.log: deque[JSONObject] = deque(maxlen=SLOT_LOG_LENGTH)
 
-    def note(self, model: str, event: str, kind: str) -> None:
-        self.log.append({"model": normalize_model(model), "event": event, "kind": kind,
-                         "at_s": time.monotonic()})
+    def note(self, model: str, event: str, kind: str, num_ctx: int | None = None) -> None:
+        """`num_ctx` (of an arrival): Ollama reloads a model asked with another."""
+        entry = {"model": normalize_model(model), "event": event, "kind": kind,
+                 "at_s": time.monotonic()}
+        if num_ctx is not None:
+            entry["num_ctx"] = num_ctx
+        self.log.append(entry)
 
     async def take(self, model: str, kind: str = "answer") -> Slot:
         key = normalize_model(model)

@@ -127,7 +127,7 @@ async def chat_endpoint(request: Request) -> Response:
     if "hang" in state.config.quirks:
         await wait_until_disconnected(request, state)
         return error_response(503, "stub: hang ended")
-    state.slots.note(chat.model, "arrived", request_kind(chat))
+    state.slots.note(chat.model, "arrived", request_kind(chat), chat.options.get("num_ctx"))
     await wait_while_held(state, chat.model)
     generation = prepare_generation(state, chat, kept, prompt_tokens, started_ns)
     generation.loading_ns = loading_ns

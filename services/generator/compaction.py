@@ -342,7 +342,7 @@ class Compactor:
                        job: Job) -> ChatRequest:
         return ChatRequest(
             model=self._summary_model(record), messages=piece.messages,
-            num_ctx=window.num_ctx, num_predict=window.output_tokens,
+            num_ctx=self._sent_window(record, window), num_predict=window.output_tokens,
             # A thinking model could spend the whole output on thinking and
             # leave the summary empty; streamed so a stall is caught midway.
             # The model's answers go first, unless this is an emergency
@@ -365,6 +365,15 @@ class Compactor:
 
     def _summary_model(self, record: SessionRecord) -> str:
         return self._settings.compaction_model or record.model_or(self._settings.model)
+
+    def _sent_window(self, record: SessionRecord, window: SummaryWindow) -> int:
+        """The num_ctx a piece is sent with: the session's own window when the
+        summariser is the session's model and the pieces fit that window.
+        Ollama reloads a model asked with another num_ctx: each time an answer
+        and a summary piece took turns, a load, and every request behind it."""
+        answering = record.window(self._settings.num_ctx)
+        same_model = self._summary_model(record) == record.model_or(self._settings.model)
+        return answering if same_model and window.num_ctx <= answering else window.num_ctx
 
     async def _summary_window(self, record: SessionRecord) -> SummaryWindow:
         """The summariser's window, estimated with the session's calibration when
