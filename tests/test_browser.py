@@ -8,6 +8,7 @@ in the page, and saves a screenshot under its temporary directory.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -121,23 +122,31 @@ def gauge_percent(page: playwright_api.Page) -> int:
     return int(page.get_attribute("#gauge", "aria-valuenow") or "0")
 
 
+@contextlib.contextmanager
+def answer_under_way(page: playwright_api.Page, stub_url: str, text: str
+                     ) -> Iterator[playwright_api.Locator]:
+    """`text` sent while the model stops after its answer's first piece: the
+    pending answer, written in part, for as long as the block runs."""
+    configure_stub_now(stub_url, paused_models=[ANSWER_MODEL])
+    try:
+        page.fill("#message-input", text)
+        page.click("#send-button")
+        pending = page.locator("#messages .msg-pending")
+        playwright_api.expect(pending.locator(".msg-text")).not_to_have_text("")
+        yield pending
+    finally:
+        configure_stub_now(stub_url, paused_models=[])
+
+
 def test_a_message_streams_and_the_state_badge_moves(
         watched: Watched, stub_url: str) -> None:
     page = watched.page
     create_session(page)
-    # The answer stops after its first piece until let go: under way for as long as we look.
-    configure_stub_now(stub_url, paused_models=[ANSWER_MODEL])
-    try:
-        page.fill("#message-input", "tell me a story about the sea and the ships on it")
-        page.click("#send-button")
-        pending = page.locator("#messages .msg-pending .msg-text")
-        # Streaming: part of the answer is on the page while it is still pending.
-        playwright_api.expect(pending).not_to_have_text("")
+    # Streaming: part of the answer is on the page while it is still pending.
+    with answer_under_way(page, stub_url, "tell me a story about the sea and the ships on it"):
         playwright_api.expect(page.locator("#state-badge")).to_have_attribute(
             "data-state", "generating")
         watched.shot("streaming")
-    finally:
-        configure_stub_now(stub_url, paused_models=[])
     playwright_api.expect(page.locator("#messages .msg-pending")).to_have_count(0)
     playwright_api.expect(page.locator("#state-badge")).to_have_attribute("data-state", "idle")
     assert page.locator("#messages .msg-assistant .msg-text").last.inner_text().strip()
@@ -236,12 +245,7 @@ def test_a_stop_that_fails_gives_stop_back_and_the_answer_goes_on(
     page = watched.page
     create_session(page)
     stop_button = page.locator("#stop-button")
-    configure_stub_now(stub_url, paused_models=[ANSWER_MODEL])
-    try:
-        page.fill("#message-input", "a long story, please")
-        page.click("#send-button")
-        pending = page.locator("#messages .msg-pending")
-        playwright_api.expect(pending.locator(".msg-text")).not_to_have_text("")
+    with answer_under_way(page, stub_url, "a long story, please") as pending:
         page.route("**/api/sessions/*/stop", lambda route: route.abort())
         stop_button.click()
         playwright_api.expect(page.locator("#notice")).to_contain_text("Could not stop")
@@ -251,8 +255,6 @@ def test_a_stop_that_fails_gives_stop_back_and_the_answer_goes_on(
         page.unroute("**/api/sessions/*/stop")
         stop_button.click()
         playwright_api.expect(pending).to_have_count(0)
-    finally:
-        configure_stub_now(stub_url, paused_models=[])
     answer = page.locator("#messages .msg-assistant").last
     playwright_api.expect(answer.locator(".msg-tag")).to_have_text("stopped")
     network_failures_only(watched)
@@ -375,19 +377,12 @@ def test_the_turn_under_way_stays_when_earlier_messages_are_loaded(
             assert ask(client, sid, f"t{n}").status_code == 200
     open_session(page, sid)
     playwright_api.expect(page.locator("#messages .msg-more")).to_be_visible()
-    configure_stub_now(stub_url, paused_models=[ANSWER_MODEL])
-    try:
-        page.fill("#message-input", "and one more")
-        page.click("#send-button")
-        pending = page.locator("#messages .msg-pending")
-        playwright_api.expect(pending.locator(".msg-text")).not_to_have_text("")
+    with answer_under_way(page, stub_url, "and one more") as pending:
         page.locator("#messages").evaluate("box => { box.scrollTop = 0; }")
         users = page.locator("#messages .msg-user .msg-text")
         playwright_api.expect(users.first).to_have_text("t0")  # the older page is drawn
         playwright_api.expect(pending).to_have_count(1)
         playwright_api.expect(users.last).to_have_text("and one more")
-    finally:
-        configure_stub_now(stub_url, paused_models=[])
     playwright_api.expect(pending).to_have_count(0)
     answer = page.locator("#messages .msg-assistant .msg-text").last
     playwright_api.expect(answer).to_have_text(re.compile(r"^Echo: and one more"))
