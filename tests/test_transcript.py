@@ -241,6 +241,14 @@ async def test_delete_purges_everything_and_answers_what_is_queued(
     assert posted.status_code == 404
 
 
+async def history_entries(nats_url: str, sid: str) -> int:
+    nc = await nats.connect(nats_url)
+    try:
+        return await _count(nc.jetstream(), subjects.HISTORY_STREAM, subjects.history(sid))
+    finally:
+        await nc.close()
+
+
 async def test_a_session_deleted_during_its_first_answer_is_not_written_again(
     private_nats: NatsServer, stub: str, start: Start
 ) -> None:
@@ -259,11 +267,7 @@ async def test_a_session_deleted_during_its_first_answer_is_not_written_again(
         answer = await asked
         await watcher.wait_for(lambda e: e["payload"].get("to_state") == "idle")
     assert answer.status_code == 404 and answer.json()["error"]["code"] == "unknown_session"
-    nc = await nats.connect(private_nats.url)
-    try:
-        assert await _count(nc.jetstream(), subjects.HISTORY_STREAM, subjects.history(sid)) == 0
-    finally:
-        await nc.close()
+    assert await history_entries(private_nats.url, sid) == 0
     assert (await http.delete(f"/api/sessions/{sid}")).status_code == 404
 
 
@@ -279,11 +283,7 @@ async def test_a_compaction_in_flight_when_its_session_is_deleted_ends_skipped(
         assert (await http.delete(f"/api/sessions/{sid}")).status_code == 204
         result = await next_result(watcher, sid)
     assert result["status"] == "skipped" and "deleted" in result["error"], result
-    nc = await nats.connect(private_nats.url)
-    try:
-        assert await _count(nc.jetstream(), subjects.HISTORY_STREAM, subjects.history(sid)) == 0
-    finally:
-        await nc.close()
+    assert await history_entries(private_nats.url, sid) == 0
     assert (await http.get(f"/api/sessions/{sid}/transcript")).status_code == 404
 
 
