@@ -41,7 +41,7 @@ from ollama._client import _parse_host as ollama_url  # the client's own reading
 from tqdm import tqdm
 
 from scripts.nats_passwords import kept_passwords, service_credentials
-from scripts.supervision import Child, StopSignals, keep_running, stop
+from scripts.supervision import Child, StopSignals, keep_running, stop, tied_to_launcher
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = Path(os.environ.get("DATA_DIR", ROOT / ".data"))
@@ -240,7 +240,8 @@ def start_services(env: dict[str, str], children: list[Child],
 
 
 def start_service(module: str, env: dict[str, str]) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, "-m", module], cwd=ROOT, env=env)
+    return subprocess.Popen([sys.executable, "-m", module], cwd=ROOT, env=env,
+                            preexec_fn=tied_to_launcher())
 
 
 def service_envs(env: dict[str, str], passwords: dict[str, str] | None
@@ -278,7 +279,7 @@ def start_nats(port: int, passwords: dict[str, str]) -> subprocess.Popen[bytes]:
                             # language, where a space or a '#' ends it.
                             env={**os.environ, "NATS_STORE_DIR": json.dumps(str(store)),
                                  **passwords},
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=tied_to_launcher())
 
 
 def start_stub(wanted: str) -> subprocess.Popen[bytes]:
@@ -288,7 +289,8 @@ def start_stub(wanted: str) -> subprocess.Popen[bytes]:
           f"  not a real model. Start Ollama (or set OLLAMA_HOST) for real answers.\n{banner}\n",
           file=sys.stderr, flush=True)
     return subprocess.Popen([sys.executable, "-m", "scripts.ollama_stub", "--port",
-                             str(STUB_PORT)], cwd=ROOT, start_new_session=True)
+                             str(STUB_PORT)], cwd=ROOT, start_new_session=True,
+                            preexec_fn=tied_to_launcher())
 
 
 def page_url(host: str, port: str) -> str:

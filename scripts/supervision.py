@@ -10,6 +10,8 @@ started again takes up the queues where its last run left them.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import os
 import signal
 import subprocess
 import sys
@@ -29,6 +31,25 @@ MAX_PAUSE_S = 30.0
 POLL_S = 0.2
 
 Start = Callable[[], "subprocess.Popen[bytes]"]
+# prctl(2): the signal a process gets when its parent dies.
+PR_SET_PDEATHSIG = 1
+
+
+def tied_to_launcher() -> Callable[[], None] | None:
+    """For Popen's `preexec_fn`: the child gets SIGTERM when the launcher dies,
+    however it dies (kill -9, the OOM killer), instead of running on with no
+    one to stop it, its ports keeping the next `make run` from starting.
+    Linux only; elsewhere, None. (The launcher has no threads, whose end
+    would count as its death.)"""
+    if not sys.platform.startswith("linux"):
+        return None
+    launcher = os.getpid()
+
+    def tie() -> None:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != launcher:  # it died before the tie was made
+            os.kill(os.getpid(), signal.SIGTERM)
+    return tie
 
 
 class StopSignals:

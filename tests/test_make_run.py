@@ -258,6 +258,20 @@ def test_a_process_that_dies_is_started_again_and_the_chat_goes_on(tmp_path: Pat
     assert not any(listening(port) for port in (ports.nats, ports.stub, ports.gateway))
 
 
+def test_a_launcher_killed_outright_leaves_nothing_running(tmp_path: Path) -> None:
+    """kill -9 (or the OOM killer) gives the launcher no chance to stop its
+    children: they ran on, NATS and the stand-in in sessions of their own,
+    and their ports kept the next `make run` from starting."""
+    ports = Ports()
+    with launched(tmp_path, ports) as proc:
+        wait_until_announced(tmp_path / "run.log", proc, 60)
+        proc.kill()  # the launcher alone
+        proc.wait(10)
+        until(lambda: not any(listening(port) for port in
+                              (ports.nats, ports.stub, ports.gateway, *ports.metrics)),
+              "every child gone with the launcher", 60)
+
+
 def test_the_launcher_refuses_a_nats_port_someone_else_listens_on(tmp_path: Path) -> None:
     ports = Ports()
     with socket.create_server(("127.0.0.1", ports.nats)):
