@@ -42,7 +42,6 @@ from services.core.tokens import (
     Calibration,
     calibrate,
     calibration_from,
-    estimate_tokens,
     prompt_budget,
 )
 from services.shared import metrics
@@ -183,14 +182,13 @@ class Decider:
     async def _consider(self, env: Envelope[GenerationReport]) -> None:
         report, sid = env.payload, env.payload.session_id
         tracked = self._track(sid)
-        metrics.decider().estimate_checked(
-            estimate_tokens(report.sent_chars, tracked.calibration, report.sent_messages),
-            report.prompt_tokens)
+        before = tracked.calibration
         tracked.calibration = calibrate(
-            tracked.calibration, report.prompt_tokens, report.sent_chars, report.num_ctx,
+            before, report.prompt_tokens, report.sent_chars, report.num_ctx,
             messages=report.sent_messages, extra_bytes=report.sent_extra_bytes,
             reused_chars=report.reused_chars, reused_extra_bytes=report.reused_extra_bytes,
             reused_messages=report.reused_messages)
+        _check_estimate(before, tracked.calibration, report)
         if not report.auto_compact:
             return
         decision, fired = self._decide(tracked, report)
@@ -280,3 +278,13 @@ def next_prompt(report: GenerationReport) -> Size:
         return Size(report.next_prompt_chars, report.next_prompt_extra_bytes,
                     report.next_prompt_messages)
     return Size(report.sent_chars, report.sent_extra_bytes, report.sent_messages)
+
+
+def _check_estimate(before: Calibration, after: Calibration, report: GenerationReport) -> None:
+    """How far the session's estimate, before a count, was from it: dense
+    scripts' bytes included, and only for a count read as the whole prompt's
+    (one a prompt cache may have cut says nothing of the estimate)."""
+    whole = after.basis is not None and after.basis is not before.basis
+    sent = Size(report.sent_chars, report.sent_extra_bytes, report.sent_messages)
+    metrics.decider().estimate_checked(context_tokens(sent, before),
+                                       report.prompt_tokens if whole else None)
