@@ -33,7 +33,7 @@ from scripts.terminal_text import shown
 
 DEFAULT_URL = "http://127.0.0.1:8080"
 HELP = ("Commands: /compact [instructions] · /state · /transcript · /again · /help · /quit\n"
-        "Anything else is sent as a message.")
+        "Anything else is sent as a message; one that starts with / is sent as //...")
 Event = tuple[str, Any]
 # Failures after which a message may or may not have been taken; the page
 # (services/gateway/static/chat.js) offers Send again after the same ones.
@@ -107,7 +107,9 @@ class Chat:
             "/again": self.again, "/help": lambda _: self.out.print(HELP)}
         if command in ("/quit", "/exit"):
             return False
-        if command in actions:
+        if line.lstrip().startswith("//"):  # a message that starts with a slash
+            self.send(line.lstrip()[1:])
+        elif command in actions:
             actions[command](rest.strip())
         elif command.startswith("/"):
             self.out.print(Text(f"unknown command {command}; /help lists them", style="red"))

@@ -64,7 +64,8 @@ def test_a_conversation_with_a_compaction(system: System) -> None:
     long = "the quick brown fox jumps over the lazy dog " * 15
     out = chat(system, [f"hello there {long}", f"and again {long}",
                         "/compact keep the greetings", "/state",
-                        "/transcript", "/nonsense", "/quit", "never sent"])
+                        "/transcript", "/nonsense", "//usr/bin/env is a path", "/quit",
+                        "never sent"])
     assert "session " in out
     assert "assistant: Echo: hello there the quick" in out
     assert "assistant: Echo: and again the quick" in out
@@ -74,6 +75,7 @@ def test_a_conversation_with_a_compaction(system: System) -> None:
     assert "state idle" in out
     assert "summary: " in out and "compacted · manual" in out  # the transcript's divider
     assert "unknown command /nonsense" in out
+    assert "assistant: Echo: /usr/bin/env is a path" in out  # sent as //usr/bin/env
     assert "never sent" not in out
 
 
