@@ -444,6 +444,33 @@ def test_a_message_that_surely_failed_goes_back_into_the_composer(
     playwright_api.expect(page.locator("#message-input")).to_have_value("please keep this")
 
 
+def test_retry_after_a_failed_message_marks_the_answer_it_stands_under(
+        watched: Watched, stub_url: str) -> None:
+    """The failed message's bubble follows the last answer on the page: Retry
+    took the list's last item for its answer, and marked the failure
+    superseded instead of the answer being replaced."""
+    page = watched.page
+    create_session(page)
+    send(page, "first")
+    configure_stub_now(stub_url, quirks=["error"])
+    try:
+        page.fill("#message-input", "second")
+        page.click("#send-button")
+        failed = page.locator("#messages .msg-failed")
+        playwright_api.expect(failed.locator(".msg-error")).to_be_visible()
+    finally:
+        configure_stub_now(stub_url, quirks=[])
+    answer = page.locator("#messages .msg-assistant", has_text="Echo: first")
+    configure_stub_now(stub_url, paused_models=[ANSWER_MODEL])
+    try:
+        answer.locator(".retry-button").click()
+        playwright_api.expect(answer).to_have_class(re.compile(r"\bmsg-superseded\b"))
+        playwright_api.expect(failed).not_to_have_class(re.compile(r"\bmsg-superseded\b"))
+    finally:
+        configure_stub_now(stub_url, paused_models=[])
+    playwright_api.expect(page.locator("#messages .msg-pending")).to_have_count(0)
+
+
 def test_a_question_kept_by_a_compaction_after_a_retry_is_not_faded(
         watched: Watched) -> None:
     page = watched.page

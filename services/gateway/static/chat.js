@@ -353,7 +353,9 @@ function retryButton() {
   const button = el("button", { className: "retry-button", text: "Retry", attrs: { type: "button" } });
   button.title = "Ask for a fresh answer to the last message";
   button.disabled = app.busy;
-  button.addEventListener("click", retryAnswer);
+  // The answer it stands under, not the list's last item: a failed message
+  // may follow that answer on the page.
+  button.addEventListener("click", () => retryAnswer(button.closest(".msg-assistant")));
   return button;
 }
 
@@ -373,11 +375,9 @@ export async function sendMessage(event) {
 
 // A fresh answer to the last message: the old one stays on screen, marked
 // superseded, until the new one is stored; if none is, it stands again.
-async function retryAnswer() {
+async function retryAnswer(old) {
   const id = app.sessionId;
   if (!id || app.busy) return;
-  const last = ui.messages.lastElementChild;
-  const old = last?.classList.contains("msg-assistant") ? last : null;
   const actions = old?.querySelector(".msg-actions");
   if (old) {
     if (actions) show(actions, false);
