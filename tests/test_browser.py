@@ -428,18 +428,26 @@ def test_the_turn_under_way_stays_when_a_slow_first_read_arrives(
     playwright_api.expect(users).to_have_count(2)
 
 
-def test_a_message_that_surely_failed_goes_back_into_the_composer(
-        watched: Watched, stub_url: str) -> None:
-    page = watched.page
-    create_session(page)
+def failed_to_send(page: playwright_api.Page, stub_url: str, text: str
+                   ) -> playwright_api.Locator:
+    """`text` sent while the model server fails every call (a 500): its
+    failed bubble, once it shows the error."""
     configure_stub_now(stub_url, quirks=["error"])
     try:
-        page.fill("#message-input", "please keep this")
+        page.fill("#message-input", text)
         page.click("#send-button")
         failed = page.locator("#messages .msg-failed")
         playwright_api.expect(failed.locator(".msg-error")).to_be_visible()
     finally:
         configure_stub_now(stub_url, quirks=[])
+    return failed
+
+
+def test_a_message_that_surely_failed_goes_back_into_the_composer(
+        watched: Watched, stub_url: str) -> None:
+    page = watched.page
+    create_session(page)
+    failed = failed_to_send(page, stub_url, "please keep this")
     assert failed.locator(".send-again-button").count() == 0
     playwright_api.expect(page.locator("#message-input")).to_have_value("please keep this")
 
@@ -452,14 +460,7 @@ def test_retry_after_a_failed_message_marks_the_answer_it_stands_under(
     page = watched.page
     create_session(page)
     send(page, "first")
-    configure_stub_now(stub_url, quirks=["error"])
-    try:
-        page.fill("#message-input", "second")
-        page.click("#send-button")
-        failed = page.locator("#messages .msg-failed")
-        playwright_api.expect(failed.locator(".msg-error")).to_be_visible()
-    finally:
-        configure_stub_now(stub_url, quirks=[])
+    failed = failed_to_send(page, stub_url, "second")
     answer = page.locator("#messages .msg-assistant", has_text="Echo: first")
     configure_stub_now(stub_url, paused_models=[ANSWER_MODEL])
     try:
