@@ -257,12 +257,11 @@ class Decider:
             return
         tracked = self._tracked.get(env.payload.session_id)
         if tracked is None:
-            if env.payload.status == "completed":
-                # Unknown here (a decider started since): what the compaction
-                # made is still the line before which a report is stale.
-                self._track(env.payload.session_id).memory = on_compacted(
-                    SessionMemory(), env.payload.compactions)
-            return
+            if env.payload.status != "completed":
+                return
+            # Unknown here (a decider started since): what the compaction made
+            # is still the line before which a report is stale.
+            tracked = self._track(env.payload.session_id)
         if env.payload.status == "completed":
             tracked.memory = on_compacted(tracked.memory, env.payload.compactions)
         if tracked.awaiting == env.correlation_id:

@@ -216,6 +216,14 @@ def calibrate(
     return _folded(previous, reported, sent, reused)
 
 
+def refused_as_too_long(previous: Calibration, sent: Size, num_ctx: int) -> Calibration:
+    """The calibration after the model server refused a prompt of `sent` as
+    longer than `num_ctx` tokens: the window is a count the prompt exceeds,
+    so the rates may rise to it, never fall."""
+    return calibrate(previous, num_ctx, sent.chars, num_ctx, messages=sent.messages,
+                     extra_bytes=sent.extra_bytes)
+
+
 def _folded(previous: Calibration, reported: int, sent: Size, reused: Size,
             reading: Reading | None = None) -> Calibration:
     """The calibration after a usable report (read as `reading` if given)."""

@@ -56,7 +56,7 @@ from services.core.splice import (
 from services.core.splice import first_user_request as first_request_of
 from services.core.state_machine import Action, CompactionMode, IllegalTransition
 from services.core.text_size import prompt_size
-from services.core.tokens import Calibration, calibrate, stored_calibration
+from services.core.tokens import Calibration, refused_as_too_long, stored_calibration
 from services.generator.models import capped_window
 from services.generator.provider import ChatProvider, ChatRequest, ChatResult, ProviderError
 from services.generator.session_lock import LockTimeout, SessionLocks
@@ -169,8 +169,7 @@ class Compactor:
         """Emergency compaction by a turn that already holds the session lock;
         its summary is given up if the turn's `switch` is thrown (the splice,
         once begun, is not: its outcome must be known)."""
-        job = Job(record.session_id, "emergency", True, "the next prompt would not fit",
-                  None, correlation_id)
+        job = _emergency(record.session_id, correlation_id)
         self._offered = await self._tools.definitions()
         plan = self._plan(view.conversation, job.level)
         before = self.tokens(record, view.conversation)
@@ -207,8 +206,7 @@ class Compactor:
         try:
             if not await self._states.compaction_recorded(sid, correlation_id):
                 return
-            job = Job(sid, "emergency", True, "the next prompt would not fit", None,
-                      correlation_id)
+            job = _emergency(sid, correlation_id)
             await self._publish(job, self._failed(job, "the generator writing it stopped"))
         except Exception as err:  # best effort: the turn itself goes on
             log.warning("compaction_left_running_not_ended", error=f"{type(err).__name__}: {err}")
@@ -494,6 +492,11 @@ class Compactor:
                                 tokens_before=tokens_before, auto=job.auto, level=job.level)
 
 
+def _emergency(sid: str, correlation_id: str) -> Job:
+    """A turn's own compaction: under the query's correlation id, with no request."""
+    return Job(sid, "emergency", True, "the next prompt would not fit", None, correlation_id)
+
+
 def _counted_longer(window: SummaryWindow, piece: Piece, err: ProviderError) -> SummaryWindow:
     """A piece the model server refused as longer than the window: the window
     is a count it exceeds, so the rates its pieces are planned with rise to it.
@@ -501,8 +504,7 @@ def _counted_longer(window: SummaryWindow, piece: Piece, err: ProviderError) -> 
     if err.cause != ErrorCode.context_overflow:
         raise err
     sent = prompt_size(piece.messages)
-    raised = calibrate(window.calibration, window.num_ctx, sent.chars, window.num_ctx,
-                       messages=sent.messages, extra_bytes=sent.extra_bytes)
+    raised = refused_as_too_long(window.calibration, sent, window.num_ctx)
     if raised == window.calibration:
         raise err
     log.warning("summary_piece_refused_as_too_long", num_ctx=window.num_ctx, chars=sent.chars)

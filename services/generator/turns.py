@@ -43,6 +43,7 @@ from services.core.tokens import (
     calibrate,
     estimate_prompt,
     prompt_budget,
+    refused_as_too_long,
     stored_calibration,
     with_calibration,
     worth_storing,
@@ -507,11 +508,9 @@ class TurnRunner:
         estimate said would fit: the window is a count the prompt exceeds,
         so the session's rates rise to it (never fall) and are stored before
         the prompt is fitted again."""
-        sent = prompt_size(prompt, tools)
         num_ctx = self.num_ctx(turn.record)
         previous = stored_calibration(turn.record)
-        raised = calibrate(previous, num_ctx, sent.chars, num_ctx, messages=sent.messages,
-                           extra_bytes=sent.extra_bytes)
+        raised = refused_as_too_long(previous, prompt_size(prompt, tools), num_ctx)
         log.warning("prompt_refused_as_too_long", num_ctx=num_ctx,
                     estimate=self._estimate(turn.record, prompt, tools))
         if raised != previous:

@@ -44,12 +44,12 @@ def configured() -> dict[str, str]:
     return values
 
 
-async def answers_here(name: str, url: str, host: str,
-                       settings: dict[str, str] | None = None) -> str:
+async def answers_here(name: str, host: str, settings: dict[str, str]) -> str:
+    url = settings.get("NATS_URL", "nats://127.0.0.1:4222")
     servers = [part.strip() for part in url.split(",") if part.strip()]
     nc = await nats.connect(servers, connect_timeout=TIMEOUT_S, inbox_prefix=inbox_prefix(name),
                             allow_reconnect=False, max_reconnect_attempts=0,
-                            error_cb=_quiet, **connect_options(settings or os.environ))
+                            error_cb=_quiet, **connect_options(settings))
     try:
         found: asyncio.Future[str] = asyncio.get_running_loop().create_future()
 
@@ -84,12 +84,10 @@ def main() -> int:
         return 2
     # From the environment alone: the settings' imports would double the
     # check's start-up time, which a loaded host makes exceed its timeout.
-    settings = configured()
-    url = settings.get("NATS_URL", "nats://127.0.0.1:4222")
     try:
         # Bounded as a whole: the client's own connect may retry for long.
         found = asyncio.run(asyncio.wait_for(
-            answers_here(sys.argv[1], url, socket.gethostname(), settings), 2 * TIMEOUT_S))
+            answers_here(sys.argv[1], socket.gethostname(), configured()), 2 * TIMEOUT_S))
     except Exception as err:  # NATS unreachable: unhealthy, said why
         print(f"unhealthy: {type(err).__name__}: {err}", file=sys.stderr)
         return 1
