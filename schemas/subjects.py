@@ -15,7 +15,8 @@ RESPONSE_GENERATION = "response.generation"
 COMPACTION_REQUEST = "compaction.request"
 COMPACTION_RESULT = "compaction.result"
 
-# A compaction announces itself here (`started`); how it ended goes to the result.
+# A compaction announces itself here (`started`, then `progress` per summary
+# piece); how it ended goes to the result.
 COMPACTION_EVENT = "compaction.event"
 
 # Query submission: captured by the QUERIES work-queue stream.

@@ -252,6 +252,9 @@ def service_envs(env: dict[str, str], passwords: dict[str, str] | None
     envs = []
     for module in SERVICES:
         service_env = dict(env)
+        # A METRICS_PORT in the caller's environment would have the gateway
+        # take a port meant for another service.
+        service_env.pop("METRICS_PORT", None)
         if module in ports:
             service_env["METRICS_PORT"] = str(ports[module])
         if passwords:

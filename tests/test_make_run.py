@@ -23,11 +23,14 @@ import pytest
 
 from scripts.run import (
     DEFAULT_MODEL,
+    METRICS_PORTS,
+    SERVICES,
     answers,
     check_models,
     ollama_url,
     page_url,
     pulled_models,
+    service_envs,
 )
 from tests.events import until
 from tests.nats_server import free_port
@@ -306,6 +309,13 @@ def test_ollama_is_found_by_its_short_address_and_not_through_a_proxy(
     monkeypatch.setenv("http_proxy", "http://127.0.0.1:9")  # nothing listens there
     short = stub_url.removeprefix("http://")  # 127.0.0.1:PORT, as OLLAMA_HOST may say
     assert answers(ollama_url(short))
+
+
+def test_each_service_takes_only_its_own_metrics_port() -> None:
+    envs = dict(zip(SERVICES, service_envs({"METRICS_PORT": "9101"}, None), strict=True))
+    assert "METRICS_PORT" not in envs["services.gateway"]  # not the generator's port too
+    assert [envs[module].get("METRICS_PORT") for module in SERVICES[:3]] == [
+        str(port) for port in METRICS_PORTS]
 
 
 def test_the_page_address_is_one_a_browser_here_can_open() -> None:
