@@ -14,9 +14,9 @@ from collections.abc import Callable
 
 from schemas.history import ChatMessage
 
-# At most 25 digits and commas: a count, not text made to look like one
-# (int() refuses a number of over 4,300 digits).
-_MARKER = re.compile(r"\n\[… ([\d,]{1,25}) characters left out here: too long to send whole\]\Z")
+# A digit, then at most 24 digits and commas: a count, not text made to look
+# like one (int() refuses a number of over 4,300 digits, and commas alone).
+_MARKER = re.compile(r"\n\[… (\d[\d,]{0,24}) characters left out here: too long to send whole\]\Z")
 
 
 def cut_marker(left_out: int) -> str:

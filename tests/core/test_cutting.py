@@ -51,3 +51,11 @@ def test_a_text_made_to_look_like_a_marker_is_not_a_count() -> None:
     fake = "x" + "\n[… " + "9" * 5000 + " characters left out here: too long to send whole]"
     assert left_out(fake) == 0
     assert left_out(cut_text(fake, 10)) == len(fake) - 10
+
+
+@pytest.mark.parametrize("count", [",", ",,,", "9" * 26])
+def test_a_marker_without_a_count_is_text(count: str) -> None:
+    fake = "x" * 100 + f"\n[… {count} characters left out here: too long to send whole]"
+    assert left_out(fake) == 0
+    assert left_out(cut_text(fake, 10)) == len(fake) - 10
+    assert longest_fitting_cut(fake, lambda text: len(text) < 80) is not None
