@@ -428,9 +428,14 @@ def default_headroom(num_ctx: int) -> int:
 
 
 def prompt_budget(num_ctx: int, output_headroom: int | None = None) -> int:
-    """The budget for a configured headroom, or for the default one when unset."""
-    headroom = default_headroom(num_ctx) if output_headroom is None else output_headroom
-    return budget(num_ctx, headroom)
+    """The budget for a configured headroom, or for the default one when unset.
+
+    The configured headroom is checked against NUM_CTX only; a model trained
+    for a smaller window may be left too little prompt by it (none at all, at
+    times), and then takes the default headroom for its own window."""
+    if output_headroom is None or num_ctx - output_headroom < MIN_PROMPT_BUDGET:
+        return budget(num_ctx, default_headroom(num_ctx))
+    return budget(num_ctx, output_headroom)
 
 
 def estimate_prompt(messages: Sequence[Mapping[str, Any]], calibration: Calibration,

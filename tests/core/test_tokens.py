@@ -392,3 +392,12 @@ def test_a_first_basis_is_stored_but_a_newer_one_alone_is_not() -> None:
                              Calibration(0.25, 2, basis=newer))
     assert worth_storing(Calibration(0.25, 1, basis=first),
                          Calibration(0.25, 2, 0.3, basis=newer))
+
+
+def test_a_model_window_the_configured_headroom_would_leave_bare_takes_the_default() -> None:
+    """OUTPUT_HEADROOM 4096 holds for NUM_CTX 8192; a model trained for 4096
+    was left a budget of 1, and every message of its sessions was refused."""
+    assert prompt_budget(8192, 4096) == 4096
+    assert prompt_budget(4096, 4096) == 4096 - default_headroom(4096)
+    assert prompt_budget(4096, 3700) == 4096 - default_headroom(4096)
+    assert prompt_budget(4096, 3584) == 512  # leaves exactly the least: kept
