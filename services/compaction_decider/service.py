@@ -243,7 +243,7 @@ class Decider:
                           compactable_tokens=part_tokens(whole, freeable, cal),
                           now=time.monotonic(),
                           summary_tokens=part_tokens(whole, report.summary_chars, cal),
-                          summary_allowance=summary_allowance(report.num_ctx, limit, cal),
+                          summary_allowance=summary_allowance(report.num_ctx, cal),
                           compactions=report.compactions)
         return decide(obs, tracked.memory, self.policy())
 

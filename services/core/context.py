@@ -48,19 +48,18 @@ def next_prompt_tokens(system: str, conversation: Conversation,
     return context_tokens(next_prompt_size(system, conversation, tools), calibration)
 
 
-def summary_allowance(num_ctx: int, budget: int, calibration: Calibration) -> int:
+def summary_allowance(num_ctx: int, calibration: Calibration) -> int:
     """The most tokens the summary message a compaction writes may take.
 
     The summariser writes within the reply room of its window (`pieces.
-    SummaryWindow`: an eighth of it, when its window is the session's), or
-    the session's reply room (`num_ctx - budget`) if that is larger; its
-    message also carries the fixed prefix that presents it as notes. (A
-    summary cut at that room is written again with more, up to half the
-    window: a bound too rare to price every compaction at.) A compaction's
-    relief is what it removes less this, never less: counting the new
-    summary as free is how a compaction that only rewrites the notes looked
-    worth making.
+    SummaryWindow`: an eighth of it), whatever room the session keeps for its
+    own answers: priced at a large OUTPUT_HEADROOM, no compaction looked worth
+    asking for and every one came as an emergency inside a turn. The message
+    also carries the fixed prefix that presents it as notes. (A summary cut at
+    that room is written again with more, up to half the window: a bound too
+    rare to price every compaction at.) A compaction's relief is what it
+    removes less this, never less: counting the new summary as free is how a
+    compaction that only rewrites the notes looked worth making.
     """
     framing = estimate_tokens(len(SUMMARY_PREFIX) + MESSAGE_OVERHEAD_CHARS, calibration, 1)
-    room = max(num_ctx - budget, default_headroom(num_ctx))
-    return room + framing
+    return default_headroom(num_ctx) + framing

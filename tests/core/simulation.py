@@ -748,8 +748,7 @@ class Simulation:
             compactable = part_tokens(size, weights.compactable(boundary), s.calibration)
         obs = Observation(estimate, sc.budget, compactable, s.now,
                           summary_tokens=part_tokens(size, weights.summary, s.calibration),
-                          summary_allowance=summary_allowance(sc.num_ctx, sc.budget,
-                                                              s.calibration))
+                          summary_allowance=summary_allowance(sc.num_ctx, s.calibration))
         decision, s.memory = decide(obs, s.memory, sc.policy)
         if not decision.fire:
             return

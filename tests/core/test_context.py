@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -17,6 +18,7 @@ from services.core.context import (
     part_tokens,
     summary_allowance,
 )
+from services.core.decision import Observation, Policy, SessionMemory, decide
 from services.core.prompt import SUMMARY_PREFIX, HistoryWeights, render_messages
 from services.core.text_size import Size
 from services.core.tokens import Calibration, estimate_prompt, prompt_budget
@@ -59,18 +61,28 @@ def test_the_offered_tools_count_in_the_context() -> None:
     assert with_tools > bare
 
 
-def test_the_summary_bound_is_the_reply_room_and_the_notes_framing() -> None:
+def test_the_summary_bound_is_the_summarisers_reply_room_and_the_notes_framing() -> None:
+    """The summariser's room is an eighth of its window, whatever OUTPUT_HEADROOM
+    keeps for answers: a summary was sized at 512 where it may take 4,096, and
+    at 3,500 where it may take 1,024."""
     calibration = Calibration(0.25)
-    limit = prompt_budget(8192)  # 1,024 tokens of reply room
-    bound = summary_allowance(8192, limit, calibration)
+    bound = summary_allowance(8192, calibration)
     framing = HistoryWeights.of("", Conversation(summary="")).summary
     assert framing >= len(SUMMARY_PREFIX)
     assert bound == 1024 + round(framing * 0.25)
-    assert summary_allowance(2048, prompt_budget(2048), calibration) < bound
-    # A small OUTPUT_HEADROOM leaves the summariser its own room, an eighth of
-    # its window: the summary was sized at 512 where it may take 4,096.
-    small_room = summary_allowance(32768, prompt_budget(32768, 512), calibration)
-    assert small_room == 4096 + round(framing * 0.25)
+    assert summary_allowance(2048, calibration) < bound
+    assert summary_allowance(32768, calibration) == 4096 + round(framing * 0.25)
+
+
+@pytest.mark.parametrize(("num_ctx", "headroom"), [(8192, 3500), (16384, 7000), (32768, 16000)])
+def test_a_large_output_headroom_still_lets_a_full_session_compact(
+        num_ctx: int, headroom: int) -> None:
+    calibration = Calibration(0.25)
+    limit = prompt_budget(num_ctx, headroom)
+    full = Observation(next_prompt_tokens=int(0.99 * limit), budget=limit,
+                       compactable_tokens=int(0.85 * limit), now=0.0,
+                       summary_allowance=summary_allowance(num_ctx, calibration))
+    assert decide(full, SessionMemory(), Policy())[0].fire
 
 
 def test_a_part_of_a_prompt_takes_its_share_of_the_bytes_and_messages() -> None:

@@ -353,7 +353,7 @@ def observe(conversation: Conversation, now: float, calibration: Calibration,
     return Observation(
         estimate, limit, part_tokens(whole, weights.compactable(boundary), calibration), now,
         summary_tokens=part_tokens(whole, weights.summary, calibration),
-        summary_allowance=summary_allowance(RELIEF_NUM_CTX, limit, calibration),
+        summary_allowance=summary_allowance(RELIEF_NUM_CTX, calibration),
     ), level
 
 
