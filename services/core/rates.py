@@ -14,10 +14,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # A byte-level tokenizer never makes more tokens than bytes, nor (in any
-# tokenizer seen) fewer than one per 12 characters of text.
+# tokenizer seen) fewer than one per 12 characters of text. A three-byte
+# character it lacks costs three tokens, its first byte charged at the
+# character rate: its two extra bytes carry the rest.
 MIN_CHAR_RATE = 1 / 12
 MAX_CHAR_RATE = 1.0
-MAX_BYTE_RATE = 1.0
+MOST_TOKENS_A_DENSE_CHAR = 3.0
 # Two counts are solved together only when their shares of extra bytes (of all
 # bytes) differ by at least this much, and each is of at least this many
 # tokens: a tokenizer rounds at every message's edges, and in a small count
@@ -81,5 +83,5 @@ def fit_dominant(latest: Sample, known: Rates) -> Rates | None:
 
 
 def plausible(per_char: float, per_extra_byte: float) -> bool:
-    return (MIN_CHAR_RATE <= per_char <= MAX_CHAR_RATE
-            and 0.0 <= per_extra_byte <= MAX_BYTE_RATE)
+    return (MIN_CHAR_RATE <= per_char <= MAX_CHAR_RATE and per_extra_byte >= 0.0
+            and per_char + 2 * per_extra_byte <= MOST_TOKENS_A_DENSE_CHAR)

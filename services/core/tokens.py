@@ -49,8 +49,6 @@ DENSE_TOKENS = 1.0
 # Fewer tokens than one per 12 characters means the provider did not count the
 # whole prompt (Ollama's KV cache reuse reports only the uncached tokens).
 MIN_TOKENS_PER_CHAR = 1 / 12
-# A byte-level tokenizer never makes more tokens than bytes.
-MAX_TOKENS_PER_CHAR = 1.0
 
 # Dense text that owes at most this share of a prompt's expected tokens is
 # taken out of the count at its cautious rate; above it, the ratio takes the
@@ -378,7 +376,12 @@ def _ratio(sample: Sample, known: Calibration) -> float | None:
     if dense <= DENSE_MINOR_SHARE * (sample.chars * known.char_rate + dense):
         text_tokens -= dense
     ratio = text_tokens / sample.chars
-    return ratio if MIN_TOKENS_PER_CHAR <= ratio <= MAX_TOKENS_PER_CHAR else None
+    # A byte-level tokenizer never makes more tokens than bytes, but a dense
+    # script it has few tokens for (Hangul, CJK on a 32k vocabulary) does
+    # cost up to three a character: a bound of one a character threw those
+    # counts away, and such a session never learnt its cost.
+    most = (sample.chars + sample.extra_bytes) / sample.chars
+    return ratio if MIN_TOKENS_PER_CHAR <= ratio <= most else None
 
 
 def estimate_tokens(chars: int, calibration: Calibration, messages: int = 0,

@@ -55,4 +55,9 @@ def test_the_rate_fitted_is_the_one_carrying_the_count() -> None:
 
 def test_plausible_bounds() -> None:
     assert plausible(1 / 12, 0.0) and plausible(1.0, 1.0)
-    assert not plausible(0.05, 0.3) and not plausible(0.3, -0.01) and not plausible(0.3, 1.2)
+    assert not plausible(0.05, 0.3) and not plausible(0.3, -0.01) and not plausible(0.3, 1.4)
+    # A tokenizer without Hangul: 0.25 an ASCII character, three byte tokens a
+    # syllable. Refused as more than a token an extra byte, it was never learnt.
+    assert plausible(0.25, 1.375)
+    assert solve(counted(4000, 0, Rates(0.25, 1.375)),
+                 counted(3000, 2400, Rates(0.25, 1.375))) == pytest.approx(Rates(0.25, 1.375))

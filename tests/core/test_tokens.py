@@ -25,6 +25,7 @@ from services.core.tokens import (
     estimate_tokens,
     prompt_budget,
     rate_moved,
+    refused_as_too_long,
     stored_calibration,
     with_calibration,
     worth_storing,
@@ -401,3 +402,23 @@ def test_a_model_window_the_configured_headroom_would_leave_bare_takes_the_defau
     assert prompt_budget(4096, 4096) == 4096 - default_headroom(4096)
     assert prompt_budget(4096, 3700) == 4096 - default_headroom(4096)
     assert prompt_budget(4096, 3584) == 512  # leaves exactly the least: kept
+
+
+def byte_fallback_count(messages: list[dict[str, Any]]) -> int:
+    """A 32k-vocabulary tokenizer without Hangul: three byte tokens a syllable."""
+    return sum(4 + sum(3 if ord(ch) > 0x7F else 0.25 for ch in message["content"])
+               for message in messages)
+
+
+def test_a_script_costing_more_than_a_token_a_character_is_learnt() -> None:
+    """Counts of over one token a character were thrown away as impossible, and
+    so was the model's refusal: the estimate stayed at a third of the truth, and
+    every later message of the session was refused as too long."""
+    messages = [{"role": "user", "content": "안녕하세요 반갑습니다 " * 40}]
+    size = prompt_size(messages)
+    count = byte_fallback_count(messages)
+    learnt = calibrate(Calibration(), count, size.chars, NUM_CTX, messages=size.messages,
+                       extra_bytes=size.extra_bytes)
+    assert estimate_prompt(messages, learnt) >= count
+    refused = refused_as_too_long(Calibration(), size, count - 1)
+    assert estimate_prompt(messages, refused) >= count - 1
