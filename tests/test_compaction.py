@@ -593,6 +593,26 @@ async def test_an_answer_never_writes_past_the_window(
     assert body["prompt_tokens"] + body["completion_tokens"] <= NUM_CTX
 
 
+async def test_a_session_goes_on_after_an_answer_that_wrote_all_it_could(
+    private_nats: NatsServer, stub: str, start: Callable[..., httpx.AsyncClient]
+) -> None:
+    """An answer that filled what its prompt left of the window made a last
+    turn larger than the budget: kept raw by every compaction, it left each
+    later message refused as too long, a manual compaction skipped, and a
+    retry wrote it again. Its turn now keeps room for the next question."""
+    http = start(services=("generator", "gateway"), **SMALL_WINDOW)
+    sid = await create(http)
+    await chat(http, sid, 3, filler=10)
+    long = await http.post(f"/api/sessions/{sid}/messages",
+                           json={"content": "tell me everything !long 100000"})
+    assert long.status_code == 200, long.text
+    retried = await http.post(f"/api/sessions/{sid}/retry")
+    assert retried.status_code == 200, retried.text
+    for content in ("and now?", "thanks"):
+        reply = await http.post(f"/api/sessions/{sid}/messages", json={"content": content})
+        assert reply.status_code == 200, reply.text
+
+
 async def test_a_paste_no_compaction_could_fit_is_refused_with_the_history_untouched(
     private_nats: NatsServer, stub: str, start: Callable[..., httpx.AsyncClient]
 ) -> None:
