@@ -5,9 +5,9 @@ from __future__ import annotations
 import functools
 import random
 from datetime import UTC, datetime
-from typing import Generic, TypeVar
+from typing import Annotated, Generic, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 SCHEMA_VERSION = 1
 
@@ -30,6 +30,15 @@ def utc_now() -> datetime:
     return datetime.now(UTC)
 
 
+def _in_utc_if_unzoned(moment: datetime) -> datetime:
+    return moment if moment.tzinfo is not None else moment.replace(tzinfo=UTC)
+
+
+# A time without a zone (`datetime.utcnow().isoformat()` writes one) is taken
+# as UTC: compared with our own, zoned times, it raised inside the services.
+Timestamp = Annotated[datetime, AfterValidator(_in_utc_if_unzoned)]
+
+
 class Envelope(BaseModel, Generic[P]):
     """Use `enveloped(PayloadType)` rather than `Envelope[PayloadType]` on hot
     paths: it builds the parametrised model once."""
@@ -42,7 +51,7 @@ class Envelope(BaseModel, Generic[P]):
     sender_id: str = Field(pattern=r"^[a-z][a-z0-9-]{0,63}$")
     correlation_id: str = Field(default_factory=new_id, min_length=1, max_length=128)
     session_id: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_-]{1,64}$")
-    timestamp: datetime = Field(default_factory=utc_now)
+    timestamp: Timestamp = Field(default_factory=utc_now)
     schema_version: int = SCHEMA_VERSION
     payload: P
 

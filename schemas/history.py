@@ -15,11 +15,11 @@ metadata and prepended on every call, so no compaction can drop or alter it.
 
 from __future__ import annotations
 
-from datetime import datetime
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from schemas.envelope import Timestamp
 from schemas.messages import Reply
 
 # How many superseded retries a conversation remembers (see `Conversation`).
@@ -71,7 +71,7 @@ class Snapshot(Strict):
     compacted_query_ids: tuple[str, ...] = ()
     # What the transcript's marker tells a person; None on snapshots written
     # before markers carried them.
-    at: datetime | None = None
+    at: Timestamp | None = None
     auto: bool | None = None
     level: str | None = None
     tokens_before: int | None = None

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from datetime import datetime
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from schemas.envelope import utc_now
+from schemas.envelope import Timestamp, utc_now
 
 MAX_SYSTEM_PROMPT_CHARS = 200_000
 # Fields stored records may still carry from an earlier version. `compactions`
@@ -36,7 +35,7 @@ class SessionRecord(BaseModel):
     # None: the generator's configured model.
     model: str | None = Field(default=None, max_length=200)
     auto_compact: bool = True
-    created_at: datetime = Field(default_factory=utc_now)
+    created_at: Timestamp = Field(default_factory=utc_now)
     # The provider's own tokens-per-character from its last usable report.
     tokens_per_char: float | None = Field(default=None, gt=0)
     # What each UTF-8 byte beyond a character's first adds (CJK and other

@@ -204,6 +204,21 @@ async def test_a_query_for_an_unknown_session_gets_an_error_reply(target: Target
     assert reply["payload"]["error"]
 
 
+async def test_a_query_timed_without_a_zone_is_answered(target: Target) -> None:
+    """`datetime.utcnow().isoformat()` writes no zone: such a query passed
+    validation, then crashed the generator, and its answer was never sent."""
+    async with gateway(target) as client:
+        sid = await new_session(client)
+    query = json.loads(envelope(f"chat.query.{sid}", "chat.query",
+                                {"session_id": sid, "content": "hello"}, sid))
+    query["timestamp"] = "2026-01-01T00:00:00"
+    async with tapped(target.nats_url, f"chat.reply.{sid}") as (tap, nc):
+        await nc.jetstream().publish(f"chat.query.{sid}", json.dumps(query).encode())
+        [reply] = await tap.until(of_session(sid))
+    assert reply["correlation_id"] == query["correlation_id"]
+    assert reply["payload"].get("error_code") is None, reply["payload"]
+
+
 async def test_a_malformed_event_is_reported_on_system_error(target: Target) -> None:
     marker = uuid.uuid4().hex
     bad = json.dumps({"message_type": "response.generation", "marker": marker}).encode()
