@@ -24,8 +24,10 @@ from services.shared.jetstream import ensure_layout
 from services.shared.runner import SHUTDOWN_TIMEOUT_S
 from tests.events import eventually, server_sent_events, until, watching
 from tests.nats_server import NatsServer
-from tests.stub_server import model_called, running_stub
-from tests.system import ask, new_session, running_system
+from tests.processes import ServiceProcess
+from tests.stub_server import configure_stub, model_called, running_stub
+from tests.system import SERVICE_MODULES, System, ask, new_session, running_system
+from tests.tcp_relay import Relay, relay_to
 
 
 def wait_for_status(client: httpx.Client, path: str, status: int, timeout_s: float) -> None:
@@ -422,3 +424,45 @@ async def test_a_decider_back_after_the_store_was_lost_reads_the_reports_sent_me
                     lambda e: e["message_type"] == "compaction.result")
     assert request["payload"]["session_id"] == sid and request["payload"]["auto"] is True
     assert result["payload"]["status"] == "completed", result["payload"]
+
+
+
+async def test_a_compaction_whose_end_nats_missed_is_ended_once_nats_is_back(
+        private_nats: NatsServer) -> None:
+    """The generator's link to NATS cut as a compaction ended: its end was
+    tried once, the entry stayed in the running-compactions bucket, and the
+    session read `compacting` until it was deleted."""
+    env = {"COMPACTION_MODEL": "summariser", "COMPACTION_TAIL_TURNS": "1",
+           "NATS_AWAY_PATIENCE_S": "1"}
+    async with relay_to(private_nats.url) as relay:
+        with running_stub() as stub:
+            system = System(private_nats.url, stub, env, services=("gateway",))
+            generator = system.add("generator", SERVICE_MODULES["generator"],
+                                   {"NATS_URL": relay.url})
+            try:
+                await asyncio.to_thread(system.start)  # the relay needs this loop meanwhile
+                await compact_across_a_cut_link(system, stub, relay, generator)
+            finally:
+                await asyncio.to_thread(system.stop)
+
+
+async def compact_across_a_cut_link(system: System, stub: str, relay: Relay,
+                                    generator: ServiceProcess) -> None:
+    async with system.http(timeout=30) as http:
+        sid = (await http.post("/api/sessions", json={})).json()["session_id"]
+        for content in ("one", "two"):
+            await http.post(f"/api/sessions/{sid}/messages", json={"content": content})
+        await configure_stub(stub, held_models=["summariser"])
+        asked = await http.post(f"/api/sessions/{sid}/compact")
+        assert asked.status_code == 202, asked.text
+        await model_called(stub, calls=3)  # the two answers, then the summary
+        await relay.cut()
+        await configure_stub(stub, held_models=[])
+        await asyncio.to_thread(generator.wait_for, "compaction_record_failed", 60)
+        await relay.restore()
+
+        async def not_compacting() -> bool:
+            response = await http.get(f"/api/sessions/{sid}")
+            return response.status_code == 200 and response.json()["state"] != "compacting"
+
+        await eventually(not_compacting, "the session no longer compacting", 60)

@@ -243,6 +243,7 @@ class Generator:
             await loop.stop()
         await self._finish_or_hand_back()
         self._answered.cancel_pending()
+        await self._states.stop()
         await self._provider.close()
 
     async def _finish_or_hand_back(self) -> None:

@@ -15,6 +15,8 @@ agrees with it.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import Callable, Mapping
 
 import structlog
@@ -40,6 +42,8 @@ log = structlog.get_logger()
 
 # Only compactions of the same session, at the same moment, contend for its entry.
 RECORD_ATTEMPTS = 5
+# An end NATS did not take is tried again after these pauses, the last repeated.
+OWED_END_PAUSES_S = (1.0, 2.0, 5.0, 10.0, 30.0)
 Change = Callable[[Mapping[str, str]], dict[str, str]]
 
 
@@ -50,6 +54,10 @@ class SessionStates:
         self._mode = mode
         self._states: dict[str, SessionState] = {}
         self._running: KeyValue | None = None
+        # Compactions over whose end NATS did not take: left in the bucket,
+        # the session would read compacting until someone deleted it.
+        self._owed_ends: set[tuple[str, str]] = set()
+        self._settling: asyncio.Task[None] | None = None
 
     def current(self, sid: str) -> SessionState:
         return self._states.get(sid, INITIAL)
@@ -91,8 +99,29 @@ class SessionStates:
             running, correlation_id, self._generator_id))
 
     async def compaction_ended(self, sid: str, correlation_id: str) -> None:
-        await self._record(sid, correlation_id,
-                           lambda running: compaction_ended(running, correlation_id))
+        """Recorded now if NATS takes it, else tried again in the background
+        until it does: the result is not held back meanwhile."""
+        if not await self._record(sid, correlation_id, _ending(correlation_id)):
+            self._owed_ends.add((sid, correlation_id))
+            if self._settling is None or self._settling.done():
+                self._settling = asyncio.create_task(self._settle_owed_ends())
+
+    async def stop(self) -> None:
+        if self._settling is not None:
+            self._settling.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._settling
+
+    async def _settle_owed_ends(self) -> None:
+        tries = 0
+        while self._owed_ends:
+            await asyncio.sleep(OWED_END_PAUSES_S[min(tries, len(OWED_END_PAUSES_S) - 1)])
+            tries += 1
+            for sid, correlation_id in sorted(self._owed_ends):
+                if await self._record(sid, correlation_id, _ending(correlation_id)):
+                    self._owed_ends.discard((sid, correlation_id))
+                    log.info("compaction_end_recorded_late", session_id=sid,
+                             correlation_id=correlation_id)
 
     async def compaction_recorded(self, sid: str, correlation_id: str) -> bool:
         """Whether the session's entry holds a compaction under this id."""
@@ -103,17 +132,19 @@ class SessionStates:
         running = CompactionsRunning.model_validate_json(entry.value or b"{}").running
         return correlation_id in running
 
-    async def _record(self, sid: str, correlation_id: str, change: Change) -> None:
+    async def _record(self, sid: str, correlation_id: str, change: Change) -> bool:
+        """Whether the change was recorded. A failure is logged, never raised:
+        as a state publish, watchers may miss it, the compaction goes on."""
         try:
             for _ in range(RECORD_ATTEMPTS):
                 if await self._try_record(sid, change):
-                    return
+                    return True
             log.warning("compaction_record_contended", session_id=sid,
                         correlation_id=correlation_id)
         except Exception as err:
-            # As a state publish: watchers may miss it, the compaction goes on.
             log.warning("compaction_record_failed", session_id=sid,
                         correlation_id=correlation_id, error=f"{type(err).__name__}: {err}")
+        return False
 
     async def _try_record(self, sid: str, change: Change) -> bool:
         """One compare-and-swap of the session's entry; False if another got there first."""
@@ -162,3 +193,7 @@ class SessionStates:
             # not stop half-way (its cleanup skipped) because watchers missed it.
             log.warning("state_publish_failed", session_id=sid, to_state=change.to_state,
                         error=f"{type(err).__name__}: {err}")
+
+
+def _ending(correlation_id: str) -> Change:
+    return lambda running: compaction_ended(running, correlation_id)
