@@ -11,6 +11,7 @@ from nats.aio.msg import Msg
 from schemas import subjects
 from services.shared.bus import Bus, round_trip
 from services.shared.tool_catalogue import ToolCatalogue
+from tests.events import eventually
 from tests.nats_server import NatsServer
 from tests.tools_offered import offer_tools
 
@@ -24,6 +25,10 @@ def names(definitions: list[dict[str, Any]]) -> list[str]:
     return [definition["function"]["name"] for definition in definitions]
 
 
+async def offers(catalogue: ToolCatalogue, wanted: list[str]) -> bool:
+    return names(await catalogue.definitions()) == wanted
+
+
 async def test_a_listing_not_answered_in_time_keeps_the_tools_offered_last(
         private_nats: NatsServer) -> None:
     """One slow answer was taken for a catalogue of no tools, and kept for the
@@ -33,7 +38,8 @@ async def test_a_listing_not_answered_in_time_keeps_the_tools_offered_last(
         catalogue = ToolCatalogue(Bus(nc, "test"), ttl_s=0, list_timeout_s=0.2,
                                   asked_again_after_s=0)
         await offer_tools(first, [tool("first")])
-        assert names(await catalogue.definitions()) == ["first"]
+        # An answer may miss the short limit on a busy machine: asked again.
+        await eventually(lambda: offers(catalogue, ["first"]), "the first tool offered")
         await first.close()
         heard = asyncio.Event()
 
@@ -45,7 +51,7 @@ async def test_a_listing_not_answered_in_time_keeps_the_tools_offered_last(
         assert names(await catalogue.definitions()) == ["first"] and heard.is_set()
         await quiet.unsubscribe()
         await offer_tools(second, [tool("second")])
-        assert names(await catalogue.definitions()) == ["second"]
+        await eventually(lambda: offers(catalogue, ["second"]), "the second tool offered")
     finally:
         for client in (nc, first, second):
             await client.close()
