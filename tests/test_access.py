@@ -184,6 +184,27 @@ async def test_the_page_takes_the_token_once_and_keeps_it_in_a_strict_cookie(
         assert events.status_code == 200
 
 
+@pytest.mark.parametrize("token", ["%E2%82%AC", "%FF", "guess"])
+async def test_a_page_token_where_none_is_set_is_no_error_and_no_cookie(
+        http: httpx.AsyncClient, token: str) -> None:
+    """A token a cookie cannot hold (`?token=€`) answered 500."""
+    first = await http.get(f"/?token={token}")
+    assert first.status_code == 303 and "set-cookie" not in first.headers
+
+
+@pytest.mark.parametrize("path", ["/", "/api/sessions", "/healthz", "/?token=x", "/nowhere"])
+async def test_no_other_site_may_frame_what_the_gateway_serves(
+        http: httpx.AsyncClient, path: str) -> None:
+    """Framed by another site, the page's requests carry its own Origin, and a
+    user's clicks there are the page's."""
+    headers = (await http.get(path)).headers
+    assert headers["x-frame-options"] == "DENY"
+    assert headers["content-security-policy"] == "frame-ancestors 'none'"
+    assert headers["x-content-type-options"] == "nosniff"
+    refusal = (await http.get(path, headers={"Host": "attacker.example"})).headers
+    assert refusal["x-frame-options"] == "DENY"
+
+
 async def test_a_body_over_the_limit_is_refused_before_it_is_read(
         locked: httpx.AsyncClient) -> None:
     big = b'{"content": "' + b"x" * 5000 + b'"}'

@@ -100,3 +100,10 @@ def test_a_service_with_a_bad_setting_says_which_in_a_line_and_stops(module: str
     assert "JETSTREAM_REPLICAS='9': Input should be less than or equal to 5" in done.stderr
     assert "not started, 1 setting(s) not valid" in done.stderr
     assert "Traceback" not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("token", ["two words", "€uro", "tab\there"])
+def test_a_token_no_header_or_cookie_can_carry_is_refused(token: str) -> None:
+    with pytest.raises(ValueError, match="printable ASCII"):
+        GatewaySettings(gateway_token=token)
+    assert GatewaySettings(gateway_token="").gateway_token is None

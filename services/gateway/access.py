@@ -46,6 +46,7 @@ class AccessGuard:
             return
         request = Request(scope)
         headers = request.headers
+        send = _framed_by_none(send)
         if request.method == "OPTIONS" and "access-control-request-method" in headers:
             await self._preflight(headers)(scope, receive, send)
             return
@@ -54,7 +55,8 @@ class AccessGuard:
         if refusal:
             await refused(refusal)(scope, receive, send)
         elif page_token is not None:
-            await token_cookie(page_token)(scope, receive, send)
+            # Matched, when a token is set; when none is, there is none to keep.
+            await token_cookie(page_token if self._policy.token else None)(scope, receive, send)
         else:
             await self._app(scope, self._limited(receive), self._with_cors(headers, send))
 
@@ -115,11 +117,27 @@ def facts_of(request: Request, page_token: str | None) -> Facts:
     )
 
 
-def token_cookie(token: str) -> Response:
+def token_cookie(token: str | None) -> Response:
     """The page's first visit, `/?token=…`: the token moves into a cookie
     scripts cannot read and other sites cannot send, and out of the address
     bar (and the browser's history)."""
     response = RedirectResponse("/", status_code=303)
-    response.set_cookie(TOKEN_COOKIE, token, httponly=True, samesite="strict", path="/")
+    if token is not None:
+        response.set_cookie(TOKEN_COOKIE, token, httponly=True, samesite="strict", path="/")
     return response
+
+
+# No other site may show the page in a frame: its requests would carry the
+# gateway's own Origin, and a user's clicks there would be the page's.
+NOT_FRAMED = [(b"x-frame-options", b"DENY"),
+              (b"content-security-policy", b"frame-ancestors 'none'"),
+              (b"x-content-type-options", b"nosniff")]
+
+
+def _framed_by_none(send: Send) -> Send:
+    async def send_not_framed(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            message["headers"] = [*message.get("headers", []), *NOT_FRAMED]
+        await send(message)
+    return send_not_framed
 
