@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.stub_server import configure_stub_now
+from tests.stub_server import configure_stub_now, running_stub
 from tests.system import System, ask, new_session, running_system
 
 # CHROMIUM names another binary (a path or a command).
@@ -36,6 +36,16 @@ SUMMARY_MODEL = "browser-summariser"
 ANSWER_MODEL = "stub-model"  # the system's MODEL
 WAIT_MS = 30_000
 HOSTILE = "<img src=x onerror=alert(1)>"
+
+
+THINKER = "thinker"
+
+
+@pytest.fixture(scope="module")
+def stub_url() -> Iterator[str]:
+    """A stand-in of this module's own, with a model that thinks."""
+    with running_stub("--capabilities", f"{THINKER}=completion,tools,thinking") as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -495,3 +505,37 @@ def test_a_question_kept_by_a_compaction_after_a_retry_is_not_faded(
     playwright_api.expect(page.locator("#messages .msg-superseded")).to_have_class(faded)
     playwright_api.expect(page.locator("#messages .msg-user").first).to_have_class(faded)
     playwright_api.expect(page.locator("#timeline .timeline-row")).to_have_count(1)
+
+
+def test_a_thinking_models_thinking_stays_once_the_turn_is_stored(
+        watched: Watched, system: System) -> None:
+    """Thinking is never stored: drawn again from the stored transcript at the
+    turn's end, the answer lost it some 20 ms after it was shown."""
+    page = watched.page
+    with system.client() as client:
+        sid = new_session(client, model=THINKER)
+    open_session(page, sid)
+    send(page, "think about it")
+    # Drawn from the stored transcript: its answer has no status line.
+    playwright_api.expect(page.locator("#messages .msg-status")).to_have_count(0)
+    thinking = page.locator("#messages .msg-assistant .msg-thinking")
+    playwright_api.expect(thinking).to_have_count(1)
+    playwright_api.expect(thinking.locator(".msg-text")).to_contain_text("Considering")
+
+
+def test_a_reader_of_earlier_messages_stays_there_when_newer_ones_arrive(
+        watched: Watched, system: System) -> None:
+    """Every newer read scrolled to the end: a message sent elsewhere, a report,
+    a compaction took the reader away from what they were reading."""
+    page = watched.page
+    with system.client() as client:
+        sid = new_session(client)
+        for n in range(30):
+            assert ask(client, sid, f"t{n}").status_code == 200
+        open_session(page, sid)
+        box = page.locator("#messages")
+        box.evaluate("box => { box.scrollTop = 300; }")
+        assert ask(client, sid, "from elsewhere").status_code == 200
+    users = page.locator("#messages .msg-user .msg-text")
+    playwright_api.expect(users.last).to_have_text("from elsewhere")
+    assert box.evaluate("box => box.scrollTop") == 300

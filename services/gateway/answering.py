@@ -234,8 +234,8 @@ class Answering:
         if reply.error:
             return {"error": {"code": reply.error_code, "message": reply.error},
                     "session_id": reply.session_id}
-        body: dict[str, Any] = {"session_id": reply.session_id, "reply": reply.reply,
-                                "prompt_tokens": reply.prompt_tokens,
+        body: dict[str, Any] = {"session_id": reply.session_id, "query_id": reply.query_id,
+                                "reply": reply.reply, "prompt_tokens": reply.prompt_tokens,
                                 "completion_tokens": reply.completion_tokens}
         if reply.thinking:
             body["thinking"] = reply.thinking

@@ -104,6 +104,8 @@ function messageItem(message) {
   }
   if (message.stopped) head.append(el("span", { className: "msg-tag", text: "stopped" }));
   item.append(head);
+  const thinking = role === "assistant" && !message.tool_calls?.length && thoughts.get(message.query_id);
+  if (thinking) item.append(thinkingBlock(thinking));
   if (role === "tool") {
     item.append(el("pre", { className: "tool-result", text: message.content ?? "" }));
   } else if (message.content) {
@@ -113,11 +115,32 @@ function messageItem(message) {
   return item;
 }
 
+// A thinking model's thinking, by the query it answered: never stored, so
+// kept here for this page's life, or drawing the transcript again (as every
+// turn's end does) took it away the moment it was shown.
+const thoughts = new Map();
+
+// Apart from the answer, folded: it is not part of the conversation.
+function thinkingBlock(thinking) {
+  return el("details", { className: "msg-thinking" }, [
+    el("summary", { text: "thinking" }),
+    el("div", { className: "msg-text", text: thinking }),
+  ]);
+}
+
+// Summaries the reader opened, by position: drawn again, they stay open.
+const openDividers = new Set();
+
 function dividerItem(marker) {
   const details = el("details", { className: "divider-details" }, [
     el("summary", { text: dividerText(marker) }),
     el("p", { className: "pre-text", text: marker.summary ?? "(no summary: old tool output elided)" }),
   ]);
+  details.open = openDividers.has(marker.position);
+  details.addEventListener("toggle", () => {
+    if (details.open) openDividers.add(marker.position);
+    else openDividers.delete(marker.position);
+  });
   return el("li", { className: "msg-divider", attrs: { role: "separator" } }, [details]);
 }
 
@@ -194,7 +217,9 @@ async function readNewer(id) {
     if (id === app.sessionId) showNotice(`Could not load the transcript: ${err.message}`);
     return;
   }
-  renderTranscript({ toEnd: true });
+  // To the end on a first read, or for a reader there already; one reading
+  // earlier messages stays where they are.
+  renderTranscript({ toEnd: first || nearBottom() });
 }
 
 export async function loadOlder() {
@@ -279,11 +304,8 @@ function pendingAnswer(again) {
     done(body) {
       if (typeof body.reply === "string") text.textContent = body.reply;
       if (typeof body.thinking === "string" && body.thinking) {
-        // Apart from the answer, folded: it is not part of the conversation.
-        text.before(el("details", { className: "msg-thinking" }, [
-          el("summary", { text: "thinking" }),
-          el("div", { className: "msg-text", text: body.thinking }),
-        ]));
+        if (typeof body.query_id === "string") thoughts.set(body.query_id, body.thinking);
+        text.before(thinkingBlock(body.thinking));
       }
       const counts = `prompt ${fmt(body.prompt_tokens)} · completion ${fmt(body.completion_tokens)} tokens`;
       status.textContent = body.stopped ? `stopped · ${counts}` : counts;
@@ -469,6 +491,7 @@ function giveBack(content) {
 // its unsaved turn too.
 export function clearTranscript() {
   unsaved = [];
+  openDividers.clear();
   ui.messages.replaceChildren();
 }
 
