@@ -539,3 +539,42 @@ def test_a_reader_of_earlier_messages_stays_there_when_newer_ones_arrive(
     users = page.locator("#messages .msg-user .msg-text")
     playwright_api.expect(users.last).to_have_text("from elsewhere")
     assert box.evaluate("box => box.scrollTop") == 300
+
+
+HIDE = """() => {
+  Object.defineProperty(document, "hidden", { value: true, configurable: true });
+  Object.defineProperty(document, "visibilityState", { value: "hidden", configurable: true });
+  document.dispatchEvent(new Event("visibilitychange"));
+}"""
+SHOW = """() => {
+  delete document.hidden;
+  delete document.visibilityState;
+  document.dispatchEvent(new Event("visibilitychange"));
+}"""
+
+
+def test_tabs_in_the_background_leave_the_browser_connections_for_the_one_in_use(
+        watched: Watched, browser: playwright_api.Browser, system: System) -> None:
+    """A browser opens six connections to a host, for all its tabs: six tabs
+    each holding its live feed open left none for a message, which waited
+    without end."""
+    page = watched.page
+    sid = create_session(page)
+    others = [page.context.new_page() for _ in range(5)]
+    try:
+        for other in others:
+            open_session(other, sid)
+            playwright_api.expect(other.locator("#live-status")).to_have_attribute(
+                "data-live", "connected")
+            other.evaluate(HIDE)
+            playwright_api.expect(other.locator("#live-status")).to_have_attribute(
+                "data-live", "paused")
+        send(page, "heard through six tabs")
+        others[0].evaluate(SHOW)  # shown again: its feed back, the session read anew
+        playwright_api.expect(others[0].locator("#live-status")).to_have_attribute(
+            "data-live", "connected")
+        playwright_api.expect(others[0].locator("#messages .msg-user .msg-text").last
+                              ).to_have_text("heard through six tabs")
+    finally:
+        for other in others:
+            other.close()

@@ -7,6 +7,7 @@
 
 import { app, byId, isValidSessionId, ui } from "./shared.js";
 import { loadOlder, onComposerKey, sendMessage, setComposerEnabled, stopAnswer } from "./chat.js";
+import { followVisibility } from "./live.js";
 import { renderGauge, requestCompaction } from "./panel.js";
 import {
   STORE_CURRENT,
@@ -90,6 +91,7 @@ function start() {
   ui.compactForm.addEventListener("submit", requestCompaction);
   ui.logClear.addEventListener("click", () => ui.log.replaceChildren());
   ui.messages.addEventListener("scroll", loadOlder);
+  followVisibility();
   ui.deleteButton.addEventListener("click", deleteSession);
   window.addEventListener("hashchange", () => {
     const id = sessionFromHash();

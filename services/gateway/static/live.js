@@ -118,6 +118,27 @@ export function disconnectEvents() {
   setLive("off");
 }
 
+// A browser opens at most six connections to one host, for all its tabs: a
+// few tabs each holding its live feed open left none for a message, a Stop or
+// a read, which then waited without end. A hidden tab lets its feed go, and
+// takes it up again, reloading the session, when it is shown.
+let pausedFor = null;
+
+export function followVisibility() {
+  document.addEventListener("visibilitychange", () => {
+    if (document.hidden) {
+      if (!app.events && !app.eventsRetry) return;
+      pausedFor = app.sessionId;
+      disconnectEvents();
+      setLive("paused");
+    } else if (pausedFor) {
+      const id = pausedFor;
+      pausedFor = null;
+      if (id === app.sessionId && !app.events) connectEvents(id, { wasDown: true });
+    }
+  });
+}
+
 export function connectEvents(id, { retryMs = RETRY_FIRST_MS, wasDown = false } = {}) {
   disconnectEvents();
   setLive("connecting");
