@@ -85,6 +85,9 @@ class StopRequest(Payload):
 
     MESSAGE_TYPE = "chat.stop"
     session_id: SessionId = Field(pattern=SESSION_ID_PATTERN)
+    # Only the answer to this query, when given: a caller whose own message
+    # still waits in the queue must not stop another caller's answer.
+    query_id: str | None = Field(default=None, min_length=1, max_length=128)
 
 
 class StopAccepted(Payload):

@@ -123,7 +123,7 @@ class Chat:
             self.stream_answer(content, key)
         except KeyboardInterrupt:  # Ctrl-C while it answers: stop that answer, not the chat
             self.unsure = (content, key)
-            self.stop_answer()
+            self.stop_answer(key)
             return
         except (ChatError, httpx.TransportError) as err:
             code = err.code if isinstance(err, ChatError) else "network_error"
@@ -134,9 +134,11 @@ class Chat:
         self.unsure = None
         self.context_line()
 
-    def stop_answer(self) -> None:
+    def stop_answer(self, key: str) -> None:
+        """The answer to the message sent under `key`, never another client's."""
         self.out.print()
-        response = self.client.post(f"/api/sessions/{self.sid}/stop", json={})
+        response = self.client.post(f"/api/sessions/{self.sid}/stop", json={},
+                                    headers={"Idempotency-Key": key})
         if response.status_code == 202:
             said = "stopping: the answer is kept as far as it was written"
         elif response.status_code == 409:

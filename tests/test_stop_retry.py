@@ -143,6 +143,32 @@ async def test_a_query_queued_behind_the_stopped_one_is_answered_as_usual(
     assert answer.json()["reply"] == "Echo: next one (turn 2)"
 
 
+async def test_a_stop_under_a_queued_messages_key_leaves_the_answer_being_written(
+    http: httpx.AsyncClient, nats_url: str,
+) -> None:
+    """The page's Stop for its message, queued behind another client's answer,
+    stopped that other answer, and left its own unstoppable."""
+    sid = await create(http)
+    queued = {"Idempotency-Key": "queued-message"}
+    later: list[asyncio.Task[httpx.Response]] = []
+    stops: list[httpx.Response] = []
+    async with watching(nats_url, subjects.query(sid)) as queries:
+        async def queue_another_and_stop_it() -> None:
+            later.append(asyncio.create_task(http.post(
+                f"/api/sessions/{sid}/messages", json={"content": "next one"}, headers=queued)))
+            await queries.wait_until(lambda: len(queries.payloads("chat.query")) == 2)
+            stops.append(await http.post(f"/api/sessions/{sid}/stop", headers=queued))
+
+        done, streamed, stop = await stopped_mid_stream(
+            http, sid, before_stop=queue_another_and_stop_it)
+    assert stops[0].status_code == 409, stops[0].text
+    assert stops[0].json()["error"]["code"] == "nothing_running"
+    assert stop.status_code == 202 and done["stopped"] is True  # stopped by its own caller
+    answer = await later[0]
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["reply"] == "Echo: next one (turn 2)"
+
+
 async def test_retry_keeps_both_answers_stored_and_one_in_the_context(
     http: httpx.AsyncClient, nats_url: str,
 ) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import uuid
 from pathlib import Path
-from typing import TypeVar
 
 from nats.errors import NoRespondersError
 from nats.js.errors import NotFoundError
@@ -27,6 +26,7 @@ from services.core.numbers import whole_number
 from services.core.state_machine import Phase, session_state
 from services.core.tokens import prompt_budget, stored_calibration
 from services.gateway.answering import Answering, query_id_of
+from services.gateway.bodies import parse_body
 from services.gateway.controls import Controls
 from services.gateway.errors import HttpError, error
 from services.gateway.live import EventStream, ListenerLimit, LiveFeed
@@ -58,26 +58,6 @@ class PostMessage(BaseModel):
 class CompactBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     instructions: str | None = Field(default=None, max_length=4000)
-
-
-M = TypeVar("M", bound=BaseModel)
-
-
-async def parse_body(request: Request, model: type[M], optional: bool = False) -> M:
-    raw = await request.body()
-    if not raw.strip() and optional:
-        return model()
-    try:
-        data = parse_json(raw)
-    except ValueError as err:
-        raise HttpError(error(400, "invalid_json", f"body is not valid JSON: {err}")) from err
-    try:
-        return model.model_validate(data)
-    except ValidationError as err:
-        first = err.errors(include_url=False, include_input=False)[0]
-        field = ".".join(str(p) for p in first["loc"]) or "(body)"
-        raise HttpError(error(422, "invalid_field", f"{field}: {first['msg']}",
-                              field=field)) from err
 
 
 def session_id_of(request: Request) -> str:

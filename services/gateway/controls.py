@@ -13,6 +13,7 @@ from typing import Protocol
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js.errors import NotFoundError
+from pydantic import BaseModel, ConfigDict
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -22,6 +23,7 @@ from schemas.history import Conversation
 from schemas.messages import Query, StopAccepted, StopRequest
 from services.core.retry import retry_point
 from services.core.state_machine import Phase
+from services.gateway.bodies import parse_body
 from services.shared.bus import BadMessage, Bus, decode
 from services.shared.history_store import HistoryStore
 
@@ -37,6 +39,11 @@ class Answers(Protocol):
     async def state(self, sid: str) -> dict[str, str]: ...
 
     async def answer(self, request: Request, query: Query) -> Response: ...
+
+
+class StopBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    retry: bool = False  # the key named a retry, not a message
 
 
 def conflict(code: str, message: str) -> JSONResponse:
@@ -60,14 +67,21 @@ class Controls:
         ]
 
     async def stop(self, request: Request) -> Response:
+        """The session's answer being written; under an `Idempotency-Key`,
+        only the answer to the message (or, `{"retry": true}`, the retry)
+        sent under it."""
         sid = self._session_id_of(request)
+        body = await parse_body(request, StopBody, optional=True)
+        query_id = self._query_id_of(request, sid, body.retry)
         await self._answers.require(sid)
         try:
-            msg = await self._bus.request(subjects.stop(sid), StopRequest(session_id=sid),
-                                          timeout_s=STOP_ANSWER_S, session_id=sid)
+            msg = await self._bus.request(
+                subjects.stop(sid), StopRequest(session_id=sid, query_id=query_id),
+                timeout_s=STOP_ANSWER_S, session_id=sid)
         except (NatsTimeout, NoRespondersError, TimeoutError):
-            return conflict("nothing_running", "no answer is being written for this session "
-                            "(it may have just finished)")
+            whose = "this session" if query_id is None else "this message"
+            return conflict("nothing_running", f"no answer is being written for {whose} "
+                            "(it may have just finished, or still wait for its turn)")
         accepted = decode(msg.data, StopAccepted, msg.subject).payload
         return JSONResponse({"status": "stopping", "session_id": sid,
                              "query_id": accepted.query_id,

@@ -265,7 +265,7 @@ class Generator:
         if env is None:
             return
         sid = env.payload.session_id
-        switch = self._turns.stops.stop(sid)
+        switch = self._turns.stops.stop(sid, env.payload.query_id)
         if switch is None or not msg.reply:
             return  # not running here: the process that runs it answers
         log.info("stop_requested", session_id=sid, query_id=switch.query_id,

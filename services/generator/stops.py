@@ -73,9 +73,11 @@ class Stops:
             if self._running.get(sid) is switch:
                 del self._running[sid]
 
-    def stop(self, sid: str) -> StopSwitch | None:
-        """Throw the session's switch; None when no turn of it runs here."""
+    def stop(self, sid: str, query_id: str | None = None) -> StopSwitch | None:
+        """Throw the session's switch (only if it is `query_id`'s, when given);
+        None when no such turn runs here."""
         switch = self._running.get(sid)
-        if switch is not None:
-            switch.throw()  # thrown again: the same stop, asked twice
+        if switch is None or query_id not in (None, switch.query_id):
+            return None
+        switch.throw()  # thrown again: the same stop, asked twice
         return switch

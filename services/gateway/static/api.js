@@ -61,8 +61,14 @@ export function listSessions() {
 }
 
 // Asks the generator to stop the answer being streamed: 202 when it was asked.
-export function postStop(id) {
-  return fetch(API.stop(id), { method: "POST", headers: { "Content-Type": "application/json" } });
+// Stops the answer to the turn sent under `key` only: a message of this page
+// still queued behind another client's answer must not stop that one.
+export function postStop(id, { key, retry }) {
+  return fetch(API.stop(id), {
+    method: "POST",
+    headers: { "Content-Type": "application/json", "Idempotency-Key": key },
+    body: JSON.stringify({ retry }),
+  });
 }
 
 // A message (or a retry, `body` null) whose answer streams back as server-sent events.

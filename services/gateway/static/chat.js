@@ -428,9 +428,11 @@ function unmarkSuperseded(node) {
 export async function stopAnswer() {
   const id = app.sessionId;
   if (!id || !app.busy) return;
+  const turn = app.turnKey;
+  if (!turn) return;
   ui.stopButton.disabled = true;
   app.pending?.stopping();
-  const response = await postStop(id).catch(() => null);
+  const response = await postStop(id, turn).catch(() => null);
   if (response?.status === 202) return;
   if (response) {
     const err = await readError(response);
@@ -450,6 +452,7 @@ export async function stopAnswer() {
 async function runTurn(url, body, key) {
   const answer = pendingAnswer(() => runTurn(url, body, key));
   app.pending = answer;
+  app.turnKey = { key, retry: body === null };
   const controller = new AbortController();
   app.abort = controller;
   app.reloadAfterTurn = false;
@@ -470,6 +473,7 @@ async function runTurn(url, body, key) {
 function endTurn(answer, body, succeeded) {
   app.abort = null;
   app.pending = null;
+  app.turnKey = null;
   setBusy(false);
   if (succeeded) unsaved = [];
   else if (body && !offersSendAgain(answer.failure)) giveBack(body.content);

@@ -71,6 +71,7 @@ export const app = {
   older: null, // cursor of the page before them; null at the start
   loadingOlder: false,
   pending: null, // the answer being waited for, while one is (see pendingAnswer)
+  turnKey: null, // { key, retry } of that answer's turn: a Stop names it
   compactionProgress: null, // the running compaction's last progress event
 };
 
