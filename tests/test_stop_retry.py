@@ -159,7 +159,7 @@ async def test_a_stop_under_a_queued_messages_key_leaves_the_answer_being_writte
             await queries.wait_until(lambda: len(queries.payloads("chat.query")) == 2)
             stops.append(await http.post(f"/api/sessions/{sid}/stop", headers=queued))
 
-        done, streamed, stop = await stopped_mid_stream(
+        done, _, stop = await stopped_mid_stream(
             http, sid, before_stop=queue_another_and_stop_it)
     assert stops[0].status_code == 409, stops[0].text
     assert stops[0].json()["error"]["code"] == "nothing_running"
