@@ -8,10 +8,16 @@ from collections.abc import AsyncIterator, Iterator
 
 import nats
 import pytest
+from hypothesis import settings
 from nats.aio.client import Client as NATS
 
 from tests.nats_server import NatsServer, backend, docker_nats, running_nats
 from tests.stub_server import running_stub
+
+# No time limit on a property's example: a stall of a busy machine would fail
+# it as "unreliable timings", whatever the property.
+settings.register_profile("no_deadline", deadline=None)
+settings.load_profile("no_deadline")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -30,14 +30,13 @@ from services.shared.history_store import HistoryConflict, HistoryStore, History
 from services.shared.jetstream import ensure_layout, locks_bucket
 from services.shared.live_config import LiveSettings
 from services.shared.sessions import SessionStore
-from tests.stub_server import running_stub, stub_stats
-
-SUMMARY_S = 1.0
-
+from tests.stub_server import configure_stub, configure_stub_now, running_stub, stub_stats
 
 @pytest.fixture
-def slow_summariser() -> Iterator[str]:
-    with running_stub("--model-latency", f"summariser={int(SUMMARY_S * 1000)}") as url:
+def held_summariser() -> Iterator[str]:
+    """A stand-in whose summariser answers only once the test releases it."""
+    with running_stub() as url:
+        configure_stub_now(url, held_models=["summariser"])
         yield url
 
 
@@ -62,7 +61,7 @@ async def compactor_on(nc: NATS, stub: str, on_piece: PieceWritten | None = None
 async def next_about(sid: str, queue: asyncio.Queue[Msg]) -> Msg:
     """The next message about this session (the server is shared with other tests)."""
     while True:
-        msg = await asyncio.wait_for(queue.get(), 5)
+        msg = await asyncio.wait_for(queue.get(), 30)
         if (msg.headers or {}).get("Session-Id") == sid:
             return msg
 
@@ -102,11 +101,11 @@ async def test_a_request_delivered_again_after_its_splice_is_not_compacted_twice
 
 
 async def test_an_emergency_compaction_whose_splice_is_refused_still_reports_it(
-        nc: NATS, slow_summariser: str) -> None:
+        nc: NATS, held_summariser: str) -> None:
     """A turn's emergency compaction loses its splice to a write behind its back
     (its holder was frozen past the lease): `compaction.result` says failed,
     and the turn sees the conflict."""
-    compactor, history, sessions, provider = await compactor_on(nc, slow_summariser)
+    compactor, history, sessions, provider = await compactor_on(nc, held_summariser)
     sid = uuid.uuid4().hex
     record = SessionRecord(session_id=sid, system="Be brief.")
     await sessions.create(record)
@@ -122,6 +121,7 @@ async def test_an_emergency_compaction_whose_splice_is_refused_still_reports_it(
         behind = HistoryStore(nc.jetstream())
         await behind.append(sid, await behind.read(sid), [
             ChatMessage(role="user", content="written by a newer holder")])
+        await configure_stub(held_summariser, held_models=[])
         with pytest.raises(HistoryConflict):
             await compacting
         msg = await next_about(sid, results)

@@ -22,9 +22,10 @@ from services.shared.jetstream import ensure_layout, locks_bucket
 from tests.events import eventually
 from tests.nats_server import NatsServer
 
-# Short, for the tests of expiry and renewal; the others take a lease no
-# stall of a busy machine outlasts, so what they see held stays held.
-LEASE_S = 1.0
+# Short, for the tests of expiry and renewal (renewed every second, a stall
+# of two does not lose it); the others take a lease no stall of a busy
+# machine outlasts, so what they see held stays held.
+LEASE_S = 3.0
 LONG_LEASE_S = 60.0
 
 
@@ -320,7 +321,7 @@ async def test_a_renewal_stored_with_its_answer_lost_keeps_the_lease(
     kv = AnswerLost((await new_locks(nc))._kv, lost)  # 1: the take; then renewals
     locks = SessionLocks(cast(KeyValue, kv), "holder-a", LEASE_S, wait_s=0.3)
     async with locks.hold("s1", "query") as lease:
-        await asyncio.wait_for(kv.until_updates(max(lost) + 2), 10)  # two renewals after
+        await asyncio.wait_for(kv.until_updates(max(lost) + 2), 60)  # two renewals after
         assert not lease.lost
         assert await other_holder(locks).try_acquire("s1", "query") is None
     assert await locks.purpose_of("s1") is None  # released over the revision found
@@ -331,5 +332,5 @@ async def test_a_release_after_a_renewal_whose_answer_was_lost_frees_the_session
     kv = AnswerLost((await new_locks(nc))._kv, {2})
     locks = SessionLocks(cast(KeyValue, kv), "holder-a", LEASE_S, wait_s=0.3)
     async with locks.hold("s1", "query"):
-        await asyncio.wait_for(kv.until_updates(2), 10)  # the renewal, stored, unanswered
+        await asyncio.wait_for(kv.until_updates(2), 60)  # the renewal, stored, unanswered
     assert await locks.purpose_of("s1") is None  # not left locked for a lease
