@@ -32,6 +32,7 @@ from services.shared.live_config import LiveSettings
 from services.shared.sessions import SessionStore
 from tests.stub_server import configure_stub, configure_stub_now, running_stub, stub_stats
 
+
 @pytest.fixture
 def held_summariser() -> Iterator[str]:
     """A stand-in whose summariser answers only once the test releases it."""
