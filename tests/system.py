@@ -41,8 +41,9 @@ class System:
             "MODEL": "stub-model",
             "NUM_CTX": "8192",
             "GATEWAY_PORT": str(self.port),
-            "QUERY_ACK_WAIT_S": "3",
-            "LOCK_LEASE_S": "2",
+            # Beaten every third of it: a stall under two thirds of it is no redelivery.
+            "QUERY_ACK_WAIT_S": "6",
+            "LOCK_LEASE_S": "6",
             **(env or {}),
         }
         self.processes = {name: ServiceProcess(SERVICE_MODULES[name], self.env)

@@ -113,7 +113,8 @@ async def test_answers_stream_as_server_sent_events(http: httpx.AsyncClient) -> 
     done = events[-1][1]
     tokens = "".join(str(d["text"]) for n, d in events if n == "token")
     assert tokens == done["reply"] == "Echo: stream this please (turn 1)"
-    assert set(done) == {"session_id", "reply", "prompt_tokens", "completion_tokens"}
+    assert set(done) == {"session_id", "query_id", "reply", "prompt_tokens",
+                         "completion_tokens"}
 
 
 async def test_a_streamed_answer_with_a_tool_call_is_numbered_as_one(
