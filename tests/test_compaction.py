@@ -613,6 +613,28 @@ async def test_a_session_goes_on_after_an_answer_that_wrote_all_it_could(
         assert reply.status_code == 200, reply.text
 
 
+async def test_a_session_goes_on_after_a_question_near_the_budget(
+    private_nats: NatsServer, stub: str, start: Callable[..., httpx.AsyncClient]
+) -> None:
+    """A question of some 80 % of the budget, answered: as the last turn, kept
+    raw by an emergency compaction, it left no room for any next message,
+    each refused as one no compaction could make room for. The turn after it
+    now has everything summarised, that turn too; the transcript keeps all."""
+    http = start(services=("generator", "gateway"), **SMALL_WINDOW)
+    sid = await create(http)
+    await chat(http, sid, 2, filler=10)
+    question = "y " * 2900 + "!long 5000"  # and an answer as long as it may be
+    large = await http.post(f"/api/sessions/{sid}/messages", json={"content": question})
+    assert large.status_code == 200, large.text
+    after = await http.post(f"/api/sessions/{sid}/messages", json={"content": "and now?"})
+    assert after.status_code == 200, after.text
+    context = await session(http, sid)
+    assert context["compactions"] == 1
+    assert [m["content"] for m in context["messages"]][0] == "and now?"
+    said = (await http.get(f"/api/sessions/{sid}/transcript")).json()["items"]
+    assert question in [item.get("content") for item in said]
+
+
 async def test_a_paste_no_compaction_could_fit_is_refused_with_the_history_untouched(
     private_nats: NatsServer, stub: str, start: Callable[..., httpx.AsyncClient]
 ) -> None:

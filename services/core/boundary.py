@@ -20,10 +20,13 @@ def choose_boundary(messages: Sequence[ChatMessage], tail_turns: int) -> int:
 
     0 means there is nothing to compact: nothing lies before the last
     `tail_turns` turns. Messages before the first user message (no turn of
-    their own) belong to the compact zone.
+    their own) belong to the compact zone. No turn kept (0) compacts them all:
+    a turn's last resort when the last turn alone leaves it no room.
     """
-    if tail_turns < 1:
-        raise ValueError(f"tail_turns must be >= 1, got {tail_turns}")
+    if tail_turns < 0:
+        raise ValueError(f"tail_turns must be >= 0, got {tail_turns}")
+    if tail_turns == 0:
+        return len(messages)
     starts = [i for i, m in enumerate(messages) if m.role == "user"]
     if len(starts) < tail_turns:
         return 0

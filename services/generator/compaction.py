@@ -165,13 +165,15 @@ class Compactor:
         return result
 
     async def compact_within_turn(self, record: SessionRecord, view: HistoryView,
-                                  correlation_id: str, switch: StopSwitch) -> HistoryView:
-        """Emergency compaction by a turn that already holds the session lock;
+                                  correlation_id: str, switch: StopSwitch,
+                                  tail_turns: int | None = None) -> HistoryView:
+        """Emergency compaction by a turn that already holds the session lock,
+        keeping `tail_turns` turns raw (the emergency level's, unless given);
         its summary is given up if the turn's `switch` is thrown (the splice,
         once begun, is not: its outcome must be known)."""
         job = _emergency(record.session_id, correlation_id)
         self._offered = await self._tools.definitions()
-        plan = self._plan(view.conversation, job.level)
+        plan = self._plan(view.conversation, job.level, tail_turns)
         before = self.tokens(record, view.conversation)
         await self._announce(job, before)
         try:
@@ -282,8 +284,10 @@ class Compactor:
         if kept_from:
             log.info("transcript_trimmed", kept_from=kept_from)
 
-    def _plan(self, conversation: Conversation, level: Level) -> CompactionPlan:
-        tail = tail_turns_for(CoreLevel(level), self._settings.compaction_tail_turns)
+    def _plan(self, conversation: Conversation, level: Level,
+              tail_turns: int | None = None) -> CompactionPlan:
+        tail = (tail_turns_for(CoreLevel(level), self._settings.compaction_tail_turns)
+                if tail_turns is None else tail_turns)
         plan = plan_compaction(conversation, tail)
         if plan is None:
             raise CompactionSkipped(

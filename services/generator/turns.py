@@ -397,16 +397,12 @@ class TurnRunner:
 
     async def _compact_if_it_can_help(self, turn: Turn, tools: Messages) -> bool:
         """An emergency compaction, only when its best outcome (a minimal summary
-        in place of all but the last turn) would fit: it is irreversible and
-        costs a model call. A tool result that keeps even that from fitting is
-        cut first. False when nothing could help (history untouched)."""
-        tail = tail_turns_for(Level.emergency, self._settings.compaction_tail_turns)
-
-        def best_case_fits(pending: Sequence[ChatMessage], share: float = 1.0) -> bool:
-            best = best_case_prompt(turn.record.system, turn.context, pending, tail)
-            return self._fits(turn.record, best, tools, share)
-
-        if not self._cut_tool_output(turn, best_case_fits):
+        in place of all but the last turn, or failing that of all of it) would
+        fit: it is irreversible and costs a model call. A tool result that keeps
+        even that from fitting is cut first. False when nothing could help
+        (history untouched)."""
+        tail = self._emergency_tail(turn, tools)
+        if tail is None:
             log.info("emergency_compaction_cannot_help")
             return False
         prompt = self._render(turn)
@@ -414,13 +410,28 @@ class TurnRunner:
             return True  # the cut alone made room
         try:
             turn.view = await self._compactor.compact_within_turn(
-                turn.record, turn.view, turn.env.correlation_id, turn.switch)
+                turn.record, turn.view, turn.env.correlation_id, turn.switch, tail)
         except CompactionStopped:
             raise
         except (CompactionSkipped, CompactionFailed) as err:
             raise self._overflow(turn.record, prompt, tools,
                                  f"emergency compaction could not make room: {err}") from err
         return True
+
+    def _emergency_tail(self, turn: Turn, tools: Messages) -> int | None:
+        """The turns an emergency compaction keeps raw: the emergency level's,
+        or none when the last turn alone leaves this one no room (a question
+        near the budget and its answer, kept raw, would refuse every later
+        message); None when even that would not fit."""
+        for tail in (tail_turns_for(Level.emergency, self._settings.compaction_tail_turns), 0):
+            def best_case_fits(pending: Sequence[ChatMessage], share: float = 1.0,
+                               tail: int = tail) -> bool:
+                best = best_case_prompt(turn.record.system, turn.context, pending, tail)
+                return self._fits(turn.record, best, tools, share)
+
+            if self._cut_tool_output(turn, best_case_fits):
+                return tail
+        return None
 
     def _cut_tool_output(self, turn: Turn, fits: FitsShare) -> bool:
         """The turn's tool results cut (newest first) if it does not fit; False

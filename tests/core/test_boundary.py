@@ -47,7 +47,10 @@ def test_boundary_edge_cases() -> None:
     # A leading fragment without a user message is compactable before the first turn.
     assert choose_boundary((answer(), user(), answer()), 1) == 1
     with pytest.raises(ValueError):
-        choose_boundary(HISTORY, 0)
+        choose_boundary(HISTORY, -1)
+    # No turn kept: all of it, the last resort of a turn the last turn leaves no room.
+    assert choose_boundary(HISTORY, 0) == len(HISTORY)
+    assert choose_boundary((), 0) == 0
 
 
 @settings(max_examples=150, deadline=None)
