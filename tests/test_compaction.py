@@ -630,7 +630,7 @@ async def test_a_session_goes_on_after_a_question_near_the_budget(
     assert after.status_code == 200, after.text
     context = await session(http, sid)
     assert context["compactions"] == 1
-    assert [m["content"] for m in context["messages"]][0] == "and now?"
+    assert context["messages"][0]["content"] == "and now?"
     said = (await http.get(f"/api/sessions/{sid}/transcript")).json()["items"]
     assert question in [item.get("content") for item in said]
 
