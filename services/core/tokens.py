@@ -49,6 +49,9 @@ DENSE_TOKENS = 1.0
 # Fewer tokens than one per 12 characters means the provider did not count the
 # whole prompt (Ollama's KV cache reuse reports only the uncached tokens).
 MIN_TOKENS_PER_CHAR = 1 / 12
+# Charged to all characters alike, more than one a character is dense text's
+# cost (`_dense_cost`): a byte-level tokenizer never makes more tokens than bytes.
+MAX_TOKENS_PER_CHAR = 1.0
 
 # Dense text that owes at most this share of a prompt's expected tokens is
 # taken out of the count at its cautious rate; above it, the ratio takes the
@@ -280,7 +283,7 @@ def _one_rate(sample: Sample, previous: Calibration) -> Learnt | None:
         fitted = rates.fit_dominant(sample, previous.rates)
         return None if fitted is None else (fitted.per_char, fitted.per_extra_byte)
     ratio = _ratio(sample, previous)
-    return None if ratio is None else (ratio, None)
+    return _dense_cost(sample, previous) if ratio is None else (ratio, None)
 
 
 def _never_lower(learnt: Learnt, previous: Calibration, reading: Reading) -> Learnt | None:
@@ -376,12 +379,20 @@ def _ratio(sample: Sample, known: Calibration) -> float | None:
     if dense <= DENSE_MINOR_SHARE * (sample.chars * known.char_rate + dense):
         text_tokens -= dense
     ratio = text_tokens / sample.chars
-    # A byte-level tokenizer never makes more tokens than bytes, but a dense
-    # script it has few tokens for (Hangul, CJK on a 32k vocabulary) does
-    # cost up to three a character: a bound of one a character threw those
-    # counts away, and such a session never learnt its cost.
-    most = (sample.chars + sample.extra_bytes) / sample.chars
-    return ratio if MIN_TOKENS_PER_CHAR <= ratio <= most else None
+    return ratio if MIN_TOKENS_PER_CHAR <= ratio <= MAX_TOKENS_PER_CHAR else None
+
+
+def _dense_cost(sample: Sample, known: Calibration) -> Learnt | None:
+    """A count over a token a character, charged to its dense text: a script
+    the tokenizer has few tokens for (Hangul, CJK on a 32k vocabulary) costs
+    up to three byte tokens a character. Thrown away, such a session never
+    learnt its cost; charged to every character, it made English text cost
+    several times its size. The character rate stays as known."""
+    if sample.extra_bytes <= 0:
+        return None
+    per_char = min(known.char_rate, rates.MAX_CHAR_RATE)
+    per_byte = (sample.tokens - sample.chars * per_char) / sample.extra_bytes
+    return (per_char, per_byte) if rates.plausible(per_char, per_byte) else None
 
 
 def estimate_tokens(chars: int, calibration: Calibration, messages: int = 0,

@@ -4,15 +4,7 @@ from __future__ import annotations
 
 from schemas.history import ChatMessage, Conversation, ToolCall
 from services.core.decision import check_fit
-from services.core.overflow import (
-    ANSWER_TURN_SHARE,
-    CUT_TO_SHARE,
-    answer_room,
-    best_case_prompt,
-    cut_tool_output,
-    cut_tool_results,
-    turn_alone,
-)
+from services.core.overflow import CUT_TO_SHARE, best_case_prompt, cut_tool_output, cut_tool_results
 from services.core.prompt import render_messages
 from services.core.summary_prompt import MINIMAL_SUMMARY
 from services.core.tokens import Calibration, estimate_prompt, prompt_budget
@@ -103,26 +95,3 @@ def test_a_result_that_must_be_cut_leaves_room_for_the_next_question() -> None:
     small = turn_with_results(100)
     assert cut_tool_output(small, fits_share) == tuple(small)  # fits: nothing cut
     assert cut_tool_output([user("x" * 40_000)], fits_share) is None
-
-
-def test_an_answer_may_not_write_its_turn_past_what_leaves_room_for_the_next() -> None:
-    """In a window of 2,048 a looping answer wrote 1,986 tokens to a prompt of
-    60: its turn alone was over the budget, and as the last turn, kept raw by
-    any compaction, it left every later message refused."""
-    budget = prompt_budget(2048)
-    room = answer_room(2048, budget, prompt_tokens=60, turn_alone_tokens=40)
-    assert room == int(ANSWER_TURN_SHARE * budget) - 40
-    assert 40 + room <= ANSWER_TURN_SHARE * budget
-    # Never beyond the window, never under the room kept for answers.
-    assert answer_room(2048, budget, prompt_tokens=1700, turn_alone_tokens=40) == 2048 - 1700
-    assert answer_room(2048, budget, prompt_tokens=1500, turn_alone_tokens=1500) == 2048 - budget
-
-
-def test_the_turn_alone_is_its_last_user_message_on_behind_a_minimal_summary() -> None:
-    history = Conversation(summary="old notes", messages=[
-        ChatMessage(role="user", content="first"), ChatMessage(role="assistant", content="one")])
-    turn = [ChatMessage(role="user", content="second"),
-            ChatMessage(role="assistant", content="", tool_calls=[ToolCall(name="t")]),
-            ChatMessage(role="tool", tool_name="t", content="result")]
-    alone = turn_alone("Be brief.", render_messages("Be brief.", history, turn))
-    assert alone == render_messages("Be brief.", Conversation(summary=MINIMAL_SUMMARY), turn)

@@ -422,3 +422,7 @@ def test_a_script_costing_more_than_a_token_a_character_is_learnt() -> None:
     assert estimate_prompt(messages, learnt) >= count
     refused = refused_as_too_long(Calibration(), size, count - 1)
     assert estimate_prompt(messages, refused) >= count - 1
+    # Charged to its dense text, not to every character: English sent next is
+    # not taken for several times its size.
+    english = [{"role": "user", "content": "hello there, how are you today? " * 60}]
+    assert estimate_prompt(english, learnt) < 0.5 * prompt_size(english).chars
