@@ -26,13 +26,6 @@ from services.core.summary_prompt import MINIMAL_SUMMARY
 # would leave no room for any next question: the session would be stuck.
 CUT_TO_SHARE = 0.5
 
-# An answer may write no more than keeps its whole turn, alone behind a
-# minimal summary, within this share of the budget. The last turn is always
-# sent whole (an emergency compaction keeps it raw), so an answer that filled
-# what its prompt left of the window left no room for any next question, and
-# a retry wrote the same again: the session was stuck.
-ANSWER_TURN_SHARE = 0.75
-
 # Does the turn in progress fit within this share of the budget?
 FitsShare = Callable[[Sequence[ChatMessage], float], bool]
 
@@ -47,23 +40,6 @@ def best_case_prompt(system: str, conversation: Conversation, pending: Sequence[
         return render_messages(system, conversation, pending)
     kept = Conversation(summary=MINIMAL_SUMMARY, messages=conversation.messages[boundary:])
     return render_messages(system, kept, pending)
-
-
-def turn_alone(system: str, prompt: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The prompt as the tightest compaction could leave it once this turn is
-    answered: the system prompt, a minimal summary, and the turn (from the
-    prompt's last user message on)."""
-    starts = [i for i, message in enumerate(prompt) if message.get("role") == "user"]
-    turn = prompt[starts[-1]:] if starts else []
-    return [*render_messages(system, Conversation(summary=MINIMAL_SUMMARY)), *turn]
-
-
-def answer_room(num_ctx: int, budget: int, prompt_tokens: int, turn_alone_tokens: int) -> int:
-    """Tokens the answer may write (Ollama's `num_predict`): what the prompt
-    leaves of the window, within ANSWER_TURN_SHARE of the budget for its whole
-    turn; never less than the room the budget keeps for answers."""
-    within_share = int(ANSWER_TURN_SHARE * budget) - turn_alone_tokens
-    return max(min(num_ctx - prompt_tokens, within_share), num_ctx - budget)
 
 
 def cut_tool_output(pending: Sequence[ChatMessage], fits: FitsShare

@@ -33,13 +33,7 @@ from schemas.session import SessionRecord
 from services.core.boundary import choose_boundary, tail_turns_for
 from services.core.context import next_prompt_size
 from services.core.decision import Level, check_fit
-from services.core.overflow import (
-    FitsShare,
-    answer_room,
-    best_case_prompt,
-    cut_tool_output,
-    turn_alone,
-)
+from services.core.overflow import FitsShare, best_case_prompt, cut_tool_output
 from services.core.prompt import HistoryWeights, render_messages
 from services.core.prompt_cache import cached_size, previous_call
 from services.core.retry import retry_point
@@ -490,10 +484,11 @@ class TurnRunner:
                           tools: Messages, stream: TokenStream | None = None,
                           switch: StopSwitch | None = None) -> ChatResult:
         num_ctx = self.num_ctx(record)
-        # Unbounded, Ollama lets a looping model write ten windows' worth,
-        # dropping the prompt's start (the system prompt) to make room.
-        room = answer_room(num_ctx, self.budget(record), self._estimate(record, prompt, tools),
-                           self._estimate(record, turn_alone(record.system, prompt), tools))
+        # The answer may take what the prompt leaves of the window, no more:
+        # unbounded, Ollama lets a looping model write ten windows' worth,
+        # dropping the prompt's start (the system prompt) to make room. (Its
+        # turn may then fill the budget: the next one compacts it too.)
+        room = max(num_ctx - self._estimate(record, prompt, tools), num_ctx - self.budget(record))
         request = ChatRequest(model=record.model_or(self._settings.model), messages=prompt,
                               num_ctx=num_ctx, tools=tools, think=self._settings.think,
                               num_predict=room)
