@@ -546,6 +546,10 @@ HIDE = """() => {
   Object.defineProperty(document, "visibilityState", { value: "hidden", configurable: true });
   document.dispatchEvent(new Event("visibilitychange"));
 }"""
+HIDDEN_FROM_THE_START = """
+Object.defineProperty(document, "hidden", { value: true, configurable: true });
+Object.defineProperty(document, "visibilityState", { value: "hidden", configurable: true });
+"""
 SHOW = """() => {
   delete document.hidden;
   delete document.visibilityState;
@@ -578,3 +582,19 @@ def test_tabs_in_the_background_leave_the_browser_connections_for_the_one_in_use
     finally:
         for other in others:
             other.close()
+
+
+def test_a_tab_opened_in_the_background_takes_its_feed_up_once_shown(
+        watched: Watched, browser: playwright_api.Browser, system: System) -> None:
+    sid = create_session(watched.page)
+    background = watched.page.context.new_page()
+    try:
+        background.add_init_script(HIDDEN_FROM_THE_START)
+        background.goto(f"/#session={sid}")
+        playwright_api.expect(background.locator("#live-status")).to_have_attribute(
+            "data-live", "paused")
+        background.evaluate(SHOW)
+        playwright_api.expect(background.locator("#live-status")).to_have_attribute(
+            "data-live", "connected")
+    finally:
+        background.close()

@@ -635,6 +635,24 @@ async def test_a_session_goes_on_after_a_question_near_the_budget(
     assert question in [item.get("content") for item in said]
 
 
+async def test_a_summary_larger_than_the_minimal_one_does_not_refuse_the_message(
+    private_nats: NatsServer, stub: str, start: Callable[..., httpx.AsyncClient]
+) -> None:
+    """The emergency compaction keeps the last turn when a minimal summary
+    would leave room; the summary written was larger (here, larger than what
+    it replaced, so it was not kept), and the message was refused. The last
+    turn is then summarised too."""
+    http = start(services=("generator", "gateway"), **SMALL_WINDOW)
+    sid = await create(http)
+    for content in ("first !summary 1200 " + "w " * 400, "y " * 1000):
+        assert (await http.post(f"/api/sessions/{sid}/messages",
+                                json={"content": content})).status_code == 200
+    asked = await http.post(f"/api/sessions/{sid}/messages", json={"content": "z " * 2100})
+    assert asked.status_code == 200, asked.text
+    context = await session(http, sid)
+    assert context["compactions"] == 1 and context["messages"][0]["content"] == "z " * 2100
+
+
 async def test_a_paste_no_compaction_could_fit_is_refused_with_the_history_untouched(
     private_nats: NatsServer, stub: str, start: Callable[..., httpx.AsyncClient]
 ) -> None:

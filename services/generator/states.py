@@ -95,6 +95,8 @@ class SessionStates:
         await self.apply(sid, Action.reset, correlation_id)
 
     async def compaction_started(self, sid: str, correlation_id: str) -> None:
+        # An earlier compaction's end under this id, still owed, would end this one.
+        self._owed_ends.discard((sid, correlation_id))
         await self._record(sid, correlation_id, lambda running: compaction_started(
             running, correlation_id, self._generator_id))
 

@@ -403,8 +403,7 @@ class TurnRunner:
         if self._fits(turn.record, prompt, tools):
             return True  # the cut alone made room
         try:
-            turn.view = await self._compactor.compact_within_turn(
-                turn.record, turn.view, turn.env.correlation_id, turn.switch, tail)
+            await self._compact_to_fit(turn, tools, tail)
         except CompactionStopped:
             raise
         except (CompactionSkipped, CompactionFailed) as err:
@@ -412,20 +411,39 @@ class TurnRunner:
                                  f"emergency compaction could not make room: {err}") from err
         return True
 
+    async def _compact_to_fit(self, turn: Turn, tools: Messages, tail: int) -> None:
+        """Compacts keeping `tail` turns raw; and if its summary took more than
+        the minimal one the choice was priced at (or freed too little to be
+        kept), the turn kept raw goes too, rather than the message refused."""
+        try:
+            await self._compact_within_turn(turn, tail)
+        except CompactionSkipped:
+            if tail == 0:
+                raise
+        if (tail > 0 and not self._fits(turn.record, self._render(turn), tools)
+                and self._cut_tool_output(turn, self._best_case_fits(turn, tools, 0))):
+            await self._compact_within_turn(turn, 0)
+
+    async def _compact_within_turn(self, turn: Turn, tail: int) -> None:
+        turn.view = await self._compactor.compact_within_turn(
+            turn.record, turn.view, turn.env.correlation_id, turn.switch, tail)
+
     def _emergency_tail(self, turn: Turn, tools: Messages) -> int | None:
         """The turns an emergency compaction keeps raw: the emergency level's,
         or none when the last turn alone leaves this one no room (a question
         near the budget and its answer, kept raw, would refuse every later
         message); None when even that would not fit."""
         for tail in (tail_turns_for(Level.emergency, self._settings.compaction_tail_turns), 0):
-            def best_case_fits(pending: Sequence[ChatMessage], share: float = 1.0,
-                               tail: int = tail) -> bool:
-                best = best_case_prompt(turn.record.system, turn.context, pending, tail)
-                return self._fits(turn.record, best, tools, share)
-
-            if self._cut_tool_output(turn, best_case_fits):
+            if self._cut_tool_output(turn, self._best_case_fits(turn, tools, tail)):
                 return tail
         return None
+
+    def _best_case_fits(self, turn: Turn, tools: Messages, tail: int) -> FitsShare:
+        """Would the turn fit behind a minimal summary of all but `tail` turns?"""
+        def fits(pending: Sequence[ChatMessage], share: float = 1.0) -> bool:
+            best = best_case_prompt(turn.record.system, turn.context, pending, tail)
+            return self._fits(turn.record, best, tools, share)
+        return fits
 
     def _cut_tool_output(self, turn: Turn, fits: FitsShare) -> bool:
         """The turn's tool results cut (newest first) if it does not fit; False

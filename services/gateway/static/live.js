@@ -141,6 +141,12 @@ export function followVisibility() {
 
 export function connectEvents(id, { retryMs = RETRY_FIRST_MS, wasDown = false } = {}) {
   disconnectEvents();
+  if (document.hidden) {
+    // Opened in the background (or restored so): taken up once shown.
+    pausedFor = id;
+    setLive("paused");
+    return;
+  }
   setLive("connecting");
   const source = openEvents(id);
   app.events = source;
