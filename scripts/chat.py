@@ -228,8 +228,8 @@ class Chat:
 
     def state(self, _: str = "") -> None:
         s = self.session()
-        self.out.print(f"state {s['state']} (phase {s['phase']}) · model {s['model']} · "
-                       f"auto-compact {'on' if s['auto_compact'] else 'off'}")
+        self.out.print(Text(shown(f"state {s['state']} (phase {s['phase']}) · model {s['model']} · "
+                                  f"auto-compact {'on' if s['auto_compact'] else 'off'}")))
         self.context_line()
 
     def transcript(self, _: str = "") -> None:
@@ -318,7 +318,8 @@ def auth_headers() -> dict[str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    console = Console(highlight=False, soft_wrap=True)
+    # No markup: a model name or a server's words in brackets are text, not styles.
+    console = Console(highlight=False, soft_wrap=True, markup=False)
     # No proxy from the environment for a gateway on this machine: it would
     # not reach it, and would read every message and the token on the way.
     local = httpx.URL(args.url).host in ("127.0.0.1", "localhost", "::1")

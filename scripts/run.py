@@ -31,6 +31,7 @@ import subprocess
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from functools import partial
@@ -93,7 +94,7 @@ def main() -> int:
             check_models(env["OLLAMA_HOST"], env)
         env["GATEWAY_TOKEN"] = gateway_token(env.get("GATEWAY_TOKEN", ""))
         url = start_services(env, children, passwords)
-        page = f"{url}?token={env['GATEWAY_TOKEN']}" if env["GATEWAY_TOKEN"] else url
+        page = with_token(url, env["GATEWAY_TOKEN"])
         print(f"\n  Chat is ready: {page}   (Ctrl-C stops everything)\n", flush=True)
         keep_running(children)
     except KeyboardInterrupt:
@@ -242,6 +243,12 @@ def start_services(env: dict[str, str], children: list[Child],
 def start_service(module: str, env: dict[str, str]) -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, "-m", module], cwd=ROOT, env=env,
                             preexec_fn=tied_to_launcher())
+
+
+def with_token(url: str, token: str) -> str:
+    """The page's address with its token, encoded: a base64 `+` read as a space
+    was a wrong token."""
+    return f"{url}?token={urllib.parse.quote(token, safe='')}" if token else url
 
 
 def service_envs(env: dict[str, str], passwords: dict[str, str] | None

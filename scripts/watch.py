@@ -28,7 +28,7 @@ from schemas.subjects import SYSTEM_SUBJECTS
 from scripts.nats_passwords import admin_options
 from scripts.run import NATS_PASSWORDS
 from scripts.terminal_text import shown
-from services.shared.bus import connect, round_trip
+from services.shared.bus import connect, parse_json, round_trip
 from services.shared.logging import configure_logging
 from services.shared.runner import main as run_main
 from services.shared.settings import ServiceSettings
@@ -50,9 +50,10 @@ class Line:
         style = STYLES.get(self.subject.split(".", 1)[0], "white")
         line = Text()
         line.append(f"{self.time} ", style="dim")
-        line.append(f"{self.subject:<28} ", style=style)
-        line.append(f"{self.sender:<20} ", style="dim")
-        line.append(f"{self.session:<8} ", style="bold")
+        # Every part as text a terminal shows, not obeys: any client may publish.
+        line.append(f"{shown(self.subject):<28} ", style=style)
+        line.append(f"{shown(self.sender):<20} ", style="dim")
+        line.append(f"{shown(self.session):<8} ", style="bold")
         line.append(shown(self.detail))
         return line
 
@@ -137,8 +138,8 @@ DESCRIBE: dict[str, Callable[[Payload], str]] = {
 def describe(subject: str, data: bytes) -> Line:
     """One line for a message, whatever it holds (a non-envelope is shown raw)."""
     try:
-        env = json.loads(data)
-    except ValueError:
+        env = parse_json(data)
+    except (ValueError, RecursionError):
         env = None
     if not isinstance(env, dict) or not isinstance(env.get("payload"), dict):
         return Line("-", subject, "-", "-", data[:120].decode(errors="replace"))
@@ -146,15 +147,15 @@ def describe(subject: str, data: bytes) -> Line:
     show = DESCRIBE.get(str(env.get("message_type")), lambda p: json.dumps(p)[:120])
     try:
         detail = show(payload)
-    except (TypeError, ValueError, KeyError) as err:
+    except (TypeError, ValueError, KeyError, RecursionError) as err:
         detail = f"(unreadable payload: {err})"
     return Line(clock(env.get("timestamp")), subject, str(env.get("sender_id", "-")),
-                short(env.get("session_id")), detail)
+                short(str(env.get("session_id") or "")), detail)
 
 
 def session_of(data: bytes) -> str | None:
     with contextlib.suppress(ValueError, AttributeError):
-        sid = json.loads(data).get("session_id")
+        sid = parse_json(data).get("session_id")
         return str(sid) if sid else None
     return None
 

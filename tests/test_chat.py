@@ -23,7 +23,7 @@ from tests.nats_server import NatsServer
 from tests.ports import free_port
 from tests.processes import REPO_ROOT
 from tests.stub_server import configure_stub_now, running_stub
-from tests.system import System, running_system
+from tests.system import System, new_session, running_system
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +58,15 @@ def test_what_the_model_says_is_shown_not_obeyed_and_no_proxy_sees_it(system: Sy
                           timeout=90, check=False)
     assert done.returncode == 0 and b"Traceback" not in done.stderr, done.stderr
     assert "Echo: caf\ufffd au lait".encode() in done.stdout
+
+
+def test_brackets_from_the_server_are_text_not_styles(system: System) -> None:
+    """A model name `[/]` read as a closing style tag ended the chat with a
+    traceback at /state; /help lost its `[instructions]`."""
+    with system.client() as http:
+        sid = new_session(http, model="[/]")
+    out = chat(system, ["/state", "/help"], "--session", sid)
+    assert "model [/]" in out and "[instructions]" in out
 
 
 def test_a_conversation_with_a_compaction(system: System) -> None:

@@ -31,6 +31,7 @@ from scripts.run import (
     page_url,
     pulled_models,
     service_envs,
+    with_token,
 )
 from tests.events import until
 from tests.nats_server import free_port
@@ -316,6 +317,12 @@ def test_each_service_takes_only_its_own_metrics_port() -> None:
     assert "METRICS_PORT" not in envs["services.gateway"]  # not the generator's port too
     assert [envs[module].get("METRICS_PORT") for module in SERVICES[:3]] == [
         str(port) for port in METRICS_PORTS]
+
+
+def test_the_token_in_the_page_address_is_read_back_as_it_is() -> None:
+    assert with_token("http://127.0.0.1:8080/", "Ab+c/d=") == (
+        "http://127.0.0.1:8080/?token=Ab%2Bc%2Fd%3D")
+    assert with_token("http://127.0.0.1:8080/", "") == "http://127.0.0.1:8080/"
 
 
 def test_the_page_address_is_one_a_browser_here_can_open() -> None:

@@ -17,7 +17,7 @@ import pytest
 from nats.aio.client import Client as NATS
 
 from schemas import subjects
-from scripts.watch import describe
+from scripts.watch import describe, session_of
 from tests.nats_server import NatsServer, running_shipped_nats
 from tests.processes import REPO_ROOT
 
@@ -80,6 +80,20 @@ def test_what_is_not_an_envelope_is_shown_raw() -> None:
     assert describe("x", b"\xff{").detail  # never raises
     # Shown, not obeyed: an escape sequence would retitle the watcher's window.
     assert describe("x", b"\x1b]0;pwned\x07").text().plain.endswith("\u241b]0;pwned\u2407")
+
+
+def test_an_envelopes_own_fields_are_shown_not_obeyed() -> None:
+    """Only the detail was made safe: a sender id carrying an escape sequence
+    cleared the screen, and a session id of another type or JSON nested too
+    deep dropped the line."""
+    hostile = json.dumps({"sender_id": "\x1b[2J\x1b]0;pwned\x07", "session_id": 12345,
+                          "message_type": "chat.query", "payload": {"content": "hi"}})
+    text = describe("chat.query.\x1b[2J", hostile.encode()).text().plain
+    assert "\x1b" not in text and "\x07" not in text
+    assert "12345" in text
+    nested = b'{"payload": ' * 5000 + b"{}" + b"}" * 5000
+    assert describe("x", nested).detail  # never raises
+    assert session_of(nested) is None
 
 
 @asynccontextmanager
