@@ -330,6 +330,7 @@ async def test_recall_finds_what_only_the_compacted_part_holds_in_its_own_sessio
     sid = await create(http, auto_compact=False)
     await http.post(f"/api/sessions/{sid}/messages", json={"content": "hello there"})
     await http.post(f"/api/sessions/{sid}/messages", json={"content": "my locker code is 4711"})
+    await http.post(f"/api/sessions/{sid}/messages", json={"content": "储物柜在三楼。"})
     await turns(http, sid, 3, 6)
     await compact(private_nats.url, http, sid, False, 1)
     context = await session(http, sid)
@@ -343,6 +344,11 @@ async def test_recall_finds_what_only_the_compacted_part_holds_in_its_own_sessio
     stored = (await session(http, sid))["messages"]
     assert [m["role"] for m in stored[-4:]] == ["user", "assistant", "tool", "assistant"]
     assert stored[-2]["tool_name"] == "recall"
+    # A word of a script without spaces, and the text given back as it was
+    # written, not as \\u escapes.
+    reply = await http.post(f"/api/sessions/{sid}/messages", json={
+        "content": '!tool recall {"query": "三楼"}'})
+    assert "储物柜在三楼。" in reply.json()["reply"]
 
 
 async def test_recall_without_a_session_or_with_bad_arguments_says_why(nc: NATS) -> None:

@@ -43,10 +43,11 @@ async def run_recall(js: JetStreamContext, session_id: str | None,
     if not isinstance(limit, int) or isinstance(limit, bool) or not 1 <= limit <= MAX_LIMIT:
         return ToolOutcome(name=NAME, error=f"bad arguments: limit must be 1 to {MAX_LIMIT}")
     # Read an entry at a time: only the newest matches are held, never the transcript.
-    search = Recall(query, limit)
+    search = Recall(query, limit, own_tool=NAME)
     async for stored in stored_entries(js, session_id):
         search.take(items_of(stored))
     found = search.found()
     matches = [{"position": str(i.position), "role": i.body["role"],
                 "content": str(i.body["content"])[:MAX_MATCH_CHARS]} for i in found]
-    return ToolOutcome(name=NAME, content=json.dumps({"matches": matches}))
+    # Unescaped: a model reads `\u9884` badly, and at several times the tokens.
+    return ToolOutcome(name=NAME, content=json.dumps({"matches": matches}, ensure_ascii=False))

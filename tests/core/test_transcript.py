@@ -115,6 +115,30 @@ def test_recall_matches_every_word_case_insensitively_newest_first() -> None:
     assert recall(items_after(stored, None), "notes", 5) == []  # markers are not messages
 
 
+def test_recall_finds_words_of_scripts_written_without_spaces() -> None:
+    """A Chinese clause was one `\\w+` word: only the whole clause matched."""
+    said = ChatMessage(role="user", content="预算会议在三月十四日，在4B会议室。")
+    stored = [StoredEntry(1, AT, HistoryEntry.of_turn((said,)))]
+    for query in ("会议", "预算会议", "三月 4B", "会议室"):
+        assert len(recall(items_after(stored, None), query, 5)) == 1, query
+    assert recall(items_after(stored, None), "四月", 5) == []
+
+
+def test_recall_never_finds_its_own_calls_and_results() -> None:
+    """Each recall's call and result hold the query; newest, they crowded out
+    the message that was asked about."""
+    said = ChatMessage(role="user", content="the budget meeting is on March 14")
+    searched = (ChatMessage(role="user", content="when is it?"),
+                ChatMessage(role="assistant", content="", tool_calls=(
+                    ToolCall(name="recall", arguments={"query": "budget meeting"}),)),
+                ChatMessage(role="tool", tool_name="recall",
+                            content='{"matches": [{"content": "the budget meeting"}]}'))
+    stored = [StoredEntry(1, AT, HistoryEntry.of_turn((said,))),
+              StoredEntry(2, AT, HistoryEntry.of_turn(searched))]
+    found = recall(items_after(stored, None), "budget meeting", 5, own_tool="recall")
+    assert [i.body["content"] for i in found] == [said.content]
+
+
 def test_recall_fed_an_entry_at_a_time_finds_what_it_finds_whole() -> None:
     stored = [StoredEntry(n, AT, HistoryEntry.of_turn((
         ChatMessage(role="user", content=f"the code is {n}"),
