@@ -24,7 +24,8 @@ from services.core.tokens import Calibration
 from services.shared.bus import Bus, decode, round_trip
 from services.shared.jetstream import ensure_layout
 from tests.events import decider_caught_up, eventually, watching
-from tests.nats_server import NatsServer, free_port
+from tests.nats_server import NatsServer
+from tests.tcp_relay import Relay
 
 
 def report(sid: str) -> GenerationReport:
@@ -171,6 +172,35 @@ async def test_a_decider_started_after_a_compaction_drops_the_reports_it_predate
         assert await stored_requests(bus) == []
 
 
+async def test_a_restarted_decider_reads_the_results_it_missed_before_the_reports(
+        private_nats: NatsServer) -> None:
+    """Both kept while it was away: a report measured before a compaction, then
+    that compaction's result. Read by two loops at once, the report was at
+    times judged first and asked for the compaction again, as an emergency."""
+    url, sid = private_nats.url, "missed-both"
+    settings = DeciderSettings(compaction_cooldown_s=0)
+    async with running_decider(url, settings):
+        pass  # its durable consumers made: what comes next waits for the next one
+    publisher = await nats.connect(url)
+    try:
+        bus = Bus(publisher, "generator")
+        await bus.js_publish(subjects.RESPONSE_GENERATION,
+                             crowded_report(sid).model_copy(update={"compactions": 0}),
+                             session_id=sid)
+        for n in range(1000):  # a backlog of results the decider reads first
+            await bus.js_publish(subjects.COMPACTION_RESULT,
+                                 CompactionResult(session_id=f"other-{n}", tokens_after=1,
+                                                  compactions=1), session_id=f"other-{n}")
+        await bus.js_publish(subjects.COMPACTION_RESULT,
+                             CompactionResult(session_id=sid, tokens_after=900, compactions=1),
+                             session_id=sid)
+    finally:
+        await publisher.close()
+    async with running_decider(url, settings) as (bus, decider):
+        await decider_caught_up(url, decider.status)
+        assert [r for r in await stored_requests(bus) if r.payload.session_id == sid] == []
+
+
 async def test_a_report_whose_numbers_no_sum_can_use_is_reported_not_judged(
         private_nats: NatsServer) -> None:
     url, sid = private_nats.url, "huge"
@@ -186,51 +216,13 @@ async def test_a_report_whose_numbers_no_sum_can_use_is_reported_not_judged(
                                          "tokens_per_char": float("inf")})
 
 
-class CuttableLink:
-    """A TCP relay to the NATS server that a test cuts and restores: while it
-    is cut, the client behind it is disconnected and nothing reaches it."""
-
-    def __init__(self, target_port: int) -> None:
-        self.target_port = target_port
-        self.port = free_port()
-        self.url = f"nats://127.0.0.1:{self.port}"
-        self._server: asyncio.Server | None = None
-        self._writers: list[asyncio.StreamWriter] = []
-
-    async def open(self) -> None:
-        self._server = await asyncio.start_server(self._relay, "127.0.0.1", self.port)
-
-    async def cut(self) -> None:
-        assert self._server is not None
-        self._server.close()
-        for writer in self._writers:
-            writer.close()
-        self._writers.clear()
-        await self._server.wait_closed()
-
-    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
-        self._writers += [writer, up_writer]
-        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer),
-                             return_exceptions=True)
-
-
-async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    try:
-        while data := await reader.read(65536):
-            writer.write(data)
-            await writer.drain()
-    finally:
-        writer.close()
-
-
 async def test_a_result_published_while_the_decider_was_cut_off_still_counts(
         private_nats: NatsServer) -> None:
     """Results are kept in a stream the decider reads: one published while its
     connection was down clears the pending request when it is back, long
     before the pending expiry would."""
-    link = CuttableLink(private_nats.port)
-    await link.open()
+    link = Relay(private_nats.url)
+    await link.restore()
     down, up = asyncio.Event(), asyncio.Event()
 
     async def on_down() -> None:
@@ -260,7 +252,7 @@ async def test_a_result_published_while_the_decider_was_cut_off_still_counts(
         await generator.js_publish(subjects.COMPACTION_RESULT,
                                    CompactionResult(session_id=sid, tokens_after=100),
                                    correlation_id=first.correlation_id, session_id=sid)
-        await link.open()
+        await link.restore()
         await asyncio.wait_for(up.wait(), 10)
         await eventually(lambda: not decider.status()["pending"], "no request pending")
         await report_and_settle(generator, private_nats.url, sid, decider)

@@ -12,6 +12,8 @@ turn (scripts/bench.py, turn_messages).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -61,6 +63,8 @@ MAX_TRACKED_SESSIONS = 10_000
 # no later in any way a turn can tell, and a wake-up per turn was most of the
 # decider's CPU (scripts/bench.py, turn_cpu).
 REPORT_LINGER_S = 0.05
+# How long a start waits for the results sent while it was away to be read.
+RESULTS_BACKLOG_WAIT_S = 10.0
 log = structlog.get_logger()
 
 
@@ -93,6 +97,7 @@ class Decider:
             durable_name=RESULTS_CONSUMER, filter_subject=subjects.COMPACTION_RESULT,
             ack_policy=AckPolicy.EXPLICIT, deliver_policy=DeliverPolicy.NEW, ack_wait=30)
         self._fired = 0
+        self._result_read = asyncio.Event()
         # The GENERATIONS sequence of the last report judged: whoever waits for
         # the decider to catch up reads it from the status.
         self._judged = 0
@@ -115,6 +120,7 @@ class Decider:
         self._results = PullLoop(self._bus.nc, subjects.RESULTS_STREAM, RESULTS_CONSUMER,
                                  self._on_result_message)
         await self._results.start()
+        await self._read_results_backlog()
         await ensure_consumer(self._bus.nc, subjects.GENERATIONS_STREAM, self._consumer)
         self._loop = PullLoop(self._bus.nc, subjects.GENERATIONS_STREAM, CONSUMER,
                               self._on_message, linger_s=REPORT_LINGER_S)
@@ -247,9 +253,26 @@ class Decider:
                           compactions=report.compactions)
         return decide(obs, tracked.memory, self.policy())
 
+    async def _read_results_backlog(self) -> None:
+        """The results sent while this consumer was away are read before any
+        report: judged first, a report older than a compaction it has not
+        heard of yet asked for that compaction again, at the emergency level
+        its crowded prompt called for. Waited for a bounded while only."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + RESULTS_BACKLOG_WAIT_S
+        while loop.time() < deadline:
+            info = await self._bus.js.consumer_info(subjects.RESULTS_STREAM, RESULTS_CONSUMER)
+            if not info.num_pending and not info.num_ack_pending:
+                return
+            self._result_read.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._result_read.wait(), 0.5)
+        log.warning("results_backlog_not_read", waited_s=RESULTS_BACKLOG_WAIT_S)
+
     async def _on_result_message(self, msg: Msg) -> None:
         await self._on_result(msg)
         await msg.ack()
+        self._result_read.set()
 
     async def _on_result(self, msg: Msg) -> None:
         env = await self._bus.decode_or_report(msg, CompactionResult)
