@@ -10,11 +10,14 @@ from collections.abc import AsyncIterator
 import nats
 import pytest
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 from nats.micro import add_service
 
 from schemas import subjects
+from schemas.history import ToolCall
 from schemas.messages import ToolDefinitions, ToolInvocation, ToolListRequest, ToolOutcome
-from services.shared.bus import Bus, decode
+from services.generator.toolbox import Toolbox
+from services.shared.bus import CORRELATION_HEADER, SESSION_HEADER, Bus, decode, round_trip
 from services.tools.catalogue import (
     TOOLS,
     Tool,
@@ -84,6 +87,34 @@ async def test_the_service_lists_and_runs_its_tools_over_nats(tools_nc: NATS) ->
     for asking in (subject, subjects.TOOL_LIST):
         bad = await tools_nc.request(asking, b"{broken", timeout=10)
         assert json.loads(bad.data)["payload"]["code"] == "invalid_message"
+
+
+async def test_a_tool_call_and_its_answer_carry_the_tracing_headers(tools_nc: NATS) -> None:
+    """Both went without the correlation, session and traceparent headers
+    every other message carries."""
+    seen: list[Msg] = []
+
+    async def heard(msg: Msg) -> None:
+        seen.append(msg)
+
+    watcher = await tools_nc.subscribe(subjects.tool("word_count"), cb=heard)
+    await round_trip(tools_nc)
+    cid = "4bf92f3577b34da6a3ce929d0e0e4736"
+    toolbox = Toolbox(Bus(tools_nc, "generator"), timeout_s=30)
+    run = await toolbox.run(ToolCall(name="word_count", arguments={"text": "a b"}),
+                            "query", cid, "traced")
+    assert run.message.content.startswith("2 words")
+    await watcher.unsubscribe()
+    asked = seen[0].headers or {}
+    assert asked[CORRELATION_HEADER] == cid and asked[SESSION_HEADER] == "traced"
+    assert cid in asked["traceparent"]
+    bus = Bus(tools_nc, "generator")
+    env = bus.envelope(subjects.tool("word_count"), ToolInvocation(
+        name="word_count", arguments={"text": "a"}), correlation_id=cid, session_id="traced")
+    answer = await tools_nc.request(subjects.tool("word_count"),
+                                    env.model_dump_json().encode(), timeout=30)
+    assert (answer.headers or {}).get(CORRELATION_HEADER) == cid
+    assert (answer.headers or {}).get(SESSION_HEADER) == "traced"
 
 
 async def test_a_slow_call_holds_up_no_other_call_of_the_same_tool(nc: NATS) -> None:

@@ -19,7 +19,7 @@ from pydantic import ValidationError
 from schemas import subjects
 from schemas.history import ChatMessage, ToolCall
 from schemas.messages import ToolInvocation, ToolOutcome
-from services.shared.bus import Bus, decode
+from services.shared.bus import Bus, decode, headers_for
 from services.shared.tool_catalogue import ToolCatalogue
 
 log = structlog.get_logger()
@@ -67,7 +67,7 @@ class Toolbox:
                                      # reads that session only, never another.
                                      session_id=session_id)
             msg = await self._bus.nc.request(subject, env.model_dump_json().encode(),
-                                             timeout=self._timeout_s)
+                                             timeout=self._timeout_s, headers=headers_for(env))
             outcome = decode(msg.data, ToolOutcome, subject).payload
         except NatsTimeout:
             raise  # `run` reports it, and the turn records a tool timeout

@@ -20,7 +20,7 @@ from schemas.messages import (
     ToolListRequest,
     ToolOutcome,
 )
-from services.shared.bus import BadMessage, Bus, decode
+from services.shared.bus import BadMessage, Bus, decode, headers_for
 from services.shared.runner import Endpoint
 from services.tools import recall
 from services.tools.catalogue import TOOLS, Tool, ToolFailure
@@ -113,20 +113,22 @@ class ToolsService:
             try:
                 env = decode(request.data, asked, request.subject)
             except BadMessage as err:
-                await request.respond(self._wrap(request.subject, err.report))
+                await self._answer(request, err.report)
                 return
             with structlog.contextvars.bound_contextvars(session_id=env.session_id,
                                                          correlation_id=env.correlation_id):
                 answer = await work(env)
-            await request.respond(self._wrap(request.subject, answer, env))
+            await self._answer(request, answer, env)
         return handle
 
-    def _wrap(self, subject: str, payload: Payload, asked: Envelope[Any] | None = None
-              ) -> bytes:
-        """The envelope of a reply, under the ids of the request it answers."""
-        return self._bus.envelope(
-            subject, payload, correlation_id=asked.correlation_id if asked else None,
-            session_id=asked.session_id if asked else None).model_dump_json().encode()
+    async def _answer(self, request: Request, payload: Payload,
+                      asked: Envelope[Any] | None = None) -> None:
+        """The reply's envelope and tracing headers, under the ids of the
+        request it answers."""
+        env = self._bus.envelope(
+            request.subject, payload, correlation_id=asked.correlation_id if asked else None,
+            session_id=asked.session_id if asked else None)
+        await request.respond(env.model_dump_json().encode(), headers=headers_for(env))
 
 
 def in_thread(tool: Tool) -> Run:
