@@ -48,6 +48,10 @@ ROOT = Path(__file__).resolve().parent.parent
 DATA = Path(os.environ.get("DATA_DIR", ROOT / ".data"))
 SERVICES = ("services.generator", "services.compaction_decider", "services.tools",
             "services.gateway")
+# Started in this order, stopped in the reverse one: the gateway stops taking
+# messages first, and the tools outlive the generator's last turns.
+START_ORDER = ("services.tools", "services.generator", "services.compaction_decider",
+               "services.gateway")
 NATS_CONFIG = ROOT / "nats.conf"
 NATS_PASSWORDS = DATA / "nats-passwords.env"
 
@@ -232,8 +236,9 @@ def start_services(env: dict[str, str], children: list[Child],
     ensure_free(GATEWAY_PORT, "the gateway", "set GATEWAY_PORT to another")
     for metrics_port in METRICS_PORTS:
         ensure_free(metrics_port, "metrics", "set METRICS_PORTS to three others")
-    for module, service_env in zip(SERVICES, service_envs(env, passwords), strict=True):
-        children.append(Child(module, partial(start_service, module, service_env)))
+    envs = dict(zip(SERVICES, service_envs(env, passwords), strict=True))
+    for module in START_ORDER:
+        children.append(Child(module, partial(start_service, module, envs[module])))
     url = page_url(env.get("GATEWAY_HOST", "127.0.0.1"), str(GATEWAY_PORT))
     wait_for(f"{url}healthz", 30, children[-1].proc)
     print_metrics_addresses(url)

@@ -25,6 +25,7 @@ from scripts.run import (
     DEFAULT_MODEL,
     METRICS_PORTS,
     SERVICES,
+    START_ORDER,
     answers,
     check_models,
     ollama_url,
@@ -317,6 +318,15 @@ def test_each_service_takes_only_its_own_metrics_port() -> None:
     assert "METRICS_PORT" not in envs["services.gateway"]  # not the generator's port too
     assert [envs[module].get("METRICS_PORT") for module in SERVICES[:3]] == [
         str(port) for port in METRICS_PORTS]
+
+
+def test_the_tools_stop_after_the_generator_and_the_gateway_first() -> None:
+    """Stopped in the reverse of their start: the tools went before the
+    generator, whose last turns then found no tool to call."""
+    assert sorted(START_ORDER) == sorted(SERVICES)
+    stopping = list(reversed(START_ORDER))
+    assert stopping[0] == "services.gateway"
+    assert stopping.index("services.generator") < stopping.index("services.tools")
 
 
 def test_the_token_in_the_page_address_is_read_back_as_it_is() -> None:
