@@ -55,3 +55,18 @@ async def test_a_listing_not_answered_in_time_keeps_the_tools_offered_last(
     finally:
         for client in (nc, first, second):
             await client.close()
+
+
+async def test_tools_back_after_none_answered_are_offered_at_once(
+        private_nats: NatsServer) -> None:
+    """With no tools service up (restarting), no tools were offered for the
+    whole TTL after it was back."""
+    nc, tools = [await nats.connect(private_nats.url) for _ in range(2)]
+    try:
+        catalogue = ToolCatalogue(Bus(nc, "test"), ttl_s=600, asked_again_after_s=0)
+        assert await catalogue.definitions() == []
+        await offer_tools(tools, [tool("back")])
+        await eventually(lambda: offers(catalogue, ["back"]), "the tool offered again")
+    finally:
+        for client in (nc, tools):
+            await client.close()

@@ -16,8 +16,9 @@ from schemas.messages import ToolDefinitions, ToolListRequest
 from services.shared.bus import BadMessage, Bus, decode
 
 DEFINITIONS_TTL_S = 30.0
-# A tools service that answered nothing in time (busy, starting) is asked
-# again this soon; meanwhile the tools it offered last are offered still.
+# A tools service that answered nothing in time (busy, starting), or none
+# there, is asked again this soon; meanwhile the tools it offered last (or
+# none) are offered.
 LIST_TIMEOUT_S = 2.0
 ASKED_AGAIN_AFTER_S = 1.0
 log = structlog.get_logger()
@@ -51,7 +52,10 @@ class ToolCatalogue:
             log.warning("tool_list_not_answered", offered_still=len(self._definitions))
             self._ask_at = now + self._asked_again_after_s
         except NoRespondersError:
+            # No tools service (restarting, say): none offered, but not for a
+            # whole TTL after it is back.
             self._definitions = []
+            self._ask_at = now + self._asked_again_after_s
         except BadMessage as err:
             log.warning("tool_list_unreadable", error=err.report.message)
             self._definitions = []
