@@ -539,7 +539,7 @@ async def test_a_stop_during_a_turns_compaction_ends_the_turn_with_the_history_a
                 return reply
         raise AssertionError("no turn needed a compaction")
 
-    async with watching(private_nats.url, *EVENTS) as watcher:
+    async with watching(private_nats.url, *EVENTS, subjects.reply(sid)) as watcher:
         await configure_stub(stub, held_models=["summariser"])
         try:
             talk = asyncio.create_task(until_stopped())
@@ -547,10 +547,15 @@ async def test_a_stop_during_a_turns_compaction_ends_the_turn_with_the_history_a
             assert (await http.post(f"/api/sessions/{sid}/stop")).status_code == 202
             reply = await asyncio.wait_for(talk, 60)  # the summariser still held
             result = await next_result(watcher, sid)
+            # The generator's reply comes after all it published before it.
+            await watcher.wait_for(lambda e: e["payload"].get("stopped") is True, 60)
         finally:
             await configure_stub(stub, held_models=[])
     assert reply.status_code == 200 and reply.json()["reply"] == ""
     assert result["status"] == "skipped" and "stopped" in result["error"], result
+    # Stopped, no second compaction (of the last turn too) is begun.
+    assert len([e for e in watcher.payloads("compaction.event")
+                if e.get("event") == "started"]) == 1
     context = await session(http, sid)
     assert context["compactions"] == 0 and context["state"] == "idle"
     assert context["messages"][-1] == {"role": "assistant", "stopped": True,

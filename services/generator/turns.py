@@ -417,6 +417,8 @@ class TurnRunner:
         kept), the turn kept raw goes too, rather than the message refused."""
         try:
             await self._compact_within_turn(turn, tail)
+        except CompactionStopped:
+            raise  # a CompactionSkipped too: stopped, nothing more is tried
         except CompactionSkipped:
             if tail == 0:
                 raise

@@ -71,12 +71,13 @@ export function parseSseBlock(block) {
 // The compaction the "compacting" banner stands for (its correlation id), after
 // a live event. Only that compaction's own result ends it: a second request,
 // skipped because one already runs, must not hide the banner. One known only
-// from a read of the session ("unknown") ends with any result. Events of the
-// compaction whose result came last (`ended`) are late or a redelivery's
-// echo, and do not bring the banner back.
+// from a read of the session ("unknown") ends with any result. Progress of the
+// compaction whose result came last (`ended`) is late, and does not bring the
+// banner back; a start always does (a turn's second emergency compaction runs
+// under the query's id, as its first did).
 export function compactingAfter(current, type, correlationId, event, ended = null) {
   const echo = correlationId != null && correlationId === ended;
-  if (type === "compaction.event" && event === "started" && !echo) return correlationId ?? "unknown";
+  if (type === "compaction.event" && event === "started") return correlationId ?? "unknown";
   // Progress of a compaction whose start this page did not see (it was loaded later).
   if (type === "compaction.event" && event === "progress" && current === null && !echo) {
     return correlationId ?? "unknown";
