@@ -246,8 +246,10 @@ def start_services(env: dict[str, str], children: list[Child],
 
 
 def start_service(module: str, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    # A session of its own: a terminal's Ctrl-C reaches the launcher alone,
+    # which stops the services in order (the tools after the generator).
     return subprocess.Popen([sys.executable, "-m", module], cwd=ROOT, env=env,
-                            preexec_fn=tied_to_launcher())
+                            start_new_session=True, preexec_fn=tied_to_launcher())
 
 
 def with_token(url: str, token: str) -> str:

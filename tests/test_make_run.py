@@ -132,6 +132,13 @@ def test_the_launcher_starts_everything_and_stops_it_all(tmp_path: Path, stop: s
             proc.terminate()  # the launcher alone, as `kill` or a supervisor does
         assert proc.wait(30) == 0
     output = (tmp_path / "run.log").read_text()
+    # One at a time, whatever the signal: the tools outlive the generator.
+    stops = [line for line in output.splitlines() if '"service_st' in line]
+    generator_stopped = next(i for i, line in enumerate(stops)
+                             if '"generator"' in line and "service_stopped" in line)
+    tools_stopping = next(i for i, line in enumerate(stops)
+                          if '"tools"' in line and "service_stopping" in line)
+    assert generator_stopped < tools_stopping, stops
     assert "DETERMINISTIC STAND-IN" in output
     assert f"{READY_LINE}http://127.0.0.1:{ports.gateway}/" in output
     assert f"http://127.0.0.1:{ports.metrics[0]}/metrics" in output
@@ -141,7 +148,7 @@ def test_the_launcher_starts_everything_and_stops_it_all(tmp_path: Path, stop: s
     assert f"passwords are in {kept}" in output
     with pytest.raises(ProcessLookupError):  # nothing of the launcher's group is left
         os.killpg(proc.pid, 0)
-    # NATS and the stand-in run in sessions of their own: stopped by the launcher.
+    # Every child runs in a session of its own: stopped by the launcher, in order.
     assert not any(listening(port) for port in (ports.nats, ports.stub, ports.gateway))
 
 
