@@ -49,7 +49,7 @@ class Line:
     def text(self) -> Text:
         style = STYLES.get(self.subject.split(".", 1)[0], "white")
         line = Text()
-        line.append(f"{self.time} ", style="dim")
+        line.append(f"{shown(self.time)} ", style="dim")
         # Every part as text a terminal shows, not obeys: any client may publish.
         line.append(f"{shown(self.subject):<28} ", style=style)
         line.append(f"{shown(self.sender):<20} ", style="dim")

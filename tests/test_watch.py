@@ -87,6 +87,7 @@ def test_an_envelopes_own_fields_are_shown_not_obeyed() -> None:
     cleared the screen, and a session id of another type or JSON nested too
     deep dropped the line."""
     hostile = json.dumps({"sender_id": "\x1b[2J\x1b]0;pwned\x07", "session_id": 12345,
+                          "timestamp": "\x1b]0;when\x07",
                           "message_type": "chat.query", "payload": {"content": "hi"}})
     text = describe("chat.query.\x1b[2J", hostile.encode()).text().plain
     assert "\x1b" not in text and "\x07" not in text

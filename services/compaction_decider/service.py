@@ -261,7 +261,12 @@ class Decider:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + RESULTS_BACKLOG_WAIT_S
         while loop.time() < deadline:
-            info = await self._bus.js.consumer_info(subjects.RESULTS_STREAM, RESULTS_CONSUMER)
+            try:
+                info = await self._bus.js.consumer_info(subjects.RESULTS_STREAM,
+                                                        RESULTS_CONSUMER)
+            except Exception as err:  # NATS away, an election: not worth a failed start
+                log.warning("results_backlog_unknown", error=f"{type(err).__name__}: {err}")
+                return
             if not info.num_pending and not info.num_ack_pending:
                 return
             self._result_read.clear()

@@ -388,7 +388,9 @@ def _dense_cost(sample: Sample, known: Calibration) -> Learnt | None:
     up to three byte tokens a character. Thrown away, such a session never
     learnt its cost; charged to every character, it made English text cost
     several times its size. The character rate stays as known."""
-    if sample.extra_bytes <= 0:
+    # A small count's rounding, charged to a few dense bytes, gives them a rate
+    # far off (as `rates.solve` knows): a greeting priced a paste at twice its cost.
+    if sample.extra_bytes <= 0 or sample.tokens < rates.MIN_SAMPLE_TOKENS:
         return None
     per_char = min(known.char_rate, rates.MAX_CHAR_RATE)
     per_byte = (sample.tokens - sample.chars * per_char) / sample.extra_bytes

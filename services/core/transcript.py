@@ -185,11 +185,13 @@ def _when(at: object) -> str:
     return moment.astimezone(UTC).strftime("%Y-%m-%d %H:%M UTC")
 
 
-# Scripts written without spaces between words (Thai, Chinese, Japanese; and
-# Hangul, whose spaced words take endings): `\w+` made a clause of them one
-# word, so a query word of them is looked for inside the text instead, and
-# a run of them is a word apart from the letters and digits beside it.
-_UNSPACED_CHARS = "\u0e00-\u0e7f\u2e80-\u2fff\u3040-\u9fff\uac00-\ud7af\uf900-\ufaff"
+# Scripts written without spaces between words (Thai, Lao, Tibetan, Myanmar,
+# Khmer, Chinese, Japanese; and Hangul, whose spaced words take endings):
+# `\w+` made a clause of them one word, so a query word of them is looked for
+# inside the text instead, and a run of them is a word apart from the letters
+# and digits beside it.
+_UNSPACED_CHARS = ("\u0e00-\u0fff\u1000-\u109f\u1780-\u17ff\u2e80-\u2fff\u3040-\u9fff"
+                   "\uac00-\ud7af\uf900-\ufaff\uff66-\uff9f")
 _UNSPACED = re.compile(f"[{_UNSPACED_CHARS}]")
 _WORD = re.compile(f"[{_UNSPACED_CHARS}]+|[^\\W{_UNSPACED_CHARS}]+")
 

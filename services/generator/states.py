@@ -120,6 +120,8 @@ class SessionStates:
             await asyncio.sleep(OWED_END_PAUSES_S[min(tries, len(OWED_END_PAUSES_S) - 1)])
             tries += 1
             for sid, correlation_id in sorted(self._owed_ends):
+                if (sid, correlation_id) not in self._owed_ends:
+                    continue  # started anew meanwhile: that one ends by itself
                 if await self._record(sid, correlation_id, _ending(correlation_id)):
                     self._owed_ends.discard((sid, correlation_id))
                     log.info("compaction_end_recorded_late", session_id=sid,

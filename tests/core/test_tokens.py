@@ -426,3 +426,14 @@ def test_a_script_costing_more_than_a_token_a_character_is_learnt() -> None:
     # not taken for several times its size.
     english = [{"role": "user", "content": "hello there, how are you today? " * 60}]
     assert estimate_prompt(english, learnt) < 0.5 * prompt_size(english).chars
+
+
+def test_a_small_count_teaches_dense_text_no_rate_of_its_own() -> None:
+    """A greeting's rounding, charged to its few dense bytes, priced a later
+    paste at twice its cost, which was then refused and never counted."""
+    greeting = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "안녕하세요 반갑습니다 잘 지내세요 감사합니다 hi"}]
+    size = prompt_size(greeting)
+    learnt = calibrate(Calibration(), 70, size.chars, NUM_CTX, messages=size.messages,
+                       extra_bytes=size.extra_bytes)
+    assert learnt.tokens_per_extra_byte is None

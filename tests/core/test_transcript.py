@@ -122,6 +122,11 @@ def test_recall_finds_words_of_scripts_written_without_spaces() -> None:
     for query in ("会议", "预算会议", "三月 4B", "会议室"):
         assert len(recall(items_after(stored, None), query, 5)) == 1, query
     assert recall(items_after(stored, None), "四月", 5) == []
+    for clause, word in (("ເມືອງຫຼວງພະບາງງາມຫຼາຍ", "ຫຼວງພະບາງ"), ("ខេត្តសៀមរាបស្អាត", "សៀមរាប"),
+                         ("ｺﾚﾊﾃｽﾄﾃﾞｽ", "ﾃｽﾄ")):
+        elsewhere = [StoredEntry(1, AT, HistoryEntry.of_turn((
+            ChatMessage(role="user", content=clause),)))]
+        assert len(recall(items_after(elsewhere, None), word, 5)) == 1, word
 
 
 def test_recall_never_finds_its_own_calls_and_results() -> None:
