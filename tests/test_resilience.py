@@ -466,3 +466,50 @@ async def compact_across_a_cut_link(system: System, stub: str, relay: Relay,
             return response.status_code == 200 and response.json()["state"] != "compacting"
 
         await eventually(not_compacting, "the session no longer compacting", 60)
+
+
+async def test_a_compaction_whose_summary_is_written_while_nats_is_away_is_spliced(
+        private_nats: NatsServer) -> None:
+    """The summary written, the session's lock could not be taken with the
+    generator's link to NATS cut: the compaction was logged as a crash and
+    its summary thrown away. The lock is now taken patiently, as a turn's
+    history write is."""
+    env = {"COMPACTION_MODEL": "summariser", "COMPACTION_TAIL_TURNS": "1",
+           "NATS_AWAY_PATIENCE_S": "120"}
+    async with relay_to(private_nats.url) as relay:
+        with running_stub() as stub:
+            system = System(private_nats.url, stub, env, services=("gateway",))
+            generator = system.add("generator", SERVICE_MODULES["generator"],
+                                   {"NATS_URL": relay.url})
+            try:
+                await asyncio.to_thread(system.start)  # the relay needs this loop meanwhile
+                await splice_across_a_cut_link(system, stub, relay, generator)
+            finally:
+                await asyncio.to_thread(system.stop)
+
+
+async def splice_across_a_cut_link(system: System, stub: str, relay: Relay,
+                                   generator: ServiceProcess) -> None:
+    async with system.http(timeout=30) as http:
+        sid = (await http.post("/api/sessions", json={})).json()["session_id"]
+        for content in ("one " * 300, "two"):  # enough that a summary frees something
+            await http.post(f"/api/sessions/{sid}/messages", json={"content": content})
+        await configure_stub(stub, held_models=["summariser"])
+        asked = await http.post(f"/api/sessions/{sid}/compact")
+        assert asked.status_code == 202, asked.text
+        await model_called(stub, calls=3)  # the two answers, then the summary
+        await relay.cut()
+        await configure_stub(stub, held_models=[])
+
+        def met_nats_away() -> bool:
+            log = generator.log()
+            return "compaction_lock_tried_again" in log or "compaction_crashed" in log
+
+        await asyncio.to_thread(until, met_nats_away, "the splice meeting NATS away", 60)
+        await relay.restore()
+
+        async def compacted() -> bool:
+            response = await http.get(f"/api/sessions/{sid}")
+            return response.status_code == 200 and response.json()["compactions"] == 1
+
+        await eventually(compacted, "the summary spliced", 60)

@@ -59,7 +59,7 @@ from services.core.text_size import prompt_size
 from services.core.tokens import Calibration, refused_as_too_long, stored_calibration
 from services.generator.models import capped_window
 from services.generator.provider import ChatProvider, ChatRequest, ChatResult, ProviderError
-from services.generator.session_lock import LockTimeout, SessionLocks
+from services.generator.session_lock import Lease, LockTimeout, SessionLocks
 from services.generator.settings import GeneratorSettings
 from services.generator.states import SessionStates
 from services.generator.stops import StopSwitch
@@ -67,6 +67,7 @@ from services.shared import metrics
 from services.shared.bus import Bus
 from services.shared.history_store import HistoryConflict, HistoryStore, HistoryView
 from services.shared.live_config import LiveSettings
+from services.shared.nats_away import patiently
 from services.shared.sessions import SessionNotFound, SessionStore
 from services.shared.transcript import trim
 
@@ -439,7 +440,16 @@ class Compactor:
         if self.blocking:
             yield
             return
-        async with self._locks.hold(sid, "compaction"):
+        # Taken patiently, as a turn's history write is: with its summary
+        # written, a compaction meeting a NATS restart here lost it all. A take
+        # tried again may find the one before it went through unanswered.
+        async def take() -> Lease:
+            return (await self._locks.taken_unanswered(sid, "compaction")
+                    or await self._locks.acquire(sid, "compaction"))
+
+        taken = await patiently(take, self._settings.nats_away_patience_s,
+                                "compaction_lock_tried_again")
+        async with self._locks.hold(sid, "compaction", taken=taken):
             yield
 
     async def _announce(self, job: Job, before: int) -> None:

@@ -214,6 +214,21 @@ class SessionLocks:
             return revision, marker.history_seq
         return None
 
+    async def taken_unanswered(self, sid: str, purpose: Purpose) -> Lease | None:
+        """The session's lock if this holder took it for `purpose` without
+        hearing so: a take sent while NATS was away goes out when it is back,
+        and its answer to nobody. For a purpose this process holds a session
+        for once at a time only (a background compaction)."""
+        try:
+            entry = await self._kv.get(sid)
+        except KeyNotFoundError:
+            return None
+        held = parse_json(entry.value or b"{}")
+        if (not isinstance(held, dict) or held.get("holder") != self._holder
+                or held.get("purpose") != purpose or entry.revision is None):
+            return None
+        return self._won(sid, purpose, entry.revision, resumed=False)
+
     async def purpose_of(self, sid: str) -> str | None:
         """Why the session is locked right now (None when it is free)."""
         try:
