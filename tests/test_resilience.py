@@ -513,3 +513,36 @@ async def splice_across_a_cut_link(system: System, stub: str, relay: Relay,
             return response.status_code == 200 and response.json()["compactions"] == 1
 
         await eventually(compacted, "the summary spliced", 60)
+
+
+async def test_a_message_sent_while_nats_is_away_waits_for_it(
+        private_nats: NatsServer, stub_url: str) -> None:
+    """A message first reads the session's record (the gateway's first of the
+    session) or, under an Idempotency-Key, its history; those reads answered
+    503 after NATS's own 5 s, well inside NATS_AWAY_PATIENCE_S."""
+    with running_system(private_nats.url, stub_url, {"NATS_AWAY_PATIENCE_S": "120"},
+                        services=("generator", "gateway")) as system:
+        async with system.http(timeout=120) as http:
+            known, fresh = [(await http.post("/api/sessions", json={})).json()["session_id"]
+                            for _ in range(2)]
+            assert (await http.post(f"/api/sessions/{known}/messages",
+                                    json={"content": "before"})).status_code == 200
+            private_nats.stop()
+            sent = [asyncio.create_task(http.post(
+                        f"/api/sessions/{known}/messages", json={"content": "keyed"},
+                        headers={"Idempotency-Key": "sent-while-away"})),
+                    asyncio.create_task(http.post(f"/api/sessions/{fresh}/messages",
+                                                  json={"content": "first"}))]
+            gateway = system["gateway"]
+
+            def waited_or_answered() -> bool:
+                log = gateway.log()
+                return all(task.done() for task in sent) or (
+                    "history_read_tried_again" in log and "session_read_tried_again" in log)
+
+            await eventually(waited_or_answered, "the gateway waiting for NATS", 60)
+            private_nats.start()
+            keyed, first = [await task for task in sent]
+    assert keyed.status_code == 200, keyed.text
+    assert keyed.json()["reply"] == "Echo: keyed (turn 2)"
+    assert first.status_code == 200, first.text

@@ -141,8 +141,12 @@ class Answering:
         query. (Errors are kept only while the stream drops a resend as a
         duplicate: before a publish, one kept would be found after it anyway.)"""
         sid = query.session_id
-        conversation = (await self._history.read(sid)).conversation
-        earlier = idempotency.earlier_outcome(conversation, sid, query_id, query.content)
+        # As patient as the publish after it: NATS away for a moment answers
+        # 503 only after NATS_AWAY_PATIENCE_S, keyed or not.
+        view = await patiently(lambda: self._history.read(sid),
+                               self._settings.nats_away_patience_s, "history_read_tried_again",
+                               pause=self._replies.stopping_within)
+        earlier = idempotency.earlier_outcome(view.conversation, sid, query_id, query.content)
         if earlier is None and errors:
             earlier = idempotency.kept_outcome(await self._replies.error_of(query_id),
                                                query.content)

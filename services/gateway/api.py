@@ -36,6 +36,7 @@ from services.gateway.transcript import TranscriptRoutes
 from services.shared.bus import Bus, parse_json
 from services.shared.history_store import HistoryStore
 from services.shared.jetstream import missing
+from services.shared.nats_away import patiently
 from services.shared.sessions import SessionNotFound, SessionStore
 from services.shared.tool_catalogue import ToolCatalogue
 
@@ -203,7 +204,10 @@ class Api:
         answered `unknown_session` by the generator)."""
         if sid not in self._known:
             forgotten = self._forgotten
-            await self._record(sid)
+            # As patient as the message's publish: NATS away for a moment
+            # answers 503 only after NATS_AWAY_PATIENCE_S.
+            await patiently(lambda: self._record(sid), self._settings.nats_away_patience_s,
+                            "session_read_tried_again", pause=self._replies.stopping_within)
             if self._forgotten == forgotten:  # no delete while it was read
                 self._known.add(sid)
 
