@@ -7,7 +7,9 @@ import contextlib
 import json
 import signal
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -427,39 +429,60 @@ async def test_a_decider_back_after_the_store_was_lost_reads_the_reports_sent_me
 
 
 
+@dataclass
+class CutOff:
+    """A generator whose link to NATS a test cuts (the others keep theirs),
+    in a system with a stand-in of its own, asked to compact a session whose
+    summary is held until the link is cut."""
+
+    system: System
+    stub: str
+    relay: Relay
+
+    @property
+    def generator(self) -> ServiceProcess:
+        return self.system["generator"]
+
+    async def compacting_when_cut(self, http: httpx.AsyncClient, first: str) -> str:
+        """A session of two turns, the first `first`, compacting with the
+        link cut and the summary let go; its id."""
+        sid = (await http.post("/api/sessions", json={})).json()["session_id"]
+        for content in (first, "two"):
+            await http.post(f"/api/sessions/{sid}/messages", json={"content": content})
+        await configure_stub(self.stub, held_models=["summariser"])
+        asked = await http.post(f"/api/sessions/{sid}/compact")
+        assert asked.status_code == 202, asked.text
+        await model_called(self.stub, calls=3)  # the two answers, then the summary
+        await self.relay.cut()
+        await configure_stub(self.stub, held_models=[])
+        return sid
+
+
+@asynccontextmanager
+async def generator_cut_off(nats: NatsServer, patience_s: float) -> AsyncIterator[CutOff]:
+    env = {"COMPACTION_MODEL": "summariser", "COMPACTION_TAIL_TURNS": "1",
+           "NATS_AWAY_PATIENCE_S": str(patience_s)}
+    async with relay_to(nats.url) as relay:
+        with running_stub() as stub:
+            system = System(nats.url, stub, env, services=("gateway",))
+            system.add("generator", SERVICE_MODULES["generator"], {"NATS_URL": relay.url})
+            try:
+                await asyncio.to_thread(system.start)  # the relay needs this loop meanwhile
+                yield CutOff(system, stub, relay)
+            finally:
+                await asyncio.to_thread(system.stop)
+
+
 async def test_a_compaction_whose_end_nats_missed_is_ended_once_nats_is_back(
         private_nats: NatsServer) -> None:
     """The generator's link to NATS cut as a compaction ended: its end was
     tried once, the entry stayed in the running-compactions bucket, and the
     session read `compacting` until it was deleted."""
-    env = {"COMPACTION_MODEL": "summariser", "COMPACTION_TAIL_TURNS": "1",
-           "NATS_AWAY_PATIENCE_S": "1"}
-    async with relay_to(private_nats.url) as relay:
-        with running_stub() as stub:
-            system = System(private_nats.url, stub, env, services=("gateway",))
-            generator = system.add("generator", SERVICE_MODULES["generator"],
-                                   {"NATS_URL": relay.url})
-            try:
-                await asyncio.to_thread(system.start)  # the relay needs this loop meanwhile
-                await compact_across_a_cut_link(system, stub, relay, generator)
-            finally:
-                await asyncio.to_thread(system.stop)
-
-
-async def compact_across_a_cut_link(system: System, stub: str, relay: Relay,
-                                    generator: ServiceProcess) -> None:
-    async with system.http(timeout=30) as http:
-        sid = (await http.post("/api/sessions", json={})).json()["session_id"]
-        for content in ("one", "two"):
-            await http.post(f"/api/sessions/{sid}/messages", json={"content": content})
-        await configure_stub(stub, held_models=["summariser"])
-        asked = await http.post(f"/api/sessions/{sid}/compact")
-        assert asked.status_code == 202, asked.text
-        await model_called(stub, calls=3)  # the two answers, then the summary
-        await relay.cut()
-        await configure_stub(stub, held_models=[])
-        await asyncio.to_thread(generator.wait_for, "compaction_record_failed", 60)
-        await relay.restore()
+    async with generator_cut_off(private_nats, patience_s=1) as cut, \
+            cut.system.http(timeout=30) as http:
+        sid = await cut.compacting_when_cut(http, "one")
+        await asyncio.to_thread(cut.generator.wait_for, "compaction_record_failed", 60)
+        await cut.relay.restore()
 
         async def not_compacting() -> bool:
             response = await http.get(f"/api/sessions/{sid}")
@@ -474,39 +497,17 @@ async def test_a_compaction_whose_summary_is_written_while_nats_is_away_is_splic
     generator's link to NATS cut: the compaction was logged as a crash and
     its summary thrown away. The lock is now taken patiently, as a turn's
     history write is."""
-    env = {"COMPACTION_MODEL": "summariser", "COMPACTION_TAIL_TURNS": "1",
-           "NATS_AWAY_PATIENCE_S": "120"}
-    async with relay_to(private_nats.url) as relay:
-        with running_stub() as stub:
-            system = System(private_nats.url, stub, env, services=("gateway",))
-            generator = system.add("generator", SERVICE_MODULES["generator"],
-                                   {"NATS_URL": relay.url})
-            try:
-                await asyncio.to_thread(system.start)  # the relay needs this loop meanwhile
-                await splice_across_a_cut_link(system, stub, relay, generator)
-            finally:
-                await asyncio.to_thread(system.stop)
-
-
-async def splice_across_a_cut_link(system: System, stub: str, relay: Relay,
-                                   generator: ServiceProcess) -> None:
-    async with system.http(timeout=30) as http:
-        sid = (await http.post("/api/sessions", json={})).json()["session_id"]
-        for content in ("one " * 300, "two"):  # enough that a summary frees something
-            await http.post(f"/api/sessions/{sid}/messages", json={"content": content})
-        await configure_stub(stub, held_models=["summariser"])
-        asked = await http.post(f"/api/sessions/{sid}/compact")
-        assert asked.status_code == 202, asked.text
-        await model_called(stub, calls=3)  # the two answers, then the summary
-        await relay.cut()
-        await configure_stub(stub, held_models=[])
+    async with generator_cut_off(private_nats, patience_s=120) as cut, \
+            cut.system.http(timeout=30) as http:
+        # Enough said that a summary frees something.
+        sid = await cut.compacting_when_cut(http, "one " * 300)
 
         def met_nats_away() -> bool:
-            log = generator.log()
+            log = cut.generator.log()
             return "compaction_lock_tried_again" in log or "compaction_crashed" in log
 
         await asyncio.to_thread(until, met_nats_away, "the splice meeting NATS away", 60)
-        await relay.restore()
+        await cut.relay.restore()
 
         async def compacted() -> bool:
             response = await http.get(f"/api/sessions/{sid}")
