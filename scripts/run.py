@@ -15,9 +15,9 @@ SIGTERM, or the terminal closing).
   GATEWAY_TOKEN=auto the gateway gets a token (made once, kept in .data/),
   and the address printed carries it for the page's first visit.
 
-NATS and the stand-in run in sessions of their own, so a Ctrl-C reaches only
-the launcher and the services: the services drain while NATS is still up, and
-the launcher stops NATS last. Until then, any of them that exits is started
+Every child runs in a session of its own, so a Ctrl-C reaches only the
+launcher, which stops them one at a time: the gateway first, the tools after
+the generator, NATS last. Until then, any of them that exits is started
 again (scripts/supervision.py).
 """
 

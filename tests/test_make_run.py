@@ -149,7 +149,8 @@ def test_the_launcher_starts_everything_and_stops_it_all(tmp_path: Path, stop: s
     with pytest.raises(ProcessLookupError):  # nothing of the launcher's group is left
         os.killpg(proc.pid, 0)
     # Every child runs in a session of its own: stopped by the launcher, in order.
-    assert not any(listening(port) for port in (ports.nats, ports.stub, ports.gateway))
+    assert not any(listening(port) for port in (ports.nats, ports.stub, ports.gateway,
+                                                 *ports.metrics))
 
 
 STOP_BEGUN = "stopping: the services finish what they hold"

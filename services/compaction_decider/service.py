@@ -50,6 +50,7 @@ from services.shared import metrics
 from services.shared.bus import Bus
 from services.shared.consumer import PullLoop, ensure_consumer
 from services.shared.live_config import LiveSettings
+from services.shared.nats_away import NATS_AWAY
 from services.shared.recent import Recent
 from services.shared.runner import Endpoint
 
@@ -264,9 +265,10 @@ class Decider:
             try:
                 info = await self._bus.js.consumer_info(subjects.RESULTS_STREAM,
                                                         RESULTS_CONSUMER)
-            except Exception as err:  # NATS away, an election: not worth a failed start
-                log.warning("results_backlog_unknown", error=f"{type(err).__name__}: {err}")
-                return
+            except NATS_AWAY as err:  # an election, a reconnect: asked again
+                log.warning("results_backlog_unknown", error=type(err).__name__)
+                await asyncio.sleep(0.5)
+                continue
             if not info.num_pending and not info.num_ack_pending:
                 return
             self._result_read.clear()

@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import json
 import random
+import secrets
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -112,6 +113,9 @@ class SessionLocks:
     def __init__(self, kv: KeyValue, holder_id: str, lease_s: float, wait_s: float) -> None:
         self._kv = kv
         self._holder = holder_id
+        # This process's own mark in its lock values: GENERATOR_ID may be set
+        # alike for several (a scaled compose service), or outlive a process.
+        self._instance = secrets.token_hex(8)
         self._lease_s = lease_s
         self._wait_s = wait_s
         # Revision of the free marker this process wrote, per session.
@@ -224,10 +228,15 @@ class SessionLocks:
         except KeyNotFoundError:
             return None
         held = parse_json(entry.value or b"{}")
-        if (not isinstance(held, dict) or held.get("holder") != self._holder
+        if (not isinstance(held, dict) or held.get("instance") != self._instance
                 or held.get("purpose") != purpose or entry.revision is None):
             return None
-        return self._won(sid, purpose, entry.revision, resumed=False)
+        # Written afresh: the take may have landed a lease ago, near its expiry,
+        # and the revision it is taken at is then one the server answered.
+        with contextlib.suppress(KeyWrongLastSequenceError):
+            revision = await self._kv.update(sid, self._value(purpose), last=entry.revision)
+            return self._won(sid, purpose, revision, resumed=False)
+        return None
 
     async def purpose_of(self, sid: str) -> str | None:
         """Why the session is locked right now (None when it is free)."""
@@ -314,5 +323,6 @@ class SessionLocks:
 
     def _value(self, purpose: Purpose) -> bytes:
         return json.dumps(
-            {"holder": self._holder, "purpose": purpose, "since": time.time()}
+            {"holder": self._holder, "instance": self._instance, "purpose": purpose,
+             "since": time.time()}
         ).encode()

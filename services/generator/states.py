@@ -57,6 +57,7 @@ class SessionStates:
         # Compactions over whose end NATS did not take: left in the bucket,
         # the session would read compacting until someone deleted it.
         self._owed_ends: set[tuple[str, str]] = set()
+        self._started_while_owed: set[tuple[str, str]] = set()
         self._settling: asyncio.Task[None] | None = None
 
     def current(self, sid: str) -> SessionState:
@@ -95,10 +96,13 @@ class SessionStates:
         await self.apply(sid, Action.reset, correlation_id)
 
     async def compaction_started(self, sid: str, correlation_id: str) -> None:
-        # An earlier compaction's end under this id, still owed, would end this one.
-        self._owed_ends.discard((sid, correlation_id))
-        await self._record(sid, correlation_id, lambda running: compaction_started(
-            running, correlation_id, self._generator_id))
+        # An earlier compaction's end under this id, still owed, would end this
+        # one: it is owed no more, and if it lands all the same (it was on its
+        # way), this start is written again after it.
+        if (sid, correlation_id) in self._owed_ends:
+            self._owed_ends.discard((sid, correlation_id))
+            self._started_while_owed.add((sid, correlation_id))
+        await self._record(sid, correlation_id, self._starting(correlation_id))
 
     async def compaction_ended(self, sid: str, correlation_id: str) -> None:
         """Recorded now if NATS takes it, else tried again in the background
@@ -119,13 +123,21 @@ class SessionStates:
         while self._owed_ends:
             await asyncio.sleep(OWED_END_PAUSES_S[min(tries, len(OWED_END_PAUSES_S) - 1)])
             tries += 1
-            for sid, correlation_id in sorted(self._owed_ends):
-                if (sid, correlation_id) not in self._owed_ends:
-                    continue  # started anew meanwhile: that one ends by itself
-                if await self._record(sid, correlation_id, _ending(correlation_id)):
-                    self._owed_ends.discard((sid, correlation_id))
-                    log.info("compaction_end_recorded_late", session_id=sid,
-                             correlation_id=correlation_id)
+            for pair in sorted(self._owed_ends):
+                if pair in self._owed_ends:  # else started anew: that one ends by itself
+                    await self._settle(*pair)
+            self._started_while_owed.clear()
+
+    async def _settle(self, sid: str, correlation_id: str) -> None:
+        if not await self._record(sid, correlation_id, _ending(correlation_id)):
+            return
+        self._owed_ends.discard((sid, correlation_id))
+        log.info("compaction_end_recorded_late", session_id=sid, correlation_id=correlation_id)
+        if (sid, correlation_id) in self._started_while_owed:
+            await self._record(sid, correlation_id, self._starting(correlation_id))
+
+    def _starting(self, correlation_id: str) -> Change:
+        return lambda running: compaction_started(running, correlation_id, self._generator_id)
 
     async def compaction_recorded(self, sid: str, correlation_id: str) -> bool:
         """Whether the session's entry holds a compaction under this id."""

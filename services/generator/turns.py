@@ -422,7 +422,8 @@ class TurnRunner:
         except CompactionSkipped:
             if tail == 0:
                 raise
-        if (tail > 0 and not self._fits(turn.record, self._render(turn), tools)
+        if (tail > 0 and not turn.switch.thrown
+                and not self._fits(turn.record, self._render(turn), tools)
                 and self._cut_tool_output(turn, self._best_case_fits(turn, tools, 0))):
             await self._compact_within_turn(turn, 0)
 
