@@ -334,3 +334,19 @@ async def test_a_release_after_a_renewal_whose_answer_was_lost_frees_the_session
     async with locks.hold("s1", "query"):
         await asyncio.wait_for(kv.until_updates(2), 60)  # the renewal, stored, unanswered
     assert await locks.purpose_of("s1") is None  # not left locked for a lease
+
+
+async def test_a_take_whose_answer_was_lost_is_adopted_by_its_own_process_only(
+        locks: SessionLocks) -> None:
+    """A take sent while NATS was away goes out when it is back, its answer to
+    nobody: the process finds it its own. A replica with the same GENERATOR_ID
+    does not, and the adopted lease runs from its adoption."""
+    lost = await locks.try_acquire("s1", "compaction")  # as if its answer never came
+    assert lost is not None
+    twin = SessionLocks(locks._kv, "holder-a", locks._lease_s, wait_s=0.3)  # same id
+    assert await twin.taken_unanswered("s1", "compaction") is None
+    assert await locks.taken_unanswered("s1", "query") is None  # not for another purpose
+    adopted = await locks.taken_unanswered("s1", "compaction")
+    assert adopted is not None and adopted.revision > lost.revision
+    await locks.release(adopted)
+    assert await locks.purpose_of("s1") is None
