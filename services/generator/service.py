@@ -489,9 +489,11 @@ class Generator:
             record = await self._sessions.get(sid)
             reply, follow_up = await self._turns.run(env, record, lease, head)
         except HistoryConflict:
-            # Our view is stale (we lost the lease while frozen): let the query come
-            # back; the redelivery sees what was written and never answers twice.
-            log.error("stale_history_write_rejected")
+            # Our view is stale (we lost the lease while frozen, or a write tried
+            # again after its answer was lost went through the first time): let
+            # the query come back; the redelivery sees what was written and never
+            # answers twice. Handled, so a warning: nothing is lost.
+            log.warning("stale_history_write_rejected")
             metrics.generator().stale_writes.inc()
             await self._states.recover(sid, env.correlation_id)
             await delivery.nak(0.2)
