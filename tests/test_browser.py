@@ -372,6 +372,14 @@ def test_an_answer_lost_on_the_way_is_sent_again_and_answered_once(
     assert [m["role"] for m in stored] == ["user", "assistant"]
 
 
+def session_of_turns(client: httpx.Client, turns: int) -> str:
+    """A new session with `turns` answered questions, t0, t1, ..."""
+    sid = new_session(client)
+    for n in range(turns):
+        assert ask(client, sid, f"t{n}").status_code == 200
+    return sid
+
+
 def open_session(page: playwright_api.Page, sid: str) -> None:
     page.goto(f"/#session={sid}")
     playwright_api.expect(page.locator("#state-badge")).to_have_attribute("data-state", "idle")
@@ -381,10 +389,8 @@ def test_the_turn_under_way_stays_when_earlier_messages_are_loaded(
         watched: Watched, system: System, stub_url: str) -> None:
     page = watched.page
     with system.client() as client:
-        sid = new_session(client)
         # More than a page of transcript (100 items), so scrolling up loads more.
-        for n in range(55):
-            assert ask(client, sid, f"t{n}").status_code == 200
+        sid = session_of_turns(client, 55)
     open_session(page, sid)
     playwright_api.expect(page.locator("#messages .msg-more")).to_be_visible()
     with answer_under_way(page, stub_url, "and one more") as pending:
@@ -529,9 +535,7 @@ def test_a_reader_of_earlier_messages_stays_there_when_newer_ones_arrive(
     a compaction took the reader away from what they were reading."""
     page = watched.page
     with system.client() as client:
-        sid = new_session(client)
-        for n in range(30):
-            assert ask(client, sid, f"t{n}").status_code == 200
+        sid = session_of_turns(client, 30)
         open_session(page, sid)
         box = page.locator("#messages")
         box.evaluate("box => { box.scrollTop = 300; }")
