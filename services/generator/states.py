@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
+import time
 from collections.abc import Callable, Mapping
 
 import structlog
@@ -26,6 +28,7 @@ from nats.js.kv import KeyValue
 from schemas import subjects
 from schemas.messages import ErrorReport, StateChange
 from schemas.session import CompactionsRunning
+from services.core.failed_tries import Failure, Tries, TryAgain, after_failure
 from services.core.state_machine import (
     INITIAL,
     Action,
@@ -42,8 +45,6 @@ log = structlog.get_logger()
 
 # Only compactions of the same session, at the same moment, contend for its entry.
 RECORD_ATTEMPTS = 5
-# An end NATS did not take is tried again after these pauses, the last repeated.
-OWED_END_PAUSES_S = (1.0, 2.0, 5.0, 10.0, 30.0)
 Change = Callable[[Mapping[str, str]], dict[str, str]]
 
 
@@ -119,10 +120,13 @@ class SessionStates:
                 await self._settling
 
     async def _settle_owed_ends(self) -> None:
-        tries = 0
+        """Tried again after the pauses of any try while NATS does not answer
+        (`services.core.failed_tries`), with no end to the patience."""
+        tries = Tries()
         while self._owed_ends:
-            await asyncio.sleep(OWED_END_PAUSES_S[min(tries, len(OWED_END_PAUSES_S) - 1)])
-            tries += 1
+            tries, outcome = after_failure(tries, Failure.nats_away, time.monotonic(), math.inf)
+            if isinstance(outcome, TryAgain):
+                await asyncio.sleep(outcome.after_s)
             for pair in sorted(self._owed_ends):
                 if pair in self._owed_ends:  # else started anew: that one ends by itself
                     await self._settle(*pair)
