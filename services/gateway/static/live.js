@@ -128,10 +128,7 @@ let pausedFor = null;
 export function followVisibility() {
   document.addEventListener("visibilitychange", () => {
     if (document.hidden) {
-      if (!app.events && !app.eventsRetry) return;
-      pausedFor = app.sessionId;
-      disconnectEvents();
-      setLive("paused");
+      if (app.events || app.eventsRetry) pauseEvents(app.sessionId);
     } else if (pausedFor) {
       const id = pausedFor;
       pausedFor = null;
@@ -140,14 +137,18 @@ export function followVisibility() {
   });
 }
 
-export function connectEvents(id, { retryMs = RETRY_FIRST_MS, wasDown = false } = {}) {
+function pauseEvents(id) {
   disconnectEvents();
+  pausedFor = id;
+  setLive("paused");
+}
+
+export function connectEvents(id, { retryMs = RETRY_FIRST_MS, wasDown = false } = {}) {
   if (document.hidden) {
-    // Opened in the background (or restored so): taken up once shown.
-    pausedFor = id;
-    setLive("paused");
+    pauseEvents(id); // opened in the background (or restored so): taken up once shown
     return;
   }
+  disconnectEvents();
   setLive("connecting");
   const source = openEvents(id);
   app.events = source;
