@@ -11,8 +11,7 @@ from schemas.session import SessionRecord
 from services.core.prompt import render_messages
 from services.core.prompt_cache import cached_size, previous_call
 from services.core.text_size import prompt_size
-from services.core.tokens import Calibration, estimate_prompt
-from services.generator.turns import LastEstimate, Turn
+from services.generator.turns import Turn
 from services.shared.history_store import HistoryView
 
 SYSTEM = "You are terse."
@@ -66,14 +65,3 @@ def test_the_history_the_turn_began_on_is_kept_as_the_turn_is_stored() -> None:
     turn.view = HistoryView(Conversation(messages=[*HISTORY.messages, *turn.messages]), 3)
     turn.weigh_last_call([])
     assert turn.reused == cached_size(previous_call(SYSTEM, HISTORY, True), prompt)
-
-
-def test_a_prompt_weighed_for_its_fit_is_not_weighed_again_for_its_call() -> None:
-    prompt, tools, rates = [{"role": "user", "content": "hello " * 100}], [], Calibration(0.25, 1)
-    last = LastEstimate()
-    assert last.of(prompt, tools, rates) == estimate_prompt(prompt, rates, tools)
-    assert last.of(prompt, tools, rates) == estimate_prompt(prompt, rates, tools)
-    raised = Calibration(0.5, 2)
-    assert last.of(prompt, tools, raised) == estimate_prompt(prompt, raised, tools)
-    copy = [dict(message) for message in prompt]  # another prompt, weighed afresh
-    assert last.of(copy, tools, raised) == estimate_prompt(copy, raised, tools)

@@ -40,7 +40,6 @@ from services.core.retry import retry_point
 from services.core.state_machine import Action
 from services.core.text_size import Size, prompt_size
 from services.core.tokens import (
-    Calibration,
     calibrate,
     estimate_prompt,
     prompt_budget,
@@ -92,24 +91,6 @@ class TurnError(Exception):
 
 class WindowExceeded(TurnError):
     """The model server refused a prompt as longer than its window."""
-
-
-class LastEstimate:
-    """The estimate of the prompt weighed last. A model call weighs the prompt
-    its fit check has just weighed (for the answer's room): a pass over the
-    whole prompt, done once. Prompts are never changed once rendered, so the
-    same object with the same rates is the same estimate."""
-
-    def __init__(self) -> None:
-        self._weighed: tuple[Messages, Messages, Calibration, int] | None = None
-
-    def of(self, prompt: Messages, tools: Messages, calibration: Calibration) -> int:
-        last = self._weighed
-        if last is not None and last[0] is prompt and last[1] is tools and last[2] == calibration:
-            return last[3]
-        tokens = estimate_prompt(prompt, calibration, tools)
-        self._weighed = (prompt, tools, calibration, tokens)
-        return tokens
 
 
 @dataclass
@@ -177,7 +158,6 @@ class TurnRunner:
         self._bus = bus
         self._live = live
         self._provider = provider
-        self._last_estimate = LastEstimate()
         self._history = history
         self._sessions = sessions
         self._states = states
@@ -487,7 +467,7 @@ class TurnRunner:
         return self._settings.compaction_threshold > 0 and record.auto_compact
 
     def _estimate(self, record: SessionRecord, prompt: Messages, tools: Messages) -> int:
-        return self._last_estimate.of(prompt, tools, stored_calibration(record))
+        return estimate_prompt(prompt, stored_calibration(record), tools)
 
     def _fits(self, record: SessionRecord, prompt: Messages, tools: Messages,
               share: float = 1.0) -> bool:
