@@ -153,3 +153,46 @@ async def test_a_slow_call_holds_up_no_other_call_of_the_same_tool(nc: NATS) -> 
     finally:
         gate.set()
         await micro.stop()
+
+
+async def test_a_stop_answers_the_calls_that_come_while_it_waits(nc: NATS) -> None:
+    """The endpoints take calls until the stop is over: one that came while
+    it waited for an earlier call is answered too, not left to its caller's
+    timeout."""
+    entered = {name: threading.Event() for name in ("first", "second")}
+    gates = {name: threading.Event() for name in ("first", "second")}
+
+    def wait(name: str) -> str:
+        entered[name].set()
+        gates[name].wait(30)
+        return name
+
+    tools = {"wait": Tool("wait", "waits until let go", {"type": "object"}, wait)}
+    service = ToolsService(Bus(nc, "tools"), tools)
+    micro = await add_service(nc, name="tools-stopping", version="0.0.0")
+    for endpoint in service.endpoints():
+        await micro.add_endpoint(name=endpoint.name, subject=endpoint.subject,
+                                 handler=endpoint.handler)
+    asker = Bus(nc, "generator")
+
+    async def call(name: str) -> str:
+        msg = await asker.request(subjects.tool("wait"), ToolInvocation(
+            name="wait", arguments={"name": name}), timeout_s=10)
+        return str(decode(msg.data, ToolOutcome, subjects.tool("wait")).payload.content)
+
+    try:
+        first = asyncio.create_task(call("first"))
+        assert await asyncio.to_thread(entered["first"].wait, 10)
+        stopping = asyncio.create_task(service.stop())
+        second = asyncio.create_task(call("second"))
+        assert await asyncio.to_thread(entered["second"].wait, 10)
+        gates["first"].set()
+        assert await first == "first"
+        assert not stopping.done()  # the second call is still being answered
+        gates["second"].set()
+        assert await second == "second"
+        await stopping
+    finally:
+        for gate in gates.values():
+            gate.set()
+        await micro.stop()

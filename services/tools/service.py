@@ -53,9 +53,14 @@ class ToolsService:
         return None
 
     async def stop(self) -> None:
-        """The calls under way are answered before the endpoints go."""
-        if self._under_way:
-            await asyncio.wait(self._under_way, timeout=STOP_WAIT_S)
+        """The calls under way are answered before the endpoints go, and so
+        are those that come while it waits: the endpoints still take calls
+        until then, and a call taken but never answered leaves its caller
+        waiting out its whole timeout."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + STOP_WAIT_S
+        while self._under_way and (left := deadline - loop.time()) > 0:
+            await asyncio.wait(set(self._under_way), timeout=left)
 
     async def reconnected(self) -> None:
         return None  # its endpoints are plain subscriptions: nats-py renews them
