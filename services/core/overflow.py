@@ -80,5 +80,15 @@ def cut_tool_results(pending: Sequence[ChatMessage], fits: Callable[[Sequence[Ch
             turn[index] = cut
             return tuple(turn)
         # Not enough on its own: cut it to its marker and go on with the one before.
-        turn[index] = result.model_copy(update={"content": cut_text(result.content, 0)})
+        turn[index] = _emptied(result)
     return None
+
+
+def _emptied(result: ChatMessage) -> ChatMessage:
+    """A result cut to its marker, or left whole when the marker is not the
+    shorter: a short result (a count, an "ok") would only grow, leaving the
+    older results less room and the model less to go on."""
+    marker = cut_text(result.content, 0)
+    if len(marker) >= len(result.content):
+        return result
+    return result.model_copy(update={"content": marker})

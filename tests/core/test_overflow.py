@@ -95,3 +95,24 @@ def test_a_result_that_must_be_cut_leaves_room_for_the_next_question() -> None:
     small = turn_with_results(100)
     assert cut_tool_output(small, fits_share) == tuple(small)  # fits: nothing cut
     assert cut_tool_output([user("x" * 40_000)], fits_share) is None
+
+
+def test_a_short_result_is_never_swapped_for_a_longer_marker() -> None:
+    """Eight short results newer than one too large: cut to their markers,
+    each longer than itself, they took the room the large one needed, and the
+    turn was refused though cutting the large one alone fits."""
+    turn = [user("q" * 26_000), *turn_with_results(100_000)[1:]]
+    for i in range(8):
+        turn += [ChatMessage(role="assistant", content="",
+                             tool_calls=(ToolCall(name="check", arguments={"n": i}),)),
+                 ChatMessage(role="tool", tool_name="check", content="ok")]
+    cut = cut_tool_results(turn, lambda t: fits(render_messages("", Conversation(), t)))
+    assert cut is not None
+    assert [m.content for m in cut if m.tool_name == "check"] == ["ok"] * 8
+    assert "left out here" in cut[2].content
+
+    counted = [*turn_with_results(60_000), ChatMessage(
+        role="assistant", content="", tool_calls=(ToolCall(name="wc"),)),
+        ChatMessage(role="tool", tool_name="wc", content="60000")]
+    cut = cut_tool_results(counted, lambda t: fits(render_messages("", Conversation(), t)))
+    assert cut is not None and cut[-1].content == "60000"
