@@ -268,9 +268,17 @@ def _sample(whole: float, sent: Size) -> Sample | None:
 
 def _learnt(sample: Sample, previous: Calibration) -> Learnt | None:
     """Both rates when this whole count and the one before tell them apart;
-    else as `_one_rate`."""
-    if previous.basis is not None and previous.reports:
-        solved = rates.solve(previous.basis, sample)
+    else as `_one_rate`.
+
+    Only a count holding a larger share of dense text than the one before is
+    solved against it: what the two differ by is then mostly dense text, and
+    its cost is what the count measures. Where the share fell, what was added
+    is mostly ASCII, whose rate differs by kind (code costs more than prose):
+    solved, that difference was charged to the dense bytes, pricing a Chinese
+    character at half its cost."""
+    basis = previous.basis
+    if basis is not None and previous.reports and sample.dense_share > basis.dense_share:
+        solved = rates.solve(basis, sample)
         if solved is not None:
             return solved.per_char, solved.per_extra_byte
     return _one_rate(sample, previous)

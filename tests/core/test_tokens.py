@@ -437,3 +437,19 @@ def test_a_small_count_teaches_dense_text_no_rate_of_its_own() -> None:
     learnt = calibrate(Calibration(), 70, size.chars, NUM_CTX, messages=size.messages,
                        extra_bytes=size.extra_bytes)
     assert learnt.tokens_per_extra_byte is None
+
+
+def test_dearer_ascii_added_later_does_not_cheapen_dense_text() -> None:
+    """Prose with some Chinese, then a code listing: all that was added is
+    ASCII of a dearer kind. Solved together, the two counts charged that to
+    the character rate and left a Chinese character at under half its cost,
+    so a Chinese paste sent next was let through far over the budget."""
+    def cost(prose: int, code: int, chinese: int, messages: int) -> int:
+        return round(prose * 0.22 + code * 0.34 + chinese * 0.9 + 4 * messages)
+
+    first = calibrate(Calibration(), cost(400, 0, 100, 1), 500, 32768,
+                      messages=1, extra_bytes=200)
+    then = calibrate(first, cost(400, 3000, 100, 2), 3500, 32768,
+                     messages=2, extra_bytes=200)
+    paste = estimate_tokens(5000, then, 3, extra_bytes=3200)
+    assert paste >= cost(400, 3000, 1600, 3)
