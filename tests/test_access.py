@@ -247,3 +247,18 @@ def test_an_auto_token_is_made_and_its_page_address_logged(nats_url: str,
             assert client.get("/api/sessions").status_code == 401
             headers = {"Authorization": f"Bearer {token}"}
             assert client.get("/api/sessions", headers=headers).status_code == 200
+
+
+@pytest.mark.parametrize("page_token", ["", "guess"])
+async def test_a_page_token_that_is_not_the_token_never_becomes_the_cookie(
+        locked: httpx.AsyncClient, page_token: str) -> None:
+    """Let in by a good cookie or header, `/?token=` with an empty or wrong
+    value overwrote the cookie, locking the page out (or keeping a guess)."""
+    assert (await locked.get(f"/?token={TOKEN}")).status_code == 303  # the cookie is kept
+    again = await locked.get(f"/?token={page_token}")  # a wrong one is refused
+    assert again.status_code == (303 if page_token == "" else 401)
+    assert "set-cookie" not in again.headers
+    assert (await locked.get("/api/sessions")).status_code == 200
+    locked.cookies.clear()
+    with_header = await locked.get(f"/?token={page_token}", headers=BEARER)
+    assert with_header.status_code == 303 and "set-cookie" not in with_header.headers

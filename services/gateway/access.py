@@ -20,6 +20,7 @@ from services.gateway.access_rules import (
     body_too_large,
     judge,
     preflight_allowed,
+    token_matches,
 )
 from services.gateway.errors import HttpError, error
 
@@ -55,10 +56,17 @@ class AccessGuard:
         if refusal:
             await refused(refusal)(scope, receive, send)
         elif page_token is not None:
-            # Matched, when a token is set; when none is, there is none to keep.
-            await token_cookie(page_token if self._policy.token else None)(scope, receive, send)
+            await token_cookie(self._kept(page_token))(scope, receive, send)
         else:
             await self._app(scope, self._limited(receive), self._with_cors(headers, send))
+
+    def _kept(self, page_token: str) -> str | None:
+        """The page's token, when it is the right one. The request may have
+        been let in by a header or a cookie instead: an empty or wrong
+        `?token=` must not overwrite a good cookie (the page would be locked
+        out), nor a header's right carry a guess into one."""
+        expected = self._policy.token
+        return page_token if expected and token_matches(page_token, expected) else None
 
     def _preflight(self, headers: Headers) -> Response:
         origin = headers.get("origin")
