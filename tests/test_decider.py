@@ -386,3 +386,17 @@ async def test_an_upgraded_decider_goes_on_after_the_last_report_its_consumer_de
     async with running_decider(private_nats.url, DeciderSettings()) as (_, decider):
         await decider_caught_up(private_nats.url, decider.status)
         assert decider.status()["tracked_sessions"] == 1  # "new" alone
+
+
+async def test_a_report_that_does_not_say_what_could_be_freed_still_gets_a_compaction(
+        private_nats: NatsServer) -> None:
+    """`compactable_chars` is optional in the contract: a generator that left
+    it out was taken to have nothing to free, and its sessions were never
+    compacted, however full."""
+    async with running_decider(private_nats.url, DeciderSettings()) as (bus, decider):
+        await bus.js_publish(subjects.RESPONSE_GENERATION, GenerationReport(
+            session_id="silent", model="m", prompt_tokens=7000, sent_chars=28000,
+            sent_messages=12, num_ctx=8192), session_id="silent")
+        await decider_caught_up(private_nats.url, decider.status)
+        [request] = await stored_requests(bus)
+        assert request.payload.session_id == "silent"

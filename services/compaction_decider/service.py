@@ -243,7 +243,10 @@ class Decider:
         upcoming = context_tokens(whole, cal)
         level = level_for(upcoming, limit, self.policy())
         # What a compaction at that level replaces: its own, smaller live zone.
-        freeable = report.compactable_chars or 0
+        # A generator that does not say is not taken to have nothing to free
+        # (that vetoed every compaction): priced as all of it, the request
+        # goes, and the generator, which knows, skips what it cannot fold.
+        freeable = whole.chars if report.compactable_chars is None else report.compactable_chars
         if level is not None:
             freeable = report.compactable_chars_by_level.get(level.value, freeable)
         obs = Observation(next_prompt_tokens=upcoming, budget=limit,
