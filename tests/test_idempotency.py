@@ -348,3 +348,33 @@ async def test_a_retry_resent_while_it_runs_waits_for_that_answer(
     assert resent.json()["reply"] == done[0]["reply"] and resent.json()["stopped"] is True
     transcript = (await http.get(f"/api/sessions/{sid}/transcript")).json()["items"]
     assert [item["role"] for item in transcript] == ["user", "assistant", "assistant"]
+
+
+async def test_a_retry_resent_with_a_message_queued_behind_it_waits_for_its_answer(
+    http: httpx.AsyncClient, nats_url: str,
+) -> None:
+    """Only a resend whose retry was the session's last queued query was known
+    as its own: with a message queued after it, the resend (a dropped
+    connection's "Send again") was refused as `turn_running`."""
+    sid = await create(http)
+    async with http.stream("POST", f"/api/sessions/{sid}/messages", json={"content": LONG},
+                           headers=SSE) as first:
+        events = server_sent_events(first)
+        assert (await anext(events))[0] == "token"
+        assert (await http.post(f"/api/sessions/{sid}/stop")).status_code == 202
+        assert [name async for name, _ in events][-1] == "done"
+    retry = {"Idempotency-Key": "retry-before-a-message"}
+    async with watching(nats_url, subjects.query(sid)) as queries, \
+            http.stream("POST", f"/api/sessions/{sid}/retry", headers={**retry, **SSE}) as running:
+        events = server_sent_events(running)
+        assert (await anext(events))[0] == "token"
+        later = asyncio.create_task(say(http, sid, "and then this", "queued-behind"))
+        await queries.wait_until(lambda: len(queries.payloads()) == 2)
+        again = asyncio.create_task(http.post(f"/api/sessions/{sid}/retry", headers=retry))
+        await queries.wait_until(lambda: len(queries.payloads()) == 3)
+        assert (await http.post(f"/api/sessions/{sid}/stop")).status_code == 202
+        done = [data async for name, data in events if name == "done"]
+    resent = await again
+    assert resent.status_code == 200, resent.text
+    assert resent.json()["reply"] == done[0]["reply"]
+    assert (await later).status_code == 200

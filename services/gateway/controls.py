@@ -7,6 +7,7 @@ it). No reply in time means nothing runs."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Protocol
 
@@ -31,6 +32,8 @@ from services.shared.history_store import HistoryStore
 # generator answers from its event loop at once; silence means none runs it.
 STOP_ANSWER_S = 1.0
 QUIET_PHASES = (Phase.idle.value, Phase.error.value)
+# A bound on the queued queries read for one session's retry.
+MAX_QUEUED_READ = 256
 
 
 class Answers(Protocol):
@@ -106,24 +109,31 @@ class Controls:
 
     async def _busy(self, sid: str, conversation: Conversation, ours: str | None) -> bool:
         """A turn under way, or a query waiting for its turn in the queue; not
-        when the one queued last is this retry sent before under its key (its
-        resend waits for that answer). The work queue drops a query a moment
-        after its acknowledgement: one whose answer is stored already is done."""
-        queued = await self._last_queued(sid)
-        if queued is not None and queued == ours:
+        when this retry, sent before under its key, is queued (its resend
+        waits for that answer, whatever was sent after it). The work queue
+        drops a query a moment after its acknowledgement: one whose answer is
+        stored already is done."""
+        queued = await self._queued(sid)
+        if ours is not None and ours in queued:
             return False
         if (await self._answers.state(sid))["phase"] not in QUIET_PHASES:
             return True
-        return queued is not None and all(m.query_id != queued for m in conversation.messages)
+        answered = {m.query_id for m in conversation.messages}
+        return any(query_id not in answered for query_id in queued)
 
-    async def _last_queued(self, sid: str) -> str | None:
-        """The id of the session's query queued last, if one is in the queue."""
-        try:
-            msg = await self._bus.js.get_last_msg(subjects.QUERIES_STREAM, subjects.query(sid),
-                                                  direct=self._bus.fresh_reads_direct)
-        except NotFoundError:
-            return None
-        try:
-            return decode(msg.data or b"", Query, subjects.query(sid)).message_id
-        except BadMessage:
-            return None  # not a query any generator will answer
+    async def _queued(self, sid: str) -> list[str]:
+        """The ids of the session's queries in the queue, oldest first (a
+        session has few: each waits for the one before it)."""
+        queued: list[str] = []
+        seq = 1
+        while len(queued) < MAX_QUEUED_READ:
+            try:
+                msg = await self._bus.js.get_msg(
+                    subjects.QUERIES_STREAM, seq=seq, subject=subjects.query(sid), next=True,
+                    direct=self._bus.fresh_reads_direct)
+            except NotFoundError:
+                break
+            seq = (msg.seq or seq) + 1
+            with contextlib.suppress(BadMessage):  # not a query any generator will answer
+                queued.append(decode(msg.data or b"", Query, subjects.query(sid)).message_id)
+        return queued
