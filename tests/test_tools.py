@@ -196,3 +196,38 @@ async def test_a_stop_answers_the_calls_that_come_while_it_waits(nc: NATS) -> No
         for gate in gates.values():
             gate.set()
         await micro.stop()
+
+
+@pytest.mark.parametrize("expression, error", [
+    ("(-8) ** (1/3)", "not a real number"), ("((-8) ** 0.5) // 1", "not a real number"),
+    ("(-1) ** 0.5 * 0", "not a real number"), ("1e308 * 10", "result too large"),
+    ("1e308 * 10 - 1e308 * 10", "result too large"), ("1e999", "result too large"),
+    ("1 / (1e308 * 10)", "result too large"),
+])
+def test_calculate_refuses_answers_that_are_not_finite_real_numbers(
+        expression: str, error: str) -> None:
+    """Float arithmetic overflows to inf and nan without raising, and a
+    fractional power of a negative number is complex: none is an answer."""
+    assert run_tool(TOOLS["calculate"], {"expression": expression}).error == error
+
+
+def test_calculate_claims_no_exactness_that_floats_lack() -> None:
+    assert calculate("0.1 + 0.2") != "0.3"
+    description = TOOLS["calculate"].description
+    assert "exactly" not in description and "floating point" in description
+
+
+def test_text_that_is_not_a_string_is_a_bad_argument_not_a_tool_error() -> None:
+    assert run_tool(TOOLS["word_count"], {"text": 42}).error == (
+        "bad arguments: text must be a string, not int")
+    with pytest.raises(ToolFailure, match="bad arguments"):
+        word_count(["a", "b"])  # type: ignore[arg-type]
+
+
+def test_word_count_counts_lines_as_an_editor_does() -> None:
+    """Only \\n, \\r\\n and \\r end a line; \\v, \\x1c and U+2028 do not."""
+    lines = {text: word_count(text).split(", ")[1] for text in (
+        "a\u000bb\u001cc\u2028d", "a\r\nb\rc\nd", "a\n", "", "a\n\nb", "a\fb\x85c")}
+    assert lines == {"a\u000bb\u001cc\u2028d": "1 lines", "a\r\nb\rc\nd": "4 lines",
+                     "a\n": "1 lines", "": "0 lines", "a\n\nb": "3 lines",
+                     "a\fb\x85c": "1 lines"}

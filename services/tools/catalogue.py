@@ -7,6 +7,7 @@ Each takes its arguments as keyword arguments and returns text; raising
 from __future__ import annotations
 
 import ast
+import math
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,7 +42,8 @@ def current_time(timezone: str = "UTC") -> str:
 
 
 Number = int | float
-_BINARY: dict[type[ast.operator], Callable[[Number, Number], Number]] = {
+# `**` gives a complex number for a fractional power of a negative number.
+_BINARY: dict[type[ast.operator], Callable[[Number, Number], Number | complex]] = {
     ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
     ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
     ast.Pow: operator.pow,
@@ -58,7 +60,9 @@ MAX_RESULT_BITS = 14_000
 
 
 def calculate(expression: str) -> str:
-    """Arithmetic only: numbers, + - * / // % ** and parentheses. No names, no calls."""
+    """Arithmetic only: numbers, + - * / // % ** and parentheses. No names, no calls.
+    Whole numbers stay exact; a decimal point, `/` or a negative power makes a float."""
+    _require_text("expression", expression)
     if len(expression) > MAX_EXPRESSION_CHARS:
         raise ToolFailure(f"expression longer than {MAX_EXPRESSION_CHARS} characters")
     try:
@@ -73,18 +77,30 @@ def calculate(expression: str) -> str:
 
 
 def _evaluate(node: ast.AST) -> Number:
+    """Every value on the way is checked, not just the answer: an infinity
+    divided into 0.0, or a complex number floor-divided, hides what went wrong."""
     if isinstance(node, ast.Constant) and isinstance(node.value, int | float):
-        return node.value
+        return _real(node.value)  # `1e999` reads as infinity
     if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
         left, right = _evaluate(node.left), _evaluate(node.right)
         if isinstance(node.op, ast.Pow) and abs(right) > MAX_EXPONENT:
             raise ToolFailure(f"exponent larger than {MAX_EXPONENT}")
         if _result_bits(node.op, left, right) > MAX_RESULT_BITS:
             raise ToolFailure(f"result larger than {MAX_RESULT_BITS} bits")
-        return _BINARY[type(node.op)](left, right)
+        return _real(_BINARY[type(node.op)](left, right))
     if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
         return _UNARY[type(node.op)](_evaluate(node.operand))
     raise ToolFailure(f"unsupported element in expression: {type(node).__name__}")
+
+
+def _real(value: Number | complex) -> Number:
+    """Float arithmetic overflows to infinity (and infinity minus infinity to
+    nan) without raising: neither, nor a complex number, is an answer."""
+    if isinstance(value, complex) or (isinstance(value, float) and math.isnan(value)):
+        raise ToolFailure("not a real number")
+    if isinstance(value, float) and math.isinf(value):
+        raise ToolFailure("result too large")
+    return value
 
 
 def _result_bits(op: ast.operator, left: Number, right: Number) -> int:
@@ -100,7 +116,23 @@ def _result_bits(op: ast.operator, left: Number, right: Number) -> int:
 
 
 def word_count(text: str) -> str:
-    return f"{len(text.split())} words, {len(text.splitlines())} lines, {len(text)} characters"
+    _require_text("text", text)
+    return f"{len(text.split())} words, {_line_count(text)} lines, {len(text)} characters"
+
+
+def _line_count(text: str) -> int:
+    """Lines as a text editor shows them: ended by \\n, \\r\\n or \\r, the last
+    one counted even without an ending. (`str.splitlines` also breaks at \\v,
+    \\f, \\x1c-\\x1e, \\x85, U+2028 and U+2029, where editors and `wc -l` do not.)"""
+    unified = text.replace("\r\n", "\n").replace("\r", "\n")
+    return unified.count("\n") + (0 if unified.endswith("\n") or not unified else 1)
+
+
+def _require_text(name: str, value: object) -> None:
+    """The model sends JSON: a number where text belongs is its mistake, to
+    be told as one, not a failure of the tool."""
+    if not isinstance(value, str):
+        raise ToolFailure(f"bad arguments: {name} must be a string, not {type(value).__name__}")
 
 
 def _string_param(name: str, description: str) -> dict[str, Any]:
@@ -112,7 +144,9 @@ def _string_param(name: str, description: str) -> dict[str, Any]:
 TOOLS = {tool.name: tool for tool in (
     Tool("current_time", "The current date and time in a time zone (IANA name, default UTC).",
          {"type": "object", "properties": {"timezone": {"type": "string"}}}, current_time),
-    Tool("calculate", "Evaluate an arithmetic expression exactly (+ - * / // % ** and ()).",
+    Tool("calculate", "Evaluate an arithmetic expression (+ - * / // % ** and ()). Exact "
+         "with whole numbers; a decimal point, / or a negative power makes it floating point, "
+         "good to about 15 significant digits.",
          _string_param("expression", "for example (3 + 4) * 2"), calculate),
     Tool("word_count", "Count the words, lines and characters of a text.",
          _string_param("text", "the text to count"), word_count),
