@@ -8,6 +8,7 @@ import json
 
 import nats
 import pytest
+import structlog
 from nats.aio.client import Client as NATS
 
 from schemas import subjects
@@ -178,3 +179,31 @@ async def test_deleting_a_live_setting_restores_the_start_up_value(
             assert "live_setting_rejected" not in system["decider"].log()
         finally:
             await nc.close()
+
+
+async def test_a_setting_has_one_key_its_lower_case_name(nc: NATS) -> None:
+    """`COMPACTION_THRESHOLD` is not the threshold's key: were it applied, the
+    setting would have two keys, put and deleted apart, and its value would
+    be whichever came last. It is logged and ignored."""
+    kv = await config_bucket(nc.jetstream())
+    changed = asyncio.Event()
+    live = LiveSettings(nc.jetstream(), DeciderSettings(compaction_threshold=0.8),
+                        on_change=lambda _: changed.set())
+    await live.start()
+    try:
+        with structlog.testing.capture_logs() as logs:
+            await kv.put("compaction_threshold", b"0.5")
+            await kv.put("COMPACTION_THRESHOLD", b"0.6")
+            await kv.delete("COMPACTION_THRESHOLD")
+            await kv.put("compaction_cooldown_s", b"12")  # comes after the others
+            async with asyncio.timeout(5):
+                while live.current.compaction_cooldown_s != 12:
+                    changed.clear()
+                    await changed.wait()
+        assert live.current.compaction_threshold == 0.5
+        assert [(e["event"], e["value"]) for e in logs if e.get("key") == "COMPACTION_THRESHOLD"
+                ] == [("live_setting_ignored", "0.6")]
+    finally:
+        await live.stop()
+        for key in ("compaction_threshold", "COMPACTION_THRESHOLD", "compaction_cooldown_s"):
+            await kv.delete(key)

@@ -7,8 +7,9 @@ machine's compaction mode), and half-changing one would leave those parts
 disagreeing. A value that does not validate, or any other known setting, is
 logged and ignored; the service keeps its previous settings. Deleting or
 purging a key (`nats kv del config compaction_threshold`) puts that setting
-back to the value the service started with. Keys are setting names (lower
-case).
+back to the value the service started with. A key is the setting's name in
+lower case and nothing else: `COMPACTION_THRESHOLD` is logged and ignored, so
+each setting has one key, and deleting that key always puts it back.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ class LiveSettings(Generic[S]):
                 continue  # the end-of-initial-values marker
             if entry.operation in DELETIONS:
                 # nats-py hands a deletion over as an entry with an empty value.
-                self.restore(entry.key.lower())
+                self.restore(entry.key)
                 continue
             if entry.value is None:
                 continue
@@ -82,7 +83,7 @@ class LiveSettings(Generic[S]):
             except UnicodeDecodeError:
                 log.error("live_setting_rejected", key=entry.key, error="not UTF-8 text")
                 continue
-            self.apply(entry.key.lower(), raw)
+            self.apply(entry.key, raw)
 
     def restore(self, key: str) -> None:
         """The key was deleted: back to the value this service started with
@@ -94,6 +95,12 @@ class LiveSettings(Generic[S]):
             self._change(key, initial)
 
     def apply(self, key: str, raw: str) -> None:
+        if key != key.lower() and key.lower() in type(self.current).model_fields:
+            # Taking it would give the setting two keys, each put and deleted
+            # on its own: which value held would depend on which came last.
+            log.warning("live_setting_ignored", key=key, value=raw,
+                        error=f"setting names are lower case: use {key.lower()!r}")
+            return
         if key not in type(self.current).model_fields:
             return  # a setting of another service
         if key not in LIVE_KEYS:
