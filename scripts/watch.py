@@ -14,11 +14,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
 import json
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from nats.aio.msg import Msg
 from rich.console import Console
@@ -31,7 +35,7 @@ from scripts.terminal_text import shown
 from services.shared.bus import connect, parse_json, round_trip
 from services.shared.logging import configure_logging
 from services.shared.runner import main as run_main
-from services.shared.settings import ServiceSettings
+from services.shared.settings import ServiceSettings, nats_servers
 
 STYLES = {"chat": "cyan", "generator": "magenta", "response": "green",
           "compaction": "yellow", "tool": "blue", "system": "bold red"}
@@ -127,6 +131,10 @@ def _tool_result(p: Payload) -> str:
     return f"{p.get('name')}: {p.get('error') or p.get('content')}"
 
 
+def _unknown(p: Payload) -> str:
+    return json.dumps(p)[:120]
+
+
 DESCRIBE: dict[str, Callable[[Payload], str]] = {
     "generator.state": _state, "compaction.result": _result, "compaction.request": _request,
     "compaction.event": _event, "response.generation": _generation, "chat.reply": _reply,
@@ -144,10 +152,12 @@ def describe(subject: str, data: bytes) -> Line:
     if not isinstance(env, dict) or not isinstance(env.get("payload"), dict):
         return Line("-", subject, "-", "-", data[:120].decode(errors="replace"))
     payload: Payload = env["payload"]
-    show = DESCRIBE.get(str(env.get("message_type")), lambda p: json.dumps(p)[:120])
+    show = DESCRIBE.get(str(env.get("message_type")), _unknown)
+    # OverflowError: JSON's numbers too big for a float are read as infinity,
+    # which no int holds (a duration's `round`).
     try:
         detail = show(payload)
-    except (TypeError, ValueError, KeyError, RecursionError) as err:
+    except (TypeError, ValueError, KeyError, RecursionError, OverflowError) as err:
         detail = f"(unreadable payload: {err})"
     return Line(clock(env.get("timestamp")), subject, str(env.get("sender_id", "-")),
                 short(str(env.get("session_id") or "")), detail)
@@ -160,15 +170,38 @@ def session_of(data: bytes) -> str | None:
     return None
 
 
+class BrokenPipeRaisingConsole(Console):
+    """A Console that leaves a closed stdout to its caller: rich's own answer
+    is SystemExit(1), which out of a nats-py callback ends the process with a
+    traceback and a status of failure."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        raise BrokenPipeError(errno.EPIPE, "the reader of stdout is gone")
+
+
 class Printer:
     def __init__(self, console: Console, session: str | None, raw: bool) -> None:
         self._console = console
         self._session = session
         self._raw = raw
+        # Set when whoever read stdout has gone (`| head`): time to stop.
+        self.reader_gone = asyncio.Event()
 
     async def on_message(self, msg: Msg) -> None:
         if self._session and not (session_of(msg.data) or "").startswith(self._session):
             return
+        try:
+            self._print(msg)
+        except BrokenPipeError:
+            # Python flushes stdout once more as it exits: into nothing now,
+            # or that flush reports the closed pipe again.
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+            self.reader_gone.set()
+
+    def _print(self, msg: Msg) -> None:
         if self._raw:
             sys.stdout.write(msg.data.decode(errors="replace") + "\n")
             sys.stdout.flush()
@@ -176,15 +209,33 @@ class Printer:
             self._console.print(describe(msg.subject, msg.data).text(), soft_wrap=True)
 
 
+def url_has_credentials(url: str) -> bool:
+    """Whether a server `url` lists names a user, password or token of its
+    own, which nats-py sends when it is given no credentials."""
+    parts = (urlsplit(server if "://" in server else f"nats://{server}")
+             for server in nats_servers(url))
+    return any(part.username or part.password for part in parts)
+
+
+def credentials(settings: ServiceSettings, kept: Path) -> dict[str, Any]:
+    """nats-py's options for the credentials given, in the settings or in
+    NATS_URL; only when none are, those `make run` keeps for its operator at
+    `kept` (if any). nats-py puts options given before the URL's own, so a
+    kept password would replace a URL's right one."""
+    given = settings.nats_options()
+    if given or url_has_credentials(settings.nats_url):
+        return given
+    return admin_options(kept)
+
+
 async def watch(args: argparse.Namespace) -> None:
     settings = ServiceSettings()
     # What it says of its own connection goes to stderr, like any service's
     # log: the messages it shows are stdout's alone.
     configure_logging("watch", settings.log_level, settings.log_format)
-    console = Console(no_color=args.no_color, highlight=False)
-    # No credentials given: those `make run` keeps for its operator, if any.
+    console = BrokenPipeRaisingConsole(no_color=args.no_color, highlight=False)
     nc = await connect(settings.nats_url, "watch", settings.nats_connect_timeout_s,
-                       options=settings.nats_options() or admin_options(NATS_PASSWORDS))
+                       options=credentials(settings, NATS_PASSWORDS))
     printer = Printer(console, args.session, args.json)
     for subject in args.subject or SYSTEM_SUBJECTS:
         await nc.subscribe(subject, cb=printer.on_message)
@@ -194,7 +245,9 @@ async def watch(args: argparse.Namespace) -> None:
         f"watching {', '.join(args.subject or SYSTEM_SUBJECTS)} on {settings.nats_url} "
         "(Ctrl-C stops)", style="dim"), soft_wrap=True)
     try:
-        await asyncio.Event().wait()  # until Ctrl-C or SIGTERM
+        # Until Ctrl-C, SIGTERM or the reader of stdout going: then, like any
+        # Unix filter, a quiet exit with status 0.
+        await printer.reader_gone.wait()
     finally:
         await nc.close()
 

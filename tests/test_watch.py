@@ -17,7 +17,8 @@ import pytest
 from nats.aio.client import Client as NATS
 
 from schemas import subjects
-from scripts.watch import describe, session_of
+from scripts.watch import credentials, describe, session_of
+from services.shared.settings import ServiceSettings
 from tests.nats_server import NatsServer, running_shipped_nats
 from tests.processes import REPO_ROOT
 
@@ -97,19 +98,43 @@ def test_an_envelopes_own_fields_are_shown_not_obeyed() -> None:
     assert session_of(nested) is None
 
 
+def test_a_number_too_big_for_a_float_is_an_unreadable_payload() -> None:
+    """JSON reads 1e400 as infinity, which `round` cannot make an int of: the
+    OverflowError escaped and the message's line was never printed."""
+    line = describe("response.generation", GENERATION.replace(b"12.5", b"1e400"))
+    assert line.detail.startswith("(unreadable payload")
+    assert line.session == "abcdef12"
+
+
+@pytest.mark.parametrize("url", [
+    "nats://admin:right@127.0.0.1:4222", "nats://a-token@127.0.0.1:4222",
+    "nats://127.0.0.1:4222, nats://admin:right@127.0.0.1:4223", "admin:right@127.0.0.1:4222",
+])
+def test_credentials_in_nats_url_are_credentials_given(tmp_path: Path, url: str) -> None:
+    """nats-py puts options given before the URL's own user and password: the
+    kept admin password must not be given when the URL carries credentials."""
+    kept = tmp_path / "nats-passwords.env"
+    kept.write_text("NATS_ADMIN_PASSWORD=stale\n")
+    assert credentials(ServiceSettings(nats_url=url), kept) == {}
+    assert credentials(ServiceSettings(nats_url="nats://127.0.0.1:4222"), kept) == {
+        "user": "admin", "password": "stale"}
+
+
 @asynccontextmanager
 async def watcher(nats_url: str, *args: str, data_dir: Path | None = None,
-                  stderr: int = asyncio.subprocess.STDOUT
+                  stderr: int = asyncio.subprocess.STDOUT,
+                  stdout: int = asyncio.subprocess.PIPE,
                   ) -> AsyncIterator[asyncio.subprocess.Process]:
     env = {**os.environ, "NATS_URL": nats_url, "PYTHONUNBUFFERED": "1",
            **({"DATA_DIR": str(data_dir)} if data_dir else {})}
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "scripts.watch", *args, cwd=REPO_ROOT, env=env,
-        stdout=asyncio.subprocess.PIPE, stderr=stderr)
+        stdout=stdout, stderr=stderr)
     try:
         yield proc
     finally:
-        proc.terminate()
+        if proc.returncode is None:
+            proc.terminate()
         await proc.wait()
 
 
@@ -159,7 +184,7 @@ async def test_json_output_stays_envelopes_while_nats_restarts(
     output piped into another program is one envelope per line, always."""
     async with watcher(private_nats.url, "--json", "--subject", "compaction.>",
                        stderr=asyncio.subprocess.PIPE) as proc:
-        assert proc.stderr is not None
+        assert proc.stderr is not None and proc.stdout is not None
         await asyncio.wait_for(proc.stderr.readline(), 20)  # "watching ...": subscribed
         private_nats.restart()
         nc = await nats.connect(private_nats.url)
@@ -188,3 +213,43 @@ async def test_without_credentials_it_watches_make_runs_server_as_its_admin(
                 assert "900 → 300" in (await line_with(proc, "900 → 300"))[-1]
         finally:
             await admin.close()
+
+
+async def test_credentials_in_nats_url_win_over_a_kept_admin_password(
+        tmp_path: Path) -> None:
+    """With a passwords file of `make run`'s, a stale one, the watcher sent its
+    admin password instead of the right one in NATS_URL, refused forever."""
+    stale = tmp_path / "stale"
+    stale.mkdir()
+    (stale / "nats-passwords.env").write_text("NATS_ADMIN_PASSWORD=stale\n")
+    with running_shipped_nats(tmp_path) as shipped:
+        admin = await nats.connect(shipped.url_for("admin"))
+        try:
+            async with watcher(shipped.url_for("admin"), data_dir=stale) as proc:
+                await line_with(proc, "watching")
+                await admin.publish("compaction.result", RESULT)
+                assert "900 → 300" in (await line_with(proc, "900 → 300"))[-1]
+        finally:
+            await admin.close()
+
+
+@pytest.mark.parametrize("args", [["--json"], []], ids=["json", "lines"])
+async def test_it_exits_quietly_once_the_reader_of_its_output_is_gone(
+        nats_url: str, nc: NATS, args: list[str]) -> None:
+    """`watch | head -2`: once head has gone, the next line met a closed pipe,
+    logged (--json, running on) or ended in a traceback and status 1."""
+    read_end, write_end = os.pipe()
+    async with watcher(nats_url, *args, "--subject", "compaction.>", stdout=write_end,
+                       stderr=asyncio.subprocess.PIPE) as proc:
+        os.close(write_end)
+        os.close(read_end)  # the reader gone before the first line
+        assert proc.stderr is not None
+        assert b"watching" in await asyncio.wait_for(proc.stderr.readline(), 20)
+        await nc.publish("compaction.result", RESULT)
+        try:
+            status = await asyncio.wait_for(proc.wait(), 20)
+        except TimeoutError:
+            raise AssertionError("the watcher ran on with nowhere to write") from None
+        said = (await proc.stderr.read()).decode()
+    assert status == 0, said
+    assert "Traceback" not in said and "nats_error" not in said, said
