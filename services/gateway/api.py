@@ -6,11 +6,14 @@ message's question and answer go through `answering`; stop and retry live in
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import TypeVar
 
 from nats.errors import NoRespondersError
-from nats.js.errors import NotFoundError
+from nats.js.errors import KeyWrongLastSequenceError, NotFoundError
 from nats.js.kv import KeyValue
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import Request
@@ -19,6 +22,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from schemas import subjects
+from schemas.envelope import new_id
 from schemas.messages import MAX_CONTENT_CHARS, CompactionRequest, Query, StateChange
 from schemas.session import MAX_SYSTEM_PROMPT_CHARS, CompactionsRunning, SessionRecord
 from services.core.context import next_prompt_tokens
@@ -41,6 +45,8 @@ from services.shared.sessions import SessionNotFound, SessionStore
 from services.shared.tool_catalogue import ToolCatalogue
 
 STATIC = Path(__file__).parent / "static"
+T = TypeVar("T")
+Endpoint = Callable[[Request], Awaitable[Response]]
 DEFAULT_LISTED = 50
 MAX_LISTED = 500
 
@@ -92,11 +98,13 @@ class Api:
             Route("/", self.index),
             Route("/healthz", self.healthz),
             Route("/api/sessions", self.create_session, methods=["POST"]),
-            Route("/api/sessions", self.list_sessions, methods=["GET"]),
-            Route("/api/sessions/{session_id}", self.get_session, methods=["GET"]),
+            Route("/api/sessions", self._patient(self.list_sessions), methods=["GET"]),
+            Route("/api/sessions/{session_id}", self._patient(self.get_session),
+                  methods=["GET"]),
             Route("/api/sessions/{session_id}/messages", self.post_message, methods=["POST"]),
             Route("/api/sessions/{session_id}/compact", self.compact, methods=["POST"]),
-            *self._transcript.routes(),
+            *[Route(r.path, self._patient(r.endpoint), methods=r.methods)
+              if r.methods == {"GET", "HEAD"} else r for r in self._transcript.routes()],
             *Controls(self._bus, self._history, self, session_id_of, query_id_of).routes(),
             Route("/api/events", self.events, methods=["GET"]),
             Mount("/static", StaticFiles(directory=STATIC), name="static"),
@@ -110,12 +118,30 @@ class Api:
             return JSONResponse({"status": "ok", "nats": "connected"})
         return JSONResponse({"status": "unavailable", "nats": "disconnected"}, status_code=503)
 
+    def _patient(self, read: Endpoint) -> Endpoint:
+        """A read, tried again while NATS is away for a moment (a restart, a
+        leader electing), so that 503 comes only after NATS_AWAY_PATIENCE_S,
+        as for a message; a read is safe to run again."""
+        async def patient_read(request: Request) -> Response:
+            return await self._patiently(lambda: read(request), "read_tried_again")
+        return patient_read
+
+    async def _patiently(self, attempt: Callable[[], Awaitable[T]], event: str) -> T:
+        return await patiently(attempt, self._settings.nats_away_patience_s, event,
+                               pause=self._replies.stopping_within)
+
     async def create_session(self, request: Request) -> Response:
         body = await parse_body(request, CreateSession, optional=True)
         record = SessionRecord(session_id=uuid.uuid4().hex, system=body.system,
                                model=body.model, auto_compact=body.auto_compact)
-        await self._sessions.create(record)
+        await self._patiently(lambda: self._create(record), "session_create_tried_again")
         return JSONResponse({"session_id": record.session_id}, status_code=201)
+
+    async def _create(self, record: SessionRecord) -> None:
+        """Safe to try again: the id is new, so a record already under it is
+        this very one, stored by a try whose answer was lost."""
+        with contextlib.suppress(KeyWrongLastSequenceError):
+            await self._sessions.create(record)
 
     async def list_sessions(self, request: Request) -> Response:
         limit = whole_number(request.query_params.get("limit", str(DEFAULT_LISTED)), 1,
@@ -163,13 +189,14 @@ class Api:
     async def compact(self, request: Request) -> Response:
         sid = session_id_of(request)
         body = await parse_body(request, CompactBody, optional=True)
-        await self.require(sid)
-        await self._bus.js_publish(
+        await self._patiently(lambda: self.require(sid), "session_read_tried_again")
+        request_id = new_id()  # offered again under one id, the stream keeps it once
+        await self._patiently(lambda: self._bus.js_publish(
             subjects.COMPACTION_REQUEST,
             CompactionRequest(session_id=sid, auto=False, reason="requested by the user",
                               instructions=body.instructions),
-            session_id=sid,
-        )
+            session_id=sid, message_id=request_id,
+        ), "compaction_request_offered_again")
         return JSONResponse({"status": "compaction_requested"}, status_code=202)
 
     async def events(self, request: Request) -> Response:
