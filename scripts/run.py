@@ -39,10 +39,13 @@ from pathlib import Path
 from typing import Any
 
 from ollama._client import _parse_host as ollama_url  # the client's own reading
+from pydantic import ValidationError
 from tqdm import tqdm
 
 from scripts.nats_passwords import kept_passwords, service_credentials
 from scripts.supervision import Child, StopSignals, keep_running, stop, tied_to_launcher
+from services.gateway.settings import GatewaySettings
+from services.shared.runner import settings_refused
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = Path(os.environ.get("DATA_DIR", ROOT / ".data"))
@@ -73,7 +76,23 @@ def ports_from(name: str, default: str) -> tuple[int, ...]:
 # Read at import, so a value that is not a port stops the launcher before it starts anything.
 NATS_PORT = ports_from("NATS_PORT", "4222")[0]
 STUB_PORT = ports_from("OLLAMA_STUB_PORT", "11435")[0]
-GATEWAY_PORT = ports_from("GATEWAY_PORT", "8080")[0]
+
+
+def gateway_address() -> tuple[str, int]:
+    """Where the gateway will listen, read as the gateway reads it: from the
+    environment in any case, then CONFIG_FILE, then its default. (Read from
+    GATEWAY_PORT alone, a port set otherwise was waited for on 8080.)"""
+    ports_from("GATEWAY_PORT", "8080")  # the common mistake, in the same words as the others
+    try:
+        settings = GatewaySettings()
+    except ValidationError as err:
+        raise SystemExit(settings_refused(err)) from None
+    if settings.gateway_port == 0:
+        raise SystemExit("GATEWAY_PORT=0: the page needs a port known before the gateway starts")
+    return settings.gateway_host, settings.gateway_port
+
+
+GATEWAY_HOST, GATEWAY_PORT = gateway_address()
 # /metrics of the services without an HTTP port of their own, in the order of
 # SERVICES (generator, decider, tools); the gateway serves its own at /metrics.
 METRICS_PORTS = ports_from("METRICS_PORTS", "9101,9102,9103")
@@ -239,7 +258,7 @@ def start_services(env: dict[str, str], children: list[Child],
     envs = dict(zip(SERVICES, service_envs(env, passwords), strict=True))
     for module in START_ORDER:
         children.append(Child(module, partial(start_service, module, envs[module])))
-    url = page_url(env.get("GATEWAY_HOST", "127.0.0.1"), str(GATEWAY_PORT))
+    url = page_url(GATEWAY_HOST, str(GATEWAY_PORT))
     wait_for(f"{url}healthz", 30, children[-1].proc)
     print_metrics_addresses(url)
     return url

@@ -73,18 +73,22 @@ def launch_env(tmp_path: Path, ports: Ports, **extra: str) -> dict[str, str]:
     return env
 
 
-def launch(tmp_path: Path, ports: Ports, **extra: str) -> subprocess.Popen[bytes]:
+def launch(tmp_path: Path, ports: Ports, drop: tuple[str, ...] = (),
+           **extra: str) -> subprocess.Popen[bytes]:
+    env = launch_env(tmp_path, ports, **extra)
+    for name in drop:
+        env.pop(name, None)
     with (tmp_path / "run.log").open("wb") as log:  # the child keeps its own copy
-        return subprocess.Popen([sys.executable, "scripts/run.py"], cwd=REPO_ROOT,
-                                env=launch_env(tmp_path, ports, **extra),
+        return subprocess.Popen([sys.executable, "scripts/run.py"], cwd=REPO_ROOT, env=env,
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 @contextlib.contextmanager
-def launched(tmp_path: Path, ports: Ports, **extra: str) -> Iterator[subprocess.Popen[bytes]]:
+def launched(tmp_path: Path, ports: Ports, drop: tuple[str, ...] = (),
+             **extra: str) -> Iterator[subprocess.Popen[bytes]]:
     """The launcher, never left running: if a test ends before it stopped,
     its whole group is killed."""
-    proc = launch(tmp_path, ports, **extra)
+    proc = launch(tmp_path, ports, drop, **extra)
     try:
         yield proc
     finally:
@@ -407,3 +411,18 @@ def test_an_auto_token_is_made_once_kept_private_and_printed_in_the_address(
     finally:
         os.killpg(again.pid, signal.SIGINT)
         again.wait(30)
+
+
+def test_the_gateway_port_is_read_as_the_gateway_reads_it(tmp_path: Path) -> None:
+    """A port set in CONFIG_FILE (or in lower case) is the gateway's, but the
+    launcher read GATEWAY_PORT alone, waited for 8080 and stopped everything."""
+    ports = Ports()
+    config = tmp_path / "settings.yaml"
+    config.write_text(f"gateway_port: {ports.gateway}\n")
+    with launched(tmp_path, ports, ("GATEWAY_PORT",), CONFIG_FILE=str(config)) as proc:
+        wait_until_announced(tmp_path / "run.log", proc, 60)
+        base = f"http://127.0.0.1:{ports.gateway}"
+        assert f"{READY_LINE}{base}/" in (tmp_path / "run.log").read_text()
+        assert httpx.get(f"{base}/healthz").status_code == 200
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(30) == 0
