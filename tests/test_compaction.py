@@ -725,3 +725,28 @@ async def test_after_a_compaction_a_count_without_the_cached_system_prompt_is_no
     assert oversized.status_code == 413, oversized.text
     stats = await stub_stats(stub)
     assert stats["max_prompt_tokens"] <= NUM_CTX - 256
+
+
+async def test_with_automatic_compaction_off_a_compaction_asked_for_frees_a_full_session(
+    private_nats: NatsServer, stub: str, start: Callable[..., httpx.AsyncClient]
+) -> None:
+    """Automatic compaction off, one answer that wrote all it could: every
+    message after it was refused with the advice to compact, and that
+    compaction was skipped, the whole history being within the raw tail.
+    Asked for by a person on a context past the emergency line, it now keeps
+    fewer turns raw, down to none."""
+    http = start(services=("generator", "gateway"), **SMALL_WINDOW)
+    sid = await create(http, auto_compact=False)
+    long = await http.post(f"/api/sessions/{sid}/messages",
+                           json={"content": "tell me everything !long 100000"})
+    assert long.status_code == 200, long.text
+    refused = await http.post(f"/api/sessions/{sid}/messages", json={"content": "hi"})
+    assert refused.status_code == 413, refused.text
+    async with watching(private_nats.url, *EVENTS) as watcher:
+        await http.post(f"/api/sessions/{sid}/compact")
+        result = await next_result(watcher, sid)
+    assert result["status"] == "completed", result
+    answered = await http.post(f"/api/sessions/{sid}/messages", json={"content": "hi"})
+    assert answered.status_code == 200, answered.text
+    said = (await http.get(f"/api/sessions/{sid}/transcript")).json()["items"]
+    assert [item["role"] for item in said if item.get("role")][:2] == ["user", "assistant"]

@@ -37,6 +37,7 @@ from schemas.messages import (
 from schemas.session import SessionRecord
 from services.core.boundary import tail_turns_for
 from services.core.context import next_prompt_tokens
+from services.core.decision import EMERGENCY_FRACTION
 from services.core.decision import Level as CoreLevel
 from services.core.pieces import (
     NothingFits,
@@ -56,7 +57,12 @@ from services.core.splice import (
 from services.core.splice import first_user_request as first_request_of
 from services.core.state_machine import Action, CompactionMode, IllegalTransition
 from services.core.text_size import prompt_size
-from services.core.tokens import Calibration, refused_as_too_long, stored_calibration
+from services.core.tokens import (
+    Calibration,
+    prompt_budget,
+    refused_as_too_long,
+    stored_calibration,
+)
 from services.generator.models import capped_window
 from services.generator.provider import ChatProvider, ChatRequest, ChatResult, ProviderError
 from services.generator.session_lock import Lease, LockTimeout, SessionLocks
@@ -255,8 +261,8 @@ class Compactor:
             return self._completed_before(job, record, view)
         if not view.conversation.messages:
             raise CompactionSkipped("no history to compact")
-        plan = self._plan(view.conversation, job.level)
         before = self.tokens(record, view.conversation)
+        plan = self._plan_for(job, record, view.conversation, before)
         await self._states.apply(job.session_id, Action.start_compaction, job.correlation_id)
         try:
             await self._announce(job, before)
@@ -284,6 +290,25 @@ class Compactor:
             return
         if kept_from:
             log.info("transcript_trimmed", kept_from=kept_from)
+
+    def _plan_for(self, job: Job, record: SessionRecord, conversation: Conversation,
+                  tokens: int) -> CompactionPlan:
+        """The level's plan; but one asked for by a person, on a context past
+        the emergency line, keeps fewer turns raw, down to none: with
+        automatic compaction off, a long last answer left every message
+        refused (compact, said the refusal) and this compaction skipped."""
+        try:
+            return self._plan(conversation, job.level)
+        except CompactionSkipped:
+            budget = prompt_budget(record.window(self._settings.num_ctx),
+                                   self._settings.output_headroom)
+            if job.auto or tokens < EMERGENCY_FRACTION * budget:
+                raise
+        for tail in (1, 0):
+            plan = plan_compaction(conversation, tail)
+            if plan is not None:
+                return plan
+        raise CompactionSkipped("nothing to compact")
 
     def _plan(self, conversation: Conversation, level: Level,
               tail_turns: int | None = None) -> CompactionPlan:
