@@ -177,10 +177,14 @@ async def fails_cleanly(http: httpx.AsyncClient, stub: str, quirk: str, status: 
     assert again.json()["reply"] == "Echo: again (turn 2)"
 
 
-async def test_a_model_that_keeps_calling_tools_is_stopped(http: httpx.AsyncClient) -> None:
+async def test_a_model_that_keeps_calling_tools_is_stopped(http: httpx.AsyncClient,
+                                                          nats_url: str) -> None:
     sid = await create(http)
-    looping = await http.post(f"/api/sessions/{sid}/messages", json={
-        "content": '!toolloop !tool calculate {"expression": "1+1"}'})
+    async with watching(nats_url, subjects.tool("calculate")) as calls:
+        looping = await http.post(f"/api/sessions/{sid}/messages", json={
+            "content": '!toolloop !tool calculate {"expression": "1+1"}'})
+    # MAX_TOOL_ITERATIONS rounds of tools, not one more whose result is thrown away.
+    assert len(calls.payloads()) == 5
     assert looping.status_code == 502
     assert looping.json()["error"] == {
         "code": "tool_loop_limit",

@@ -321,8 +321,8 @@ class TurnRunner:
         """The last call's result, and the tools it was offered."""
         tools = head.tools if head else await self._offered_tools(turn.record)
         stream = self._turn_stream(turn.env, head)
-        refused = False
-        for _ in range(self._settings.max_tool_iterations + 1):
+        refused, rounds = False, 0
+        while True:
             try:
                 prompt = head.prompt if head else await self._fitting_prompt(turn, tools)
             except CompactionStopped:
@@ -341,16 +341,15 @@ class TurnRunner:
                 head = None  # only the first call starts early
             if not result.tool_calls or result.stopped:
                 return result, tools
+            if rounds == self._settings.max_tool_iterations:  # none run past the limit
+                raise TurnError("tool_loop_limit", f"the model kept calling tools after "
+                                f"{rounds} rounds")
             ran = await self._run_tools(turn, result)
             if ran is None:  # stopped: the text so far is the answer
                 return ChatResult(content=result.content, stopped=True), tools
             call = ChatMessage(role="assistant", content=result.content,
                                tool_calls=result.tool_calls, query_id=turn.query_id)
-            turn.messages = [*turn.messages, call, *ran]
-        raise TurnError(
-            "tool_loop_limit",
-            f"the model kept calling tools after {self._settings.max_tool_iterations} rounds",
-        )
+            turn.messages, rounds = [*turn.messages, call, *ran], rounds + 1
 
     def _turn_stream(self, env: Envelope[Query], head: HeadStart | None) -> TokenStream | None:
         """One numbering for all the model calls of a turn: a call after a tool
