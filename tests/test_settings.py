@@ -107,3 +107,12 @@ def test_a_token_no_header_or_cookie_can_carry_is_refused(token: str) -> None:
     with pytest.raises(ValueError, match="printable ASCII"):
         GatewaySettings(gateway_token=token)
     assert GatewaySettings(gateway_token="").gateway_token is None
+
+
+def test_a_log_level_no_logger_knows_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Read as info, a typo in LOG_LEVEL hid the debug lines it asked for."""
+    monkeypatch.setenv("LOG_LEVEL", "DEBUG")
+    assert DeciderSettings().log_level == "debug"
+    monkeypatch.setenv("LOG_LEVEL", "verbose")
+    with pytest.raises(ValueError, match="log_level"):
+        DeciderSettings()

@@ -10,11 +10,22 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
-from typing import Literal, TextIO, cast
+from typing import Annotated, Literal, TextIO, cast
 
 import structlog
+from pydantic import BeforeValidator
 
 LogFormat = Literal["auto", "json", "console"]
+
+
+def _lower_case(value: object) -> object:
+    return value.lower() if isinstance(value, str) else value
+
+
+# A level no logger knows was read as info: a typo in LOG_LEVEL hid the debug
+# lines asked for. Any case, as Python's own names are written.
+LogLevel = Annotated[Literal["debug", "info", "warning", "error", "critical"],
+                     BeforeValidator(_lower_case)]
 
 
 def configure_logging(service: str, level: str = "info", fmt: LogFormat = "auto") -> None:

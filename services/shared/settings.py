@@ -21,7 +21,7 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
-from services.shared.logging import LogFormat
+from services.shared.logging import LogFormat, LogLevel
 from services.shared.nats_auth import connect_options
 
 
@@ -32,7 +32,7 @@ class ServiceSettings(BaseSettings):
     nats_url: str = "nats://127.0.0.1:4222"
     # Copies of every stream and bucket the services create (3 on a cluster of 3).
     jetstream_replicas: int = Field(default=1, ge=1, le=5)
-    log_level: str = "info"
+    log_level: LogLevel = "info"
     log_format: LogFormat = "auto"
     # How long a connection attempt may take before we retry (NATS may start later).
     nats_connect_timeout_s: float = Field(default=2.0, gt=0)
