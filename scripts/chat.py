@@ -11,7 +11,8 @@ answer in time, the connection lost, NATS away), `/again` sends it once more
 under the same key, and it is answered once. After each answer a context line
 shows how full the window is. On a terminal the input line has history and
 editing (prompt_toolkit); from a pipe, lines are read as they come. A gateway
-with a token is opened with GATEWAY_TOKEN set to it in the environment.
+with a token is opened with GATEWAY_TOKEN set to it in the environment
+(`auto`: the one `make run` keeps under DATA_DIR).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import os
 import sys
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -30,6 +32,8 @@ from rich.console import Console
 from rich.text import Text
 
 from scripts.terminal_text import shown
+
+ROOT = Path(__file__).resolve().parent.parent
 
 DEFAULT_URL = "http://127.0.0.1:8080"
 HELP = ("Commands: /compact [instructions] · /state · /transcript · /again · /help · /quit\n"
@@ -311,9 +315,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def auth_headers() -> dict[str, str]:
-    """The gateway's token, when it has one (`auto` is known to make run only)."""
+    """The gateway's token, when it has one. For `auto`, the one `make run`
+    made and keeps under DATA_DIR: the same setting that gave the gateway
+    its token then gives it to the chat too."""
     token = os.environ.get("GATEWAY_TOKEN", "")
-    return {"Authorization": f"Bearer {token}"} if token and token != "auto" else {}
+    if token == "auto":
+        kept = Path(os.environ.get("DATA_DIR", ROOT / ".data")) / "gateway-token"
+        token = kept.read_text().strip() if kept.exists() else ""
+    return {"Authorization": f"Bearer {token}"} if token else {}
 
 
 def main(argv: list[str] | None = None) -> int:

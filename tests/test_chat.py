@@ -12,12 +12,13 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import IO
 
 import httpx
 import pytest
 
-from scripts.chat import UNKNOWN_OUTCOME, failure
+from scripts.chat import UNKNOWN_OUTCOME, auth_headers, failure
 from tests.events import until
 from tests.nats_server import NatsServer
 from tests.ports import free_port
@@ -203,3 +204,17 @@ def test_the_terminal_chat_and_the_page_send_again_after_the_same_failures() -> 
     # Without the gateway's JSON (a proxy's answer), a failure is named by its status.
     proxied = httpx.Response(503, text="<html>Service Unavailable</html>")
     assert failure(proxied).code == "http_503"
+
+
+def test_an_auto_token_is_the_one_make_run_keeps(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """With GATEWAY_TOKEN=auto, as `make run` was started, the chat sent no
+    token and every request was refused."""
+    (tmp_path / "gateway-token").write_text("kept-token\n")
+    monkeypatch.setenv("DATA_DIR", str(tmp_path))
+    monkeypatch.setenv("GATEWAY_TOKEN", "auto")
+    assert auth_headers() == {"Authorization": "Bearer kept-token"}
+    monkeypatch.setenv("GATEWAY_TOKEN", "given")
+    assert auth_headers() == {"Authorization": "Bearer given"}
+    monkeypatch.setenv("GATEWAY_TOKEN", "")
+    assert auth_headers() == {}
