@@ -16,7 +16,14 @@ from nats.js.errors import NotFoundError
 from schemas import subjects
 from schemas.history import HistoryEntry
 from tests import slow_answers
-from tests.events import Watcher, eventually, server_sent_events, watching
+from tests.events import (
+    Watcher,
+    eventually,
+    server_sent_events,
+    transitions,
+    turns_finished,
+    watching,
+)
 from tests.nats_server import NatsServer
 from tests.slow_answers import LONG, SSE, create
 from tests.stub_server import stub_stats
@@ -277,7 +284,8 @@ async def test_a_stop_while_a_tool_call_waits_ends_the_answer_there(
     try:
         with running_system(private_nats.url, stub, {"TOOL_TIMEOUT_S": "120"},
                             services=("generator", "gateway")) as running:
-            async with running.http(timeout=60) as client:
+            async with running.http(timeout=60) as client, \
+                    watching(private_nats.url, f"{subjects.STATE_PREFIX}.*") as states:
                 sid = await create(client)
                 asked = asyncio.create_task(client.post(
                     f"/api/sessions/{sid}/messages",
@@ -287,7 +295,10 @@ async def test_a_stop_while_a_tool_call_waits_ends_the_answer_there(
                 reply = await asyncio.wait_for(asked, 60)
                 assert reply.status_code == 200 and reply.json()["stopped"] is True
                 messages = (await client.get(f"/api/sessions/{sid}")).json()["messages"]
+                await turns_finished(states, sid, 1)
     finally:
         await nc.close()
+    # Said as what it was: a stop, not a tool's timeout.
+    assert ("waiting_for_tool", "generating", "stop") in transitions(states, sid)
     assert [m["role"] for m in messages] == ["user", "assistant"]
     assert messages[-1]["stopped"] is True and messages[-1]["content"] == "Looking"

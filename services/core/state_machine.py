@@ -46,6 +46,8 @@ class Action(StrEnum):
     await_result = "await_result"
     tool_result = "tool_result"
     tool_timeout = "tool_timeout"
+    # The answer was stopped while a tool ran: the wait ends, not by a timeout.
+    stop = "stop"
     publish = "publish"
     reset = "reset"
     fail = "fail"
@@ -117,6 +119,7 @@ def _turn_table() -> dict[tuple[Phase, Action], Phase]:
         (Phase.dispatching_tool, Action.await_result): Phase.waiting_for_tool,
         (Phase.waiting_for_tool, Action.tool_result): Phase.generating,
         (Phase.waiting_for_tool, Action.tool_timeout): Phase.generating,
+        (Phase.waiting_for_tool, Action.stop): Phase.generating,
         (Phase.generating, Action.publish): Phase.publishing,
         (Phase.publishing, Action.reset): Phase.idle,
         (Phase.error, Action.reset): Phase.idle,

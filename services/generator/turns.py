@@ -490,10 +490,13 @@ class TurnRunner:
         await self._states.apply(sid, Action.dispatch_tool, env.correlation_id)
         await self._states.apply(sid, Action.await_result, env.correlation_id)
         runs = await turn.switch.unless_thrown(self._runs(env, result))
-        timed_out = runs is None or any(run.timed_out for run in runs)
+        if runs is None:
+            await self._states.apply(sid, Action.stop, env.correlation_id)
+            return None
+        timed_out = any(run.timed_out for run in runs)
         await self._states.apply(sid, Action.tool_timeout if timed_out else Action.tool_result,
                                  env.correlation_id)
-        return None if runs is None else [run.message for run in runs]
+        return [run.message for run in runs]
 
     async def _runs(self, env: Envelope[Query], result: ChatResult) -> list[ToolRun]:
         return [await self._toolbox.run(call, env.message_id, env.correlation_id,

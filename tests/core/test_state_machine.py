@@ -30,7 +30,8 @@ TURN_STEPS = {
     P.receiving: {A.start_generation: P.generating, A.reset: P.idle},
     P.generating: {A.dispatch_tool: P.dispatching_tool, A.publish: P.publishing},
     P.dispatching_tool: {A.await_result: P.waiting_for_tool},
-    P.waiting_for_tool: {A.tool_result: P.generating, A.tool_timeout: P.generating},
+    P.waiting_for_tool: {A.tool_result: P.generating, A.tool_timeout: P.generating,
+                         A.stop: P.generating},
     P.publishing: {A.reset: P.idle},
     P.error: {A.reset: P.idle},
 }
@@ -74,7 +75,7 @@ def test_every_combination(state: SessionState, action: Action, mode: Compaction
 
 
 def test_combination_count_is_exhaustive() -> None:
-    assert len(ALL) == 8 * 2 * 11 * 2
+    assert len(ALL) == 8 * 2 * 12 * 2
 
 
 def test_default_mode_is_background() -> None:
