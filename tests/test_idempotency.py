@@ -324,9 +324,8 @@ async def test_an_error_no_longer_kept_is_failed_before_rather_than_a_wait(
     assert again.json()["error"]["code"] == "failed_before"
 
 
-async def test_a_retry_resent_while_it_runs_waits_for_that_answer(
-    http: httpx.AsyncClient, nats_url: str,
-) -> None:
+async def stopped_once(http: httpx.AsyncClient) -> str:
+    """A new session whose one answer was stopped while written: one to retry."""
     sid = await create(http)
     async with http.stream("POST", f"/api/sessions/{sid}/messages", json={"content": LONG},
                            headers=SSE) as first:
@@ -334,6 +333,13 @@ async def test_a_retry_resent_while_it_runs_waits_for_that_answer(
         assert (await anext(events))[0] == "token"
         assert (await http.post(f"/api/sessions/{sid}/stop")).status_code == 202
         assert [name async for name, _ in events][-1] == "done"
+    return sid
+
+
+async def test_a_retry_resent_while_it_runs_waits_for_that_answer(
+    http: httpx.AsyncClient, nats_url: str,
+) -> None:
+    sid = await stopped_once(http)
     retry = {"Idempotency-Key": "long-retry"}
     async with watching(nats_url, subjects.query(sid)) as queries, \
             http.stream("POST", f"/api/sessions/{sid}/retry", headers={**retry, **SSE}) as running:
@@ -356,13 +362,7 @@ async def test_a_retry_resent_with_a_message_queued_behind_it_waits_for_its_answ
     """Only a resend whose retry was the session's last queued query was known
     as its own: with a message queued after it, the resend (a dropped
     connection's "Send again") was refused as `turn_running`."""
-    sid = await create(http)
-    async with http.stream("POST", f"/api/sessions/{sid}/messages", json={"content": LONG},
-                           headers=SSE) as first:
-        events = server_sent_events(first)
-        assert (await anext(events))[0] == "token"
-        assert (await http.post(f"/api/sessions/{sid}/stop")).status_code == 202
-        assert [name async for name, _ in events][-1] == "done"
+    sid = await stopped_once(http)
     retry = {"Idempotency-Key": "retry-before-a-message"}
     async with watching(nats_url, subjects.query(sid)) as queries, \
             http.stream("POST", f"/api/sessions/{sid}/retry", headers={**retry, **SSE}) as running:

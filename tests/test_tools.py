@@ -12,6 +12,7 @@ import pytest
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.micro import add_service
+from nats.micro.service import Service
 
 from schemas import subjects
 from schemas.history import ToolCall
@@ -117,6 +118,17 @@ async def test_a_tool_call_and_its_answer_carry_the_tracing_headers(tools_nc: NA
     assert (answer.headers or {}).get(SESSION_HEADER) == "traced"
 
 
+async def serving(nc: NATS, tools: dict[str, Tool]) -> tuple[ToolsService, Service]:
+    """A tools service with these tools, its endpoints registered as the
+    runner registers them."""
+    service = ToolsService(Bus(nc, "tools"), tools)
+    micro = await add_service(nc, name="tools-under-test", version="0.0.0")
+    for endpoint in service.endpoints():
+        await micro.add_endpoint(name=endpoint.name, subject=endpoint.subject,
+                                 handler=endpoint.handler)
+    return service, micro
+
+
 async def test_a_slow_call_holds_up_no_other_call_of_the_same_tool(nc: NATS) -> None:
     """nats-py hands an endpoint its next request only once its handler
     returns: a slow recall held every other session's recall behind it, up
@@ -130,11 +142,7 @@ async def test_a_slow_call_holds_up_no_other_call_of_the_same_tool(nc: NATS) -> 
         return "held" if hold else "quick"
 
     tools = {"wait": Tool("wait", "waits when asked", {"type": "object"}, wait)}
-    service = ToolsService(Bus(nc, "tools"), tools)
-    micro = await add_service(nc, name="tools-under-test", version="0.0.0")
-    for endpoint in service.endpoints():
-        await micro.add_endpoint(name=endpoint.name, subject=endpoint.subject,
-                                 handler=endpoint.handler)
+    service, micro = await serving(nc, tools)
     asker = Bus(nc, "generator")
 
     async def call(arguments: dict[str, bool]) -> str:
@@ -168,11 +176,7 @@ async def test_a_stop_answers_the_calls_that_come_while_it_waits(nc: NATS) -> No
         return name
 
     tools = {"wait": Tool("wait", "waits until let go", {"type": "object"}, wait)}
-    service = ToolsService(Bus(nc, "tools"), tools)
-    micro = await add_service(nc, name="tools-stopping", version="0.0.0")
-    for endpoint in service.endpoints():
-        await micro.add_endpoint(name=endpoint.name, subject=endpoint.subject,
-                                 handler=endpoint.handler)
+    service, micro = await serving(nc, tools)
     asker = Bus(nc, "generator")
 
     async def call(name: str) -> str:
