@@ -127,6 +127,7 @@ FORBIDDEN = [
     ("tools", "publish", "history.victim"),
     ("tools", "publish", "chat.reply.victim"),         # answer in the model's place
     ("compaction-decider", "publish", "chat.reply.victim"),
+    ("compaction-decider", "publish", "$JS.API.DIRECT.GET.HISTORY"),  # read every transcript
     ("generator", "publish", "$JS.API.STREAM.DELETE.HISTORY"),  # destroy every history
     ("tools", "subscribe", "chat.token.*"),            # read every conversation live
     ("gateway", "subscribe", "_INBOX_generator.>"),    # read another service's replies
