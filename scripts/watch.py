@@ -35,7 +35,7 @@ from scripts.terminal_text import shown
 from services.shared.bus import connect, parse_json, round_trip
 from services.shared.logging import configure_logging
 from services.shared.runner import main as run_main
-from services.shared.settings import ServiceSettings, nats_servers
+from services.shared.settings import ServiceSettings, nats_servers, shown_url
 
 STYLES = {"chat": "cyan", "generator": "magenta", "response": "green",
           "compaction": "yellow", "tool": "blue", "system": "bold red"}
@@ -242,7 +242,7 @@ async def watch(args: argparse.Namespace) -> None:
     await round_trip(nc)
     # On stderr, so `--json` output stays one envelope per line.
     Console(stderr=True, no_color=args.no_color).print(Text(
-        f"watching {', '.join(args.subject or SYSTEM_SUBJECTS)} on {settings.nats_url} "
+        f"watching {', '.join(args.subject or SYSTEM_SUBJECTS)} on {shown_url(settings.nats_url)} "
         "(Ctrl-C stops)", style="dim"), soft_wrap=True)
     try:
         # Until Ctrl-C, SIGTERM or the reader of stdout going: then, like any

@@ -8,10 +8,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from services.compaction_decider.settings import DeciderSettings
 from services.gateway.settings import GatewaySettings
 from services.generator.settings import GeneratorSettings
+from services.shared.runner import settings_refused
+from services.shared.settings import shown_url
 from tests.processes import REPO_ROOT
 from tests.system import SERVICE_MODULES
 
@@ -116,3 +119,14 @@ def test_a_log_level_no_logger_knows_is_refused(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setenv("LOG_LEVEL", "verbose")
     with pytest.raises(ValueError, match="log_level"):
         DeciderSettings()
+
+
+def test_a_secret_is_never_echoed_in_a_log_or_a_refusal() -> None:
+    """NATS_URL may carry a password; a refused token was written out whole."""
+    assert shown_url("nats://tools:pw@127.0.0.1:4222,tok@h:1") == (
+        "nats://tools:***@127.0.0.1:4222,nats://***@h:1")
+    assert shown_url("nats://127.0.0.1:4222") == "nats://127.0.0.1:4222"
+    with pytest.raises(ValidationError) as refused:
+        GatewaySettings(gateway_token="my secret passphrase")
+    told = settings_refused(refused.value)
+    assert "GATEWAY_TOKEN=(hidden)" in told and "passphrase" not in told

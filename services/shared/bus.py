@@ -30,7 +30,7 @@ from schemas import subjects
 from schemas.envelope import Envelope, enveloped, new_id
 from schemas.messages import ErrorReport, Payload
 from services.shared.nats_auth import inbox_prefix
-from services.shared.settings import nats_servers
+from services.shared.settings import nats_servers, shown_url
 
 P = TypeVar("P", bound=Payload)
 log = structlog.get_logger()
@@ -111,7 +111,8 @@ async def connect(url: str, name: str, timeout_s: float = 2.0,
                 **(options or {}),  # credentials (nats_auth)
             )
         except (OSError, TimeoutError, nats.errors.NoServersError) as err:
-            log.warning("nats_connect_failed", url=url, error=str(err), retry_in_s=delay)
+            log.warning("nats_connect_failed", url=shown_url(url), error=str(err),
+                        retry_in_s=delay)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 5.0)
 

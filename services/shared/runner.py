@@ -35,7 +35,7 @@ from services.shared.bus import Bus, connect
 from services.shared.jetstream import ensure_layout
 from services.shared.logging import configure_logging
 from services.shared.reconnects import Reconnects, cancel_until_done
-from services.shared.settings import ServiceSettings
+from services.shared.settings import ServiceSettings, shown_url
 
 VERSION = "0.1.0"
 SHUTDOWN_TIMEOUT_S = 10.0
@@ -108,7 +108,8 @@ async def serve(
     reconnects.add(component.reconnected)
     micro = await _register(nc, name, description, component)
     metrics.serve_on(settings.metrics_port, settings.metrics_host)
-    log.info("service_started", nats_url=settings.nats_url, metrics_port=settings.metrics_port)
+    log.info("service_started", nats_url=shown_url(settings.nats_url),
+             metrics_port=settings.metrics_port)
     await stop.wait()
     log.info("service_stopping")
     await reconnects.stop()
@@ -213,9 +214,15 @@ def settings_refused(err: ValidationError) -> str:
     lines = [f"{err.title}: not started, {err.error_count()} setting(s) not valid:"]
     for error in err.errors(include_url=False):
         name = "_".join(str(part) for part in error["loc"]).upper()
-        given = repr(error.get("input"))[:80]
+        given = "(hidden)" if _secret(name) else repr(error.get("input"))[:80]
         lines.append(f"  {name}={given}: {error['msg']}")
     return "\n".join(lines)
+
+
+def _secret(name: str) -> bool:
+    """A token or password refused is not echoed: the line goes to a
+    terminal, and to any log that keeps a service's output."""
+    return any(word in name for word in ("TOKEN", "PASSWORD", "SECRET", "CREDENTIALS"))
 
 
 def _collect_garbage_less_often() -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import yaml
 from pydantic import Field, SecretStr, field_validator
@@ -95,3 +96,18 @@ def nats_servers(url: str) -> list[str]:
     if not servers:
         raise ValueError("NATS_URL names no server")
     return servers
+
+
+def shown_url(url: str) -> str:
+    """`NATS_URL` as it may be logged: a password or token in it (allowed,
+    for a NATS of one's own) would go into every log that keeps the line."""
+    return ",".join(_without_secret(server) for server in nats_servers(url))
+
+
+def _without_secret(server: str) -> str:
+    parts = urlsplit(server if "://" in server else f"nats://{server}")
+    if not (parts.username or parts.password):
+        return server
+    user = f"{parts.username}:***" if parts.password else "***"
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{user}@{host}"))
