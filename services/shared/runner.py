@@ -108,13 +108,17 @@ async def serve(
     reconnects.add(component.reconnected)
     micro = await _register(nc, name, description, component)
     metrics.serve_on(settings.metrics_port, settings.metrics_host)
-    log.info("service_started", nats_url=shown_url(settings.nats_url),
-             metrics_port=settings.metrics_port)
+    _log_started(settings)
     await stop.wait()
     log.info("service_stopping")
     await reconnects.stop()
     await _stop(component, micro, nc)
     log.info("service_stopped")
+
+
+def _log_started(settings: ServiceSettings) -> None:
+    log.info("service_started", nats_url=shown_url(settings.nats_url),
+             metrics_port=settings.metrics_port)
 
 
 async def _make_layout(bus: Bus, role: LayoutRole, lock_lease_s: float | None,
