@@ -602,3 +602,172 @@ def test_a_tab_opened_in_the_background_takes_its_feed_up_once_shown(
             "data-live", "connected")
     finally:
         background.close()
+
+
+def test_retry_stays_on_the_last_answer_after_a_compaction(watched: Watched) -> None:
+    """The compaction's marker is the transcript's last item: Retry, offered
+    only when the last item was an answer, was gone until the next turn."""
+    page = watched.page
+    create_session(page)
+    for n in range(3):  # long enough for a summary to free room
+        send(page, f"question {n}: " + "the quick brown fox jumps over the lazy dog " * 12)
+    page.click("#compact-button")
+    playwright_api.expect(page.locator("#messages .msg-divider")).to_have_count(1)
+    answers = page.locator("#messages .msg-assistant")
+    retry = answers.last.locator(".retry-button")
+    playwright_api.expect(retry).to_be_enabled()
+    retry.click()
+    playwright_api.expect(answers).to_have_count(4)
+    playwright_api.expect(page.locator("#messages .msg-pending")).to_have_count(0)
+    playwright_api.expect(answers.last.locator(".msg-text")).to_contain_text("question 2")
+    playwright_api.expect(answers.last.locator(".retry-button")).to_be_enabled()
+    assert page.locator("#messages .msg-failed").count() == 0
+
+
+HEBREW = "שלום, עולם!"
+DIRECTION = "node => getComputedStyle(node).direction"
+
+
+def test_right_to_left_text_runs_right_to_left(watched: Watched) -> None:
+    """Hebrew in a bubble, the composer or the system prompt was laid out
+    left to right, its punctuation on the wrong side."""
+    page = watched.page
+    page.click("#new-session-button")
+    page.fill("#new-system", "ענה בעברית.")
+    page.click("#new-session-create")
+    playwright_api.expect(page.locator("#state-badge")).to_have_attribute("data-state", "idle")
+    playwright_api.expect(page.locator("#system-text")).to_have_text("ענה בעברית.")
+    assert page.locator("#system-text").evaluate(DIRECTION) == "rtl"
+    page.fill("#message-input", HEBREW)
+    assert page.locator("#message-input").evaluate(DIRECTION) == "rtl"
+    send(page, HEBREW)
+    user = page.locator("#messages .msg-user .msg-text").last
+    playwright_api.expect(user).to_have_text(HEBREW)
+    assert user.evaluate(DIRECTION) == "rtl"
+    # Each text takes its own direction: the answer begins in Latin letters.
+    answer = page.locator("#messages .msg-assistant .msg-text").last
+    playwright_api.expect(answer).to_have_text(re.compile(r"^Echo: "))
+    assert answer.evaluate(DIRECTION) == "ltr"
+    texts = page.locator(".msg-text, .pre-text")
+    assert texts.count() >= 4
+    for n in range(texts.count()):
+        playwright_api.expect(texts.nth(n)).to_have_attribute("dir", "auto")
+
+
+# 39 letters and an emoji (two UTF-16 units): the 40th unit is half of it.
+EMOJI_AT_THE_CUT = "a" * 39 + "😀" + " and the rest of the message"
+WHOLE_LABEL = "a" * 39 + "😀"
+LABEL_IS = """([id, label]) => JSON.parse(localStorage.getItem("chat.sessions") || "[]")
+  .some((s) => s.id === id && s.label === label)
+  && document.querySelector(`#session-select option[value="${id}"]`).textContent.startsWith(label)"""
+
+
+def test_a_session_label_never_ends_in_half_an_emoji(
+        watched: Watched, system: System) -> None:
+    """Cut at 40 UTF-16 units, the label ended in a lone surrogate, shown as �."""
+    page = watched.page
+    sid = create_session(page)
+    send(page, EMOJI_AT_THE_CUT)  # labelled as it is sent
+    page.wait_for_function(LABEL_IS, arg=[sid, WHOLE_LABEL])
+    with system.client() as client:
+        other = new_session(client)
+        assert ask(client, other, EMOJI_AT_THE_CUT).status_code == 200
+    open_session(page, other)  # labelled as it is read
+    page.wait_for_function(LABEL_IS, arg=[other, WHOLE_LABEL])
+
+
+def test_retry_waits_while_the_session_answers_another_tabs_message(
+        watched: Watched, system: System, stub_url: str) -> None:
+    """Retry looked only at this tab's own turn: clicked while the session
+    answered another tab's message, it failed with turn_running."""
+    page = watched.page
+    with system.client() as client:
+        sid = session_of_turns(client, 1)
+    open_session(page, sid)
+    retry = page.locator("#messages .msg-assistant").last.locator(".retry-button")
+    playwright_api.expect(retry).to_be_enabled()
+    other = page.context.new_page()
+    try:
+        open_session(other, sid)
+        with answer_under_way(other, stub_url, "from the other tab"):
+            # Told by the live feed...
+            playwright_api.expect(page.locator("#state-badge")).to_have_attribute(
+                "data-state", "generating")
+            playwright_api.expect(retry).to_be_disabled()
+            # ...and by a read, reloaded mid-answer.
+            page.reload()
+            playwright_api.expect(page.locator("#state-badge")).to_have_attribute(
+                "data-state", "generating")
+            playwright_api.expect(retry).to_be_disabled()
+        answer = page.locator("#messages .msg-assistant").last
+        playwright_api.expect(answer.locator(".msg-text")).to_have_text(
+            re.compile(r"^Echo: from the other tab"))
+        playwright_api.expect(answer.locator(".retry-button")).to_be_enabled()
+        playwright_api.expect(page.locator("#messages .retry-button")).to_have_count(1)
+    finally:
+        other.close()
+
+
+def test_deleting_the_session_shown_leaves_nothing_of_it_behind(
+        watched: Watched, stub_url: str) -> None:
+    """Deleted, the session's badge, gauges, log and Export links stayed, its
+    answer being streamed went back into the disabled composer, and a reload
+    opened it again, to say it does not exist."""
+    page = watched.page
+    create_session(page)
+    send(page, "first question")
+    last_prompt = page.locator("#gauge-last-text")
+    playwright_api.expect(last_prompt).to_contain_text("next prompt")
+    page.evaluate("() => { window.confirm = () => true; }")  # Delete asks first
+    with answer_under_way(page, stub_url, "a message being answered"):
+        page.click("#delete-button")
+        playwright_api.expect(page.locator("#notice")).to_contain_text("was deleted")
+        playwright_api.expect(page.locator("#state-badge")).to_have_attribute(
+            "data-state", "unknown")
+        playwright_api.expect(page.locator("#gauge")).to_have_attribute("aria-valuenow", "0")
+        playwright_api.expect(last_prompt).to_have_text("No generation yet.")
+        playwright_api.expect(page.locator("#log .log-line")).to_have_count(0)
+        playwright_api.expect(page.locator("#stop-button")).to_be_hidden()
+        playwright_api.expect(page.locator("#messages .msg")).to_have_count(0)
+        assert page.get_attribute("#export-markdown", "href") is None
+        assert page.get_attribute("#export-json", "href") is None
+        assert page.evaluate("localStorage.getItem('chat.currentSession')") is None
+    composer = page.locator("#message-input")
+    playwright_api.expect(composer).to_be_disabled()
+    playwright_api.expect(composer).to_have_value("")
+    page.reload()
+    playwright_api.expect(page.locator("#empty-hint")).to_contain_text("Create a session")
+    playwright_api.expect(page.locator("#notice")).to_be_hidden()
+
+
+def test_an_answer_that_came_after_all_shows_once(watched: Watched) -> None:
+    """The stream lost but the message answered: the stored question and
+    answer showed, and below them the same question again with its failed
+    bubble and Send again, until the next turn."""
+    page = watched.page
+    create_session(page)
+    lost: list[str] = []
+
+    def lose_the_answer(route: playwright_api.Route) -> None:
+        if lost:
+            route.continue_()
+            return
+        lost.append(route.request.url)
+        route.fetch()  # the gateway takes the message and answers it...
+        route.abort()  # ...and the page never hears of it
+
+    page.route("**/api/sessions/*/messages", lose_the_answer)
+    page.fill("#message-input", "hello")
+    page.click("#send-button")
+    playwright_api.expect(page.locator("#messages .msg-failed .send-again-button")
+                          ).to_be_enabled()
+    # The turn's report may come while the page still waits on the lost
+    # stream; the feed taken up again reads the session anew either way.
+    page.evaluate(HIDE)
+    page.evaluate(SHOW)
+    stored = page.locator("#messages .msg-assistant", has_text="Echo: hello (turn 1)")
+    playwright_api.expect(stored).to_have_count(1)
+    playwright_api.expect(page.locator("#messages .msg-failed")).to_have_count(0)
+    playwright_api.expect(page.locator("#messages .msg-user")).to_have_count(1)
+    playwright_api.expect(page.locator("#messages .msg-assistant")).to_have_count(1)
+    network_failures_only(watched)  # the aborted request, cut on purpose

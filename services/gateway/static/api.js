@@ -89,6 +89,17 @@ export function newKey() {
   return Array.from(bytes, (b) => b.toString(16).padStart(2, "0")).join("");
 }
 
+// The id the gateway gives the query sent under `key`, as it derives it: the
+// first 32 hex digits of SHA-256 over the session, the route and the key.
+// Null where the browser has no crypto.subtle (no secure context).
+export async function queryIdFor(sessionId, key, retry) {
+  if (!crypto.subtle) return null;
+  const named = `${sessionId}\n${retry ? "retry" : "message"}\n${key}`;
+  const digest = await crypto.subtle.digest("SHA-256", new TextEncoder().encode(named));
+  const hex = Array.from(new Uint8Array(digest), (b) => b.toString(16).padStart(2, "0")).join("");
+  return hex.slice(0, 32);
+}
+
 // The session's live events (GET /api/events), reconnected by the browser.
 export function openEvents(id) {
   return new EventSource(API.events(id));

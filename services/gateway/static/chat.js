@@ -2,11 +2,11 @@
 // superseded messages), the answer being streamed, and the composer (send, stop,
 // retry).
 
-import { API, newKey, postStop, postTurn, readError, requestJson } from "./api.js";
+import { API, newKey, postStop, postTurn, queryIdFor, readError, requestJson } from "./api.js";
 import { app, el, fmt, show, showNotice, ui } from "./shared.js";
 import { SseParser } from "./live.js";
 import { renderGauge } from "./panel.js";
-import { loadSession, rememberSession } from "./sessions.js";
+import { labelOf, loadSession, rememberSession } from "./sessions.js";
 
 const TRANSCRIPT_PAGE = 100;
 
@@ -27,6 +27,11 @@ export function pendingText(pending) {
 }
 
 const QUIET_PHASES = ["idle", "unknown", "error"];
+
+// The phases in which the session takes a retry: in any other, it is answering
+// a message (this tab's, or one sent from elsewhere) and /retry answers
+// 409 turn_running.
+const RETRY_PHASES = ["idle", "error"];
 
 // A compaction marker's one line: "compacted · automatic · 1,255 → 1,002 tokens · 14:02".
 export function dividerText(marker) {
@@ -75,6 +80,10 @@ export function supersededIndexes(items) {
   return indexes;
 }
 
+// Text written by people and models takes its direction from its first
+// letter: Hebrew or Arabic runs right to left, its punctuation on the left.
+const OWN_DIRECTION = { dir: "auto" };
+
 const ROLE_LABEL = { user: "You", assistant: "Assistant", tool: "Tool result" };
 
 function renderToolCall(call) {
@@ -109,7 +118,7 @@ function messageItem(message) {
   if (role === "tool") {
     item.append(el("pre", { className: "tool-result", text: message.content ?? "" }));
   } else if (message.content) {
-    item.append(el("div", { className: "msg-text", text: message.content }));
+    item.append(el("div", { className: "msg-text", text: message.content, attrs: OWN_DIRECTION }));
   }
   for (const call of message.tool_calls ?? []) item.append(renderToolCall(call));
   return item;
@@ -124,7 +133,7 @@ const thoughts = new Map();
 function thinkingBlock(thinking) {
   return el("details", { className: "msg-thinking" }, [
     el("summary", { text: "thinking" }),
-    el("div", { className: "msg-text", text: thinking }),
+    el("div", { className: "msg-text", text: thinking, attrs: OWN_DIRECTION }),
   ]);
 }
 
@@ -134,7 +143,11 @@ const openDividers = new Set();
 function dividerItem(marker) {
   const details = el("details", { className: "divider-details" }, [
     el("summary", { text: dividerText(marker) }),
-    el("p", { className: "pre-text", text: marker.summary ?? "(no summary: old tool output elided)" }),
+    el("p", {
+      className: "pre-text",
+      text: marker.summary ?? "(no summary: old tool output elided)",
+      attrs: OWN_DIRECTION,
+    }),
   ]);
   details.open = openDividers.has(marker.position);
   details.addEventListener("toggle", () => {
@@ -149,8 +162,23 @@ function dividerItem(marker) {
 // again puts them back after it: dropped, the message would vanish unseen,
 // and the answer's tokens, its error and Send again would go to a bubble no
 // longer on the page. The turn's stored messages take their place once it is
-// answered; a new turn, Send again or another session lets them go.
+// answered; a new turn, Send again or another session lets them go. Each
+// carries its turn's query id (data-query-id), once known.
 let unsaved = [];
+
+// An unsaved turn the stored transcript holds after all (its answer came
+// though its stream was lost) shows from the transcript only, not twice.
+function dropStoredTurns() {
+  const stored = new Set(app.items.map((item) => item.query_id).filter(Boolean));
+  unsaved = unsaved.filter((node) => !stored.has(node.dataset.queryId));
+}
+
+// Names the unsaved turn's nodes by its query id: the page never hears it
+// when the answer's stream is lost, but can work it out from the key.
+async function tagUnsaved(nodes, sessionId, key, retry) {
+  const queryId = await queryIdFor(sessionId, key, retry).catch(() => null);
+  if (queryId) for (const node of nodes) node.dataset.queryId = queryId;
+}
 
 // The whole transcript loaded so far; older pages come as the list scrolls up.
 function renderTranscript({ toEnd = false } = {}) {
@@ -166,16 +194,27 @@ function renderTranscript({ toEnd = false } = {}) {
     if (superseded.has(i)) markSuperseded(node);
     return node;
   });
-  const last = app.items.at(-1);
-  if (last?.kind === "message" && last.role === "assistant" && !last.tool_calls?.length) {
-    nodes.at(-1).append(el("div", { className: "msg-actions" }, [retryButton()]));
-  }
+  const answer = retriableIndex(app.items);
+  if (answer >= 0) nodes[answer].append(el("div", { className: "msg-actions" }, [retryButton()]));
   if (app.older) nodes.unshift(el("li", { className: "msg-more", text: "Scroll up for earlier messages…" }));
+  dropStoredTurns();
   ui.messages.replaceChildren(...nodes, ...unsaved);
   const empty = nodes.length === 0 && unsaved.length === 0;
   show(ui.emptyHint, empty);
   if (empty) ui.emptyHint.textContent = "No messages yet — say something.";
   if (toEnd) scrollToEnd(true);
+}
+
+// Index of the answer Retry stands under: the last message, when it is an
+// assistant's answer (not a tool call). A compaction marker after it does not
+// count: a compaction changes the context, not the last answer, and /retry
+// still answers it.
+function retriableIndex(items) {
+  let i = items.length - 1;
+  while (i >= 0 && items[i].kind === "compaction") i -= 1;
+  const last = items[i];
+  const answer = last?.kind === "message" && last.role === "assistant" && !last.tool_calls?.length;
+  return answer ? i : -1;
 }
 
 // The transcript with a page of newer items added: an item already shown (by
@@ -261,7 +300,7 @@ const UNKNOWN_OUTCOME = [
 // The assistant answer being streamed into the list.
 // `again` sends the request again, offered after a failure of unknown outcome.
 function pendingAnswer(again) {
-  const text = el("div", { className: "msg-text" });
+  const text = el("div", { className: "msg-text", attrs: OWN_DIRECTION });
   let waiting = { queued: !QUIET_PHASES.includes(app.phase), started: false };
   let writing = false;
   const status = el("div", { className: "msg-status", text: pendingText(waiting) });
@@ -368,13 +407,24 @@ export function setBusy(busy) {
   show(ui.stopButton, busy);
   ui.stopButton.disabled = !busy;
   ui.composer.setAttribute("aria-busy", String(busy));
-  for (const button of ui.messages.querySelectorAll(".retry-button, .send-again-button")) button.disabled = busy;
+  for (const button of ui.messages.querySelectorAll(".send-again-button")) button.disabled = busy;
+  renderRetry();
+}
+
+function retryAllowed() {
+  return !app.busy && RETRY_PHASES.includes(app.phase);
+}
+
+// Retry follows the session's phase as the live events and reads tell it,
+// not only this tab's own turn.
+export function renderRetry() {
+  for (const button of ui.messages.querySelectorAll(".retry-button")) button.disabled = !retryAllowed();
 }
 
 function retryButton() {
   const button = el("button", { className: "retry-button", text: "Retry", attrs: { type: "button" } });
   button.title = "Ask for a fresh answer to the last message";
-  button.disabled = app.busy;
+  button.disabled = !retryAllowed();
   // The answer it stands under, not the list's last item: a failed message
   // may follow that answer on the page.
   button.addEventListener("click", () => retryAnswer(button.closest(".msg-assistant")));
@@ -391,7 +441,7 @@ export async function sendMessage(event) {
   const asked = messageItem({ role: "user", content });
   unsaved = [asked];
   ui.messages.append(asked);
-  rememberSession(id, content.slice(0, 40));
+  rememberSession(id, labelOf(content));
   await runTurn(API.messages(id), { content }, newKey());
 }
 
@@ -399,7 +449,7 @@ export async function sendMessage(event) {
 // superseded, until the new one is stored; if none is, it stands again.
 async function retryAnswer(old) {
   const id = app.sessionId;
-  if (!id || app.busy) return;
+  if (!id || !retryAllowed()) return;
   const actions = old?.querySelector(".msg-actions");
   if (old) {
     if (actions) show(actions, false);
@@ -447,10 +497,22 @@ export async function stopAnswer() {
   }
 }
 
+// Stops reading the answer being streamed, and leaves it to the server: the
+// page moves to another session or deletes this one. The turn's end is
+// skipped, so its message does not go back into the composer.
+export function abandonAnswer() {
+  app.abort?.abort();
+  app.abort = null;
+  app.pending = null;
+  app.turnKey = null;
+  setBusy(false);
+}
+
 // Sends a message (or a retry) and streams its answer into a pending bubble;
 // under `key`, so that sending it again after a failure is answered once.
 async function runTurn(url, body, key) {
   const answer = pendingAnswer(() => runTurn(url, body, key));
+  tagUnsaved([...unsaved], app.sessionId, key, body === null);
   app.pending = answer;
   app.turnKey = { key, retry: body === null };
   const controller = new AbortController();
@@ -461,7 +523,7 @@ async function runTurn(url, body, key) {
   try {
     succeeded = await readAnswer(await postTurn(url, body, key, controller.signal), answer);
   } catch (err) {
-    if (err.name === "AbortError") answer.fail({ code: "cancelled", message: "stopped reading (switched session)" });
+    if (err.name === "AbortError") answer.fail({ code: "cancelled", message: "stopped reading (switched or deleted session)" });
     else answer.fail({ code: "network_error", message: String(err.message || err) });
   } finally {
     // Unless the page moved to another session meanwhile (which aborted this read).

@@ -11,6 +11,7 @@ import {
   sessionAfterCompaction,
 } from "./panel.js";
 import { loadSession, scheduleRefresh } from "./sessions.js";
+import { renderRetry } from "./chat.js";
 
 // The live feed names each server-sent event after the message type it carries.
 export const LIVE_EVENT_TYPES = [
@@ -210,6 +211,7 @@ function onStateChange(p, ts) {
   app.pending?.stateChanged(p.action, p.to_state);
   renderState(p.action ? `after ${p.action}` : "");
   renderCompacting();
+  renderRetry();
   logLine("generator.state",
     `${p.from_state ?? "?"} → ${p.to_state ?? "?"}${p.action ? ` (${p.action})` : ""}`, ts);
 }

@@ -5,7 +5,7 @@
 import { API, listSessions, requestJson } from "./api.js";
 import { app, el, isValidSessionId, show, showNotice, ui } from "./shared.js";
 import { compactingAfterRead, connectEvents, disconnectEvents } from "./live.js";
-import { clearTranscript, loadNewer, setBusy, setComposerEnabled } from "./chat.js";
+import { abandonAnswer, clearTranscript, loadNewer, renderRetry, setComposerEnabled } from "./chat.js";
 import {
   loadTimeline,
   renderCompacting,
@@ -20,6 +20,14 @@ const STORE_KNOWN = "chat.sessions";
 export const STORE_CURRENT = "chat.currentSession";
 
 const MAX_KNOWN_SESSIONS = 50;
+
+const LABEL_CHARACTERS = 40;
+
+// A session's label in the picker: the start of its first message, cut
+// between characters, not UTF-16 units, which could split an emoji in two.
+export function labelOf(content) {
+  return Array.from(content).slice(0, LABEL_CHARACTERS).join("");
+}
 
 function knownSessions() {
   try {
@@ -108,15 +116,11 @@ export function sessionFromHash() {
   return isValidSessionId(id) ? id : null;
 }
 
-export function selectSession(id, { updateHash = true } = {}) {
-  if (!isValidSessionId(id)) return;
-  if (app.sessionId === id && app.events) return;
-  if (app.abort) {
-    app.abort.abort(); // stop reading the other session's answer
-    app.abort = null;
-  }
-  setBusy(false);
-  app.sessionId = id;
+// The session shown goes, with all the page shows of it: its answer being
+// read, its state, numbers, log, transcript and timeline. Another one, or
+// none, is shown next.
+function leaveSession() {
+  abandonAnswer();
   app.session = null;
   app.lastGeneration = null;
   app.lastReply = null;
@@ -124,6 +128,21 @@ export function selectSession(id, { updateHash = true } = {}) {
   app.phase = "unknown";
   app.items = [];
   app.older = null;
+  clearTranscript();
+  ui.log.replaceChildren();
+  renderSessionFacts(null);
+  setState("unknown");
+  renderGauge();
+  renderCompacting();
+  ui.compactStatus.textContent = "";
+  ui.timeline.replaceChildren();
+}
+
+export function selectSession(id, { updateHash = true } = {}) {
+  if (!isValidSessionId(id)) return;
+  if (app.sessionId === id && app.events) return;
+  leaveSession();
+  app.sessionId = id;
   try {
     localStorage.setItem(STORE_CURRENT, id);
   } catch {
@@ -134,16 +153,8 @@ export function selectSession(id, { updateHash = true } = {}) {
   }
   rememberSession(id);
   showNotice("");
-  clearTranscript();
-  ui.log.replaceChildren();
-  renderSessionFacts(null);
-  setState("unknown");
-  renderGauge();
-  renderCompacting();
-  ui.compactStatus.textContent = "";
   setComposerEnabled(true);
   setExportLinks(id);
-  ui.timeline.replaceChildren();
   connectEvents(id);
   loadSession();
 }
@@ -184,12 +195,13 @@ export async function loadSession({ messages = true } = {}) {
   if (session.state && !app.busy) {
     app.phase = session.phase ?? session.state;
     renderState();
+    renderRetry();
   } else if (app.compacting !== wasCompacting) {
     renderState();
   }
   renderCompacting();
   const firstUser = (session.messages || []).find((m) => m.role === "user");
-  if (firstUser) rememberSession(id, firstUser.content.slice(0, 40));
+  if (firstUser) rememberSession(id, labelOf(firstUser.content));
 }
 
 // Coalesces refreshes asked for by a burst of live events.
@@ -241,25 +253,37 @@ export async function deleteSession() {
   const ok = window.confirm("Delete this session for good? Its whole transcript, summary and "
     + "queued messages are removed; this cannot be undone.");
   if (!ok) return;
+  // Before the deletion ends its stream: the message would go back into the
+  // composer, and the turn's end read a session no longer there.
+  abandonAnswer();
   try {
     await requestJson(API.session(id), { method: "DELETE" });
   } catch (err) {
     if (err.status !== 404) {
       showNotice(`Could not delete the session: ${err.message}`);
+      loadSession(); // the answer no longer read shows once it is stored
       return;
     }
   }
   forgetSession(id);
   disconnectEvents();
+  leaveSession();
   app.sessionId = null;
-  app.items = [];
-  app.older = null;
-  clearTranscript();
-  ui.timeline.replaceChildren();
-  renderSessionFacts(null);
+  forgetCurrentSession(id);
   setComposerEnabled(false);
+  setExportLinks(null);
   history.replaceState(null, "", "#");
   showNotice(`Session ${id} was deleted.`);
+}
+
+// A reload is not to open a deleted session again (and report it missing),
+// unless another tab has made another session its current one meanwhile.
+function forgetCurrentSession(id) {
+  try {
+    if (localStorage.getItem(STORE_CURRENT) === id) localStorage.removeItem(STORE_CURRENT);
+  } catch {
+    // storage disabled: nothing was kept
+  }
 }
 
 function setExportLinks(id) {
