@@ -659,7 +659,8 @@ EMOJI_AT_THE_CUT = "a" * 39 + "😀" + " and the rest of the message"
 WHOLE_LABEL = "a" * 39 + "😀"
 LABEL_IS = """([id, label]) => JSON.parse(localStorage.getItem("chat.sessions") || "[]")
   .some((s) => s.id === id && s.label === label)
-  && document.querySelector(`#session-select option[value="${id}"]`).textContent.startsWith(label)"""
+  && document.querySelector(`#session-select option[value="${id}"]`)
+    .textContent.startsWith(label)"""
 
 
 def test_a_session_label_never_ends_in_half_an_emoji(

@@ -138,6 +138,7 @@ async def streams_one_numbering(http: httpx.AsyncClient, sid: str) -> None:
     assert [d["index"] for d in tokens] == list(range(len(tokens)))
     text = "".join(str(d["text"]) for d in tokens)
     assert text.startswith("Let me check") and text.endswith(str(events[-1][1]["reply"]))
+    assert text.startswith("Let me check\n\ntool results: ")  # each call's text apart
     assert str(events[-1][1]["reply"]).startswith("tool results: ")
 
 

@@ -77,6 +77,10 @@ from services.shared.nats_away import NATS_AWAY
 from services.shared.sessions import SessionNotFound, SessionStore
 
 log = structlog.get_logger()
+# Streamed between one model call's text and the next's, after tool calls: the
+# text written before calling a tool ("Let me check.") and the answer written
+# with its result ran together as one sentence. Not part of what is stored.
+ROUND_BREAK = "\n\n"
 Messages = list[dict[str, Any]]
 FollowUp = Callable[[], Coroutine[Any, Any, None]]
 
@@ -350,6 +354,8 @@ class TurnRunner:
             call = ChatMessage(role="assistant", content=result.content,
                                tool_calls=result.tool_calls, query_id=turn.query_id)
             turn.messages, rounds = [*turn.messages, call, *ran], rounds + 1
+            if stream is not None and result.content:  # the next call's text, apart from this
+                await stream.send(ROUND_BREAK)
 
     def _turn_stream(self, env: Envelope[Query], head: HeadStart | None) -> TokenStream | None:
         """One numbering for all the model calls of a turn: a call after a tool
