@@ -727,8 +727,10 @@ async def test_after_a_compaction_a_count_without_the_cached_system_prompt_is_no
     assert stats["max_prompt_tokens"] <= NUM_CTX - 256
 
 
+@pytest.mark.parametrize("turns_before", [0, 1])
 async def test_with_automatic_compaction_off_a_compaction_asked_for_frees_a_full_session(
-    private_nats: NatsServer, stub: str, start: Callable[..., httpx.AsyncClient]
+    private_nats: NatsServer, stub: str, start: Callable[..., httpx.AsyncClient],
+    turns_before: int,
 ) -> None:
     """Automatic compaction off, one answer that wrote all it could: every
     message after it was refused with the advice to compact, and that
@@ -737,6 +739,7 @@ async def test_with_automatic_compaction_off_a_compaction_asked_for_frees_a_full
     fewer turns raw, down to none."""
     http = start(services=("generator", "gateway"), **SMALL_WINDOW)
     sid = await create(http, auto_compact=False)
+    await chat(http, sid, turns_before, filler=10)  # kept raw, it would leave the long one too
     long = await http.post(f"/api/sessions/{sid}/messages",
                            json={"content": "tell me everything !long 100000"})
     assert long.status_code == 200, long.text

@@ -56,6 +56,7 @@ from services.core.splice import (
 )
 from services.core.splice import first_user_request as first_request_of
 from services.core.state_machine import Action, CompactionMode, IllegalTransition
+from services.core.summary_prompt import MINIMAL_SUMMARY
 from services.core.text_size import prompt_size
 from services.core.tokens import (
     Calibration,
@@ -294,21 +295,26 @@ class Compactor:
     def _plan_for(self, job: Job, record: SessionRecord, conversation: Conversation,
                   tokens: int) -> CompactionPlan:
         """The level's plan; but one asked for by a person, on a context past
-        the emergency line, keeps fewer turns raw, down to none: with
-        automatic compaction off, a long last answer left every message
-        refused (compact, said the refusal) and this compaction skipped."""
-        try:
+        the emergency line, keeps only as many turns raw as leave the context
+        below it (down to none): with automatic compaction off, a long answer
+        kept raw left every message refused (compact, said the refusal) and
+        this compaction skipped or of no help."""
+        line = EMERGENCY_FRACTION * prompt_budget(record.window(self._settings.num_ctx),
+                                                  self._settings.output_headroom)
+        if job.auto or tokens < line:
             return self._plan(conversation, job.level)
-        except CompactionSkipped:
-            budget = prompt_budget(record.window(self._settings.num_ctx),
-                                   self._settings.output_headroom)
-            if job.auto or tokens < EMERGENCY_FRACTION * budget:
-                raise
-        for tail in (1, 0):
-            plan = plan_compaction(conversation, tail)
-            if plan is not None:
-                return plan
-        raise CompactionSkipped("nothing to compact")
+        level_tail = tail_turns_for(CoreLevel(job.level), self._settings.compaction_tail_turns)
+        plans = [plan for tail in sorted({level_tail, 1, 0}, reverse=True)
+                 if (plan := plan_compaction(conversation, tail)) is not None]
+        if not plans:
+            raise CompactionSkipped("nothing to compact")
+        fitting = (p for p in plans if self._best_case_tokens(record, p) < line)
+        return next(fitting, plans[-1])  # else the one keeping the fewest
+
+    def _best_case_tokens(self, record: SessionRecord, plan: CompactionPlan) -> int:
+        """The context after `plan` with the smallest summary it could get."""
+        kept = plan.snapshot.messages[plan.boundary:]
+        return self.tokens(record, Conversation(summary=MINIMAL_SUMMARY, messages=kept))
 
     def _plan(self, conversation: Conversation, level: Level,
               tail_turns: int | None = None) -> CompactionPlan:
