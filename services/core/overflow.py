@@ -86,9 +86,11 @@ def cut_tool_results(pending: Sequence[ChatMessage], fits: Callable[[Sequence[Ch
 
 def _emptied(result: ChatMessage) -> ChatMessage:
     """A result cut to its marker, or left whole when the marker is not the
-    shorter: a short result (a count, an "ok") would only grow, leaving the
-    older results less room and the model less to go on."""
+    smaller: a short result (a count, an "ok") would only grow, leaving the
+    older results less room and the model less to go on. Sized in UTF-8
+    bytes, nearer tokens than characters are: forty Chinese characters cost
+    more than the marker's fifty-odd ASCII ones."""
     marker = cut_text(result.content, 0)
-    if len(marker) >= len(result.content):
+    if len(marker.encode()) >= len(result.content.encode()):
         return result
     return result.model_copy(update={"content": marker})

@@ -116,3 +116,17 @@ def test_a_short_result_is_never_swapped_for_a_longer_marker() -> None:
         ChatMessage(role="tool", tool_name="wc", content="60000")]
     cut = cut_tool_results(counted, lambda t: fits(render_messages("", Conversation(), t)))
     assert cut is not None and cut[-1].content == "60000"
+
+
+def test_a_short_result_in_a_dense_script_is_still_swapped_for_the_marker() -> None:
+    """Fewer characters than the marker, but three bytes each: dearer than it."""
+    dense = "字" * 40
+    turn = [*turn_with_results(60_000), ChatMessage(
+        role="assistant", content="", tool_calls=(ToolCall(name="look"),)),
+        ChatMessage(role="tool", tool_name="look", content=dense)]
+
+    def fits_only_without_it(t: list[ChatMessage]) -> bool:  # as if it alone were too dear
+        return fits(render_messages("", Conversation(), t)) and t[-1].content != dense
+
+    emptied = cut_tool_results(turn, fits_only_without_it)
+    assert emptied is not None and "left out here" in emptied[-1].content
