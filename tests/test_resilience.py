@@ -551,37 +551,37 @@ async def test_a_message_sent_while_nats_is_away_waits_for_it(
 
 async def test_reads_a_new_session_and_a_compaction_wait_for_nats_as_a_message_does(
         private_nats: NatsServer, stub_url: str) -> None:
-    """Only a message was patient: a read, a new session or a compaction asked
+    """Only a message was patient: a read, a new session, a compaction or a retry asked
     for while NATS was away answered 503 after NATS's own 5 s, well inside
     NATS_AWAY_PATIENCE_S, and a new session stored all the same was a
     duplicate once the caller tried again."""
     with running_system(private_nats.url, stub_url, {"NATS_AWAY_PATIENCE_S": "120"},
                         services=("generator", "gateway")) as system:
         async with system.http(timeout=120) as http:
-            sid = (await http.post("/api/sessions", json={})).json()["session_id"]
-            assert (await http.post(f"/api/sessions/{sid}/messages",
-                                    json={"content": "before"})).status_code == 200
+            sid, other = [(await http.post("/api/sessions", json={})).json()["session_id"]
+                          for _ in range(2)]
+            for session in (sid, other):
+                assert (await http.post(f"/api/sessions/{session}/messages",
+                                        json={"content": "before"})).status_code == 200
             private_nats.stop()
             asked = [asyncio.create_task(http.get("/api/sessions")),
                      asyncio.create_task(http.get(f"/api/sessions/{sid}")),
                      asyncio.create_task(http.get(f"/api/sessions/{sid}/transcript")),
                      asyncio.create_task(http.post("/api/sessions", json={})),
-                     asyncio.create_task(http.post(f"/api/sessions/{sid}/compact"))]
+                     asyncio.create_task(http.post(f"/api/sessions/{sid}/compact")),
+                     asyncio.create_task(http.post(f"/api/sessions/{other}/retry"))]
             gateway = system["gateway"]
 
             def waiting() -> bool:
                 log = gateway.log()
                 return all(task.done() for task in asked) or all(event in log for event in (
-                    "read_tried_again", "session_create_tried_again"))
+                    "read_tried_again", "session_create_tried_again", "retry_read_tried_again"))
 
             await eventually(waiting, "the gateway waiting for NATS", 60)
             private_nats.start()
-            listed, read, transcript, created, compact = [await task for task in asked]
-            assert [r.status_code for r in (listed, read, transcript, created, compact)] == [
-                200, 200, 200, 201, 202], [r.text for r in asked_results(asked)]
+            answers = [await task for task in asked]
+            assert [r.status_code for r in answers] == [200, 200, 200, 201, 202, 200], [
+                r.text for r in answers]
             sessions = (await http.get("/api/sessions")).json()["sessions"]
-    assert len(sessions) == 2  # the one made while away, once
+    assert len(sessions) == 3  # the one made while away, once
 
-
-def asked_results(tasks: list[asyncio.Task[httpx.Response]]) -> list[httpx.Response]:
-    return [task.result() for task in tasks]

@@ -123,10 +123,12 @@ class Api:
         leader electing), so that 503 comes only after NATS_AWAY_PATIENCE_S,
         as for a message; a read is safe to run again."""
         async def patient_read(request: Request) -> Response:
-            return await self._patiently(lambda: read(request), "read_tried_again")
+            return await self.patiently(lambda: read(request), "read_tried_again")
         return patient_read
 
-    async def _patiently(self, attempt: Callable[[], Awaitable[T]], event: str) -> T:
+    async def patiently(self, attempt: Callable[[], Awaitable[T]], event: str) -> T:
+        """`attempt`, tried again while NATS is away, for NATS_AWAY_PATIENCE_S
+        or until the gateway stops; logged as `event` each time."""
         return await patiently(attempt, self._settings.nats_away_patience_s, event,
                                pause=self._replies.stopping_within)
 
@@ -134,7 +136,7 @@ class Api:
         body = await parse_body(request, CreateSession, optional=True)
         record = SessionRecord(session_id=uuid.uuid4().hex, system=body.system,
                                model=body.model, auto_compact=body.auto_compact)
-        await self._patiently(lambda: self._create(record), "session_create_tried_again")
+        await self.patiently(lambda: self._create(record), "session_create_tried_again")
         return JSONResponse({"session_id": record.session_id}, status_code=201)
 
     async def _create(self, record: SessionRecord) -> None:
@@ -189,9 +191,9 @@ class Api:
     async def compact(self, request: Request) -> Response:
         sid = session_id_of(request)
         body = await parse_body(request, CompactBody, optional=True)
-        await self._patiently(lambda: self.require(sid), "session_read_tried_again")
+        await self.patiently(lambda: self.require(sid), "session_read_tried_again")
         request_id = new_id()  # offered again under one id, the stream keeps it once
-        await self._patiently(lambda: self._bus.js_publish(
+        await self.patiently(lambda: self._bus.js_publish(
             subjects.COMPACTION_REQUEST,
             CompactionRequest(session_id=sid, auto=False, reason="requested by the user",
                               instructions=body.instructions),

@@ -8,8 +8,8 @@ it). No reply in time means nothing runs."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
-from typing import Protocol
+from collections.abc import Awaitable, Callable
+from typing import Protocol, TypeVar
 
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
@@ -25,6 +25,7 @@ from schemas.messages import Query, StopAccepted, StopRequest
 from services.core.retry import retry_point
 from services.core.state_machine import Phase
 from services.gateway.bodies import parse_body
+from services.gateway.errors import HttpError
 from services.shared.bus import BadMessage, Bus, decode
 from services.shared.history_store import HistoryStore
 
@@ -32,12 +33,15 @@ from services.shared.history_store import HistoryStore
 # generator answers from its event loop at once; silence means none runs it.
 STOP_ANSWER_S = 1.0
 QUIET_PHASES = (Phase.idle.value, Phase.error.value)
+T = TypeVar("T")
 # A bound on the queued queries read for one session's retry.
 MAX_QUEUED_READ = 256
 
 
 class Answers(Protocol):
     async def require(self, sid: str) -> None: ...
+
+    async def patiently(self, attempt: Callable[[], Awaitable[T]], event: str) -> T: ...
 
     async def state(self, sid: str) -> dict[str, str]: ...
 
@@ -92,20 +96,27 @@ class Controls:
 
     async def retry(self, request: Request) -> Response:
         sid = self._session_id_of(request)
-        await self._answers.require(sid)
-        conversation = (await self._history.read(sid)).conversation
         ours = self._query_id_of(request, sid, True)
-        done = ours is not None and conversation.answered(sid, ours) is not None
-        if not done and await self._busy(sid, conversation, ours):
-            return conflict("turn_running", "the session is answering a message; stop it or "
-                            "wait for its answer, then retry")
-        point = retry_point(conversation)
-        if point is None:
-            return conflict("nothing_to_retry", "the session has no user message left to "
-                            "answer again (none yet, or folded into the summary)")
-        question = point.context.messages[-1].content
+        # Reads only: tried again while NATS is away, as a message's are.
+        question = await self._answers.patiently(lambda: self._question_to_retry(sid, ours),
+                                                 "retry_read_tried_again")
         return await self._answers.answer(request, Query(session_id=sid, content=question,
                                                          retry=True))
+
+    async def _question_to_retry(self, sid: str, ours: str | None) -> str:
+        """The message a retry answers again; a 404 or 409 when there is none,
+        or the session is answering another."""
+        await self._answers.require(sid)
+        conversation = (await self._history.read(sid)).conversation
+        done = ours is not None and conversation.answered(sid, ours) is not None
+        if not done and await self._busy(sid, conversation, ours):
+            raise HttpError(conflict("turn_running", "the session is answering a message; "
+                                     "stop it or wait for its answer, then retry"))
+        point = retry_point(conversation)
+        if point is None:
+            raise HttpError(conflict("nothing_to_retry", "the session has no user message left "
+                                     "to answer again (none yet, or folded into the summary)"))
+        return point.context.messages[-1].content
 
     async def _busy(self, sid: str, conversation: Conversation, ours: str | None) -> bool:
         """A turn under way, or a query waiting for its turn in the queue; not
