@@ -624,6 +624,23 @@ def test_retry_stays_on_the_last_answer_after_a_compaction(watched: Watched) -> 
     assert page.locator("#messages .msg-failed").count() == 0
 
 
+def test_no_retry_once_a_compaction_folded_every_message(watched: Watched,
+                                                          system: System) -> None:
+    """A compaction that kept no message raw leaves no question to answer
+    again: Retry, offered past its marker, could only be refused."""
+    page = watched.page
+    create_session(page)
+    send(page, "tell me everything !long 100000")  # fills the window: past the emergency line
+    page.click("#compact-button")
+    playwright_api.expect(page.locator("#messages .msg-divider")).to_have_count(1)
+    playwright_api.expect(page.locator("#state-badge")).to_have_attribute("data-state", "idle")
+    sid = page.evaluate("localStorage.getItem('chat.currentSession')")
+    with system.client() as client:
+        kept = client.get(f"/api/sessions/{sid}").json()["messages"]
+        refused = client.post(f"/api/sessions/{sid}/retry")
+    assert kept == [] and refused.json()["error"]["code"] == "nothing_to_retry"
+    assert page.locator("#messages .retry-button").count() == 0
+
 HEBREW = "שלום, עולם!"
 DIRECTION = "node => getComputedStyle(node).direction"
 

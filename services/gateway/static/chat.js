@@ -208,10 +208,14 @@ function renderTranscript({ toEnd = false } = {}) {
 // Index of the answer Retry stands under: the last message, when it is an
 // assistant's answer (not a tool call). A compaction marker after it does not
 // count: a compaction changes the context, not the last answer, and /retry
-// still answers it.
+// still answers it; unless it kept no message raw, leaving no question to
+// answer again (409 nothing_to_retry).
 function retriableIndex(items) {
   let i = items.length - 1;
-  while (i >= 0 && items[i].kind === "compaction") i -= 1;
+  while (i >= 0 && items[i].kind === "compaction") {
+    if (!items[i].kept_messages) return -1;
+    i -= 1;
+  }
   const last = items[i];
   const answer = last?.kind === "message" && last.role === "assistant" && !last.tool_calls?.length;
   return answer ? i : -1;
