@@ -672,26 +672,28 @@ def test_right_to_left_text_runs_right_to_left(watched: Watched) -> None:
 
 
 # 39 letters and an emoji (two UTF-16 units): the 40th unit is half of it.
-EMOJI_AT_THE_CUT = "a" * 39 + "😀" + " and the rest of the message"
-WHOLE_LABEL = "a" * 39 + "😀"
 LABEL_IS = """([id, label]) => JSON.parse(localStorage.getItem("chat.sessions") || "[]")
   .some((s) => s.id === id && s.label === label)
   && document.querySelector(`#session-select option[value="${id}"]`)
     .textContent.startsWith(label)"""
 
 
+@pytest.mark.parametrize("emoji", ["😀", "🇫🇷"])
 def test_a_session_label_never_ends_in_half_an_emoji(
-        watched: Watched, system: System) -> None:
-    """Cut at 40 UTF-16 units, the label ended in a lone surrogate, shown as �."""
+        watched: Watched, system: System, emoji: str) -> None:
+    """Cut at 40 UTF-16 units, the label ended in a lone surrogate, shown as
+    �; cut at 40 code points, a flag ended as one of its two letters."""
+    message = "a" * 39 + emoji + " and the rest of the message"
+    label = "a" * 39 + emoji
     page = watched.page
     sid = create_session(page)
-    send(page, EMOJI_AT_THE_CUT)  # labelled as it is sent
-    page.wait_for_function(LABEL_IS, arg=[sid, WHOLE_LABEL])
+    send(page, message)  # labelled as it is sent
+    page.wait_for_function(LABEL_IS, arg=[sid, label])
     with system.client() as client:
         other = new_session(client)
-        assert ask(client, other, EMOJI_AT_THE_CUT).status_code == 200
+        assert ask(client, other, message).status_code == 200
     open_session(page, other)  # labelled as it is read
-    page.wait_for_function(LABEL_IS, arg=[other, WHOLE_LABEL])
+    page.wait_for_function(LABEL_IS, arg=[other, label])
 
 
 def test_retry_waits_while_the_session_answers_another_tabs_message(

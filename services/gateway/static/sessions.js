@@ -24,9 +24,15 @@ const MAX_KNOWN_SESSIONS = 50;
 const LABEL_CHARACTERS = 40;
 
 // A session's label in the picker: the start of its first message, cut
-// between characters, not UTF-16 units, which could split an emoji in two.
+// between the characters a person sees. Cut between UTF-16 units it split an
+// emoji in two; between code points, a flag or a family into its parts.
+const GRAPHEMES = typeof Intl.Segmenter === "function" ? new Intl.Segmenter(undefined, { granularity: "grapheme" }) : null;
+
 export function labelOf(content) {
-  return Array.from(content).slice(0, LABEL_CHARACTERS).join("");
+  const characters = GRAPHEMES
+    ? Array.from(GRAPHEMES.segment(content), (part) => part.segment)
+    : Array.from(content);
+  return characters.slice(0, LABEL_CHARACTERS).join("");
 }
 
 function knownSessions() {
