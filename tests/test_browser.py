@@ -755,6 +755,9 @@ def test_deleting_the_session_shown_leaves_nothing_of_it_behind(
     composer = page.locator("#message-input")
     playwright_api.expect(composer).to_be_disabled()
     playwright_api.expect(composer).to_have_value("")
+    # A read of the session already on its way when the delete landed is
+    # answered 404, which the page lets go; the browser logs it all the same.
+    watched.problems[:] = [p for p in watched.problems if "status of 404" not in p]
     page.reload()
     playwright_api.expect(page.locator("#empty-hint")).to_contain_text("Create a session")
     playwright_api.expect(page.locator("#notice")).to_be_hidden()

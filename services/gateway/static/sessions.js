@@ -260,19 +260,22 @@ export async function deleteSession() {
     + "queued messages are removed; this cannot be undone.");
   if (!ok) return;
   // Before the deletion ends its stream: the message would go back into the
-  // composer, and the turn's end read a session no longer there.
+  // composer, and the turn's end read a session no longer there. Its live
+  // events too: each asked for a read of the session, answered 404.
   abandonAnswer();
+  disconnectEvents();
+  clearTimeout(app.refreshTimer);
   try {
     await requestJson(API.session(id), { method: "DELETE" });
   } catch (err) {
     if (err.status !== 404) {
       showNotice(`Could not delete the session: ${err.message}`);
+      connectEvents(id);
       loadSession(); // the answer no longer read shows once it is stored
       return;
     }
   }
   forgetSession(id);
-  disconnectEvents();
   leaveSession();
   app.sessionId = null;
   forgetCurrentSession(id);
