@@ -643,6 +643,10 @@ def test_no_retry_once_a_compaction_folded_every_message(watched: Watched,
 
 HEBREW = "שלום, עולם!"
 DIRECTION = "node => getComputedStyle(node).direction"
+LAST_DIRECTION_IS = """([selector, want]) => {
+  const node = [...document.querySelectorAll(`#messages ${selector}`)].at(-1);
+  return node !== undefined && getComputedStyle(node).direction === want;
+}"""
 
 
 def test_right_to_left_text_runs_right_to_left(watched: Watched) -> None:
@@ -660,11 +664,13 @@ def test_right_to_left_text_runs_right_to_left(watched: Watched) -> None:
     send(page, HEBREW)
     user = page.locator("#messages .msg-user .msg-text").last
     playwright_api.expect(user).to_have_text(HEBREW)
-    assert user.evaluate(DIRECTION) == "rtl"
+    # Read as the list stands once drawn again: a bubble read while the
+    # transcript was redrawn was already detached, its direction "".
+    page.wait_for_function(LAST_DIRECTION_IS, arg=[".msg-user .msg-text", "rtl"])
     # Each text takes its own direction: the answer begins in Latin letters.
     answer = page.locator("#messages .msg-assistant .msg-text").last
     playwright_api.expect(answer).to_have_text(re.compile(r"^Echo: "))
-    assert answer.evaluate(DIRECTION) == "ltr"
+    page.wait_for_function(LAST_DIRECTION_IS, arg=[".msg-assistant .msg-text", "ltr"])
     texts = page.locator(".msg-text, .pre-text")
     assert texts.count() >= 4
     for n in range(texts.count()):
