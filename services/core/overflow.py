@@ -35,11 +35,17 @@ def best_case_prompt(system: str, conversation: Conversation, pending: Sequence[
     """The smallest prompt a compaction keeping `tail_turns` turns raw could
     leave: a minimal summary in place of everything before its boundary (the
     prompt as it is when nothing lies before it)."""
+    return render_messages(system, best_case(conversation, tail_turns), pending)
+
+
+def best_case(conversation: Conversation, tail_turns: int) -> Conversation:
+    """The conversation a compaction keeping `tail_turns` turns raw could
+    leave at the least: a minimal summary in place of everything before its
+    boundary (the conversation as it is when nothing lies before it)."""
     boundary = choose_boundary(conversation.messages, tail_turns)
     if boundary == 0:
-        return render_messages(system, conversation, pending)
-    kept = Conversation(summary=MINIMAL_SUMMARY, messages=conversation.messages[boundary:])
-    return render_messages(system, kept, pending)
+        return conversation
+    return Conversation(summary=MINIMAL_SUMMARY, messages=conversation.messages[boundary:])
 
 
 def cut_tool_output(pending: Sequence[ChatMessage], fits: FitsShare

@@ -39,6 +39,7 @@ from services.core.boundary import tail_turns_for
 from services.core.context import next_prompt_tokens
 from services.core.decision import EMERGENCY_FRACTION
 from services.core.decision import Level as CoreLevel
+from services.core.overflow import best_case
 from services.core.pieces import (
     NothingFits,
     Piece,
@@ -56,7 +57,6 @@ from services.core.splice import (
 )
 from services.core.splice import first_user_request as first_request_of
 from services.core.state_machine import Action, CompactionMode, IllegalTransition
-from services.core.summary_prompt import MINIMAL_SUMMARY
 from services.core.text_size import prompt_size
 from services.core.tokens import (
     Calibration,
@@ -304,17 +304,13 @@ class Compactor:
         if job.auto or tokens < line:
             return self._plan(conversation, job.level)
         level_tail = tail_turns_for(CoreLevel(job.level), self._settings.compaction_tail_turns)
-        plans = [plan for tail in sorted({level_tail, 1, 0}, reverse=True)
+        plans = [(tail, plan) for tail in sorted({level_tail, 1, 0}, reverse=True)
                  if (plan := plan_compaction(conversation, tail)) is not None]
         if not plans:
             raise CompactionSkipped("nothing to compact")
-        fitting = (p for p in plans if self._best_case_tokens(record, p) < line)
-        return next(fitting, plans[-1])  # else the one keeping the fewest
-
-    def _best_case_tokens(self, record: SessionRecord, plan: CompactionPlan) -> int:
-        """The context after `plan` with the smallest summary it could get."""
-        kept = plan.snapshot.messages[plan.boundary:]
-        return self.tokens(record, Conversation(summary=MINIMAL_SUMMARY, messages=kept))
+        fitting = (plan for tail, plan in plans
+                   if self.tokens(record, best_case(conversation, tail)) < line)
+        return next(fitting, plans[-1][1])  # else the one keeping the fewest
 
     def _plan(self, conversation: Conversation, level: Level,
               tail_turns: int | None = None) -> CompactionPlan:
