@@ -13,7 +13,6 @@ from typing import Protocol, TypeVar
 
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
-from nats.js.errors import NotFoundError
 from pydantic import BaseModel, ConfigDict
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -28,6 +27,7 @@ from services.gateway.bodies import parse_body
 from services.gateway.errors import HttpError
 from services.shared.bus import BadMessage, Bus, decode
 from services.shared.history_store import HistoryStore
+from services.shared.jetstream import queued_queries
 
 # How long the process running the answer has to say it is stopping it. A
 # generator answers from its event loop at once; silence means none runs it.
@@ -136,15 +136,9 @@ class Controls:
         """The ids of the session's queries in the queue, oldest first (a
         session has few: each waits for the one before it)."""
         queued: list[str] = []
-        seq = 1
-        while len(queued) < MAX_QUEUED_READ:
-            try:
-                msg = await self._bus.js.get_msg(
-                    subjects.QUERIES_STREAM, seq=seq, subject=subjects.query(sid), next=True,
-                    direct=self._bus.fresh_reads_direct)
-            except NotFoundError:
-                break
-            seq = (msg.seq or seq) + 1
+        async for msg in queued_queries(self._bus.js, sid, self._bus.fresh_reads_direct):
             with contextlib.suppress(BadMessage):  # not a query any generator will answer
                 queued.append(decode(msg.data or b"", Query, subjects.query(sid)).message_id)
+            if len(queued) >= MAX_QUEUED_READ:
+                break
         return queued

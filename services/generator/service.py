@@ -22,7 +22,6 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig
-from nats.js.errors import NotFoundError
 
 from schemas import subjects
 from schemas.envelope import Envelope
@@ -44,7 +43,7 @@ from services.shared import metrics
 from services.shared.bus import MSG_ID_HEADER, Bus
 from services.shared.consumer import Delivery, PullLoop, ensure_consumer
 from services.shared.history_store import HistoryConflict, HistoryStore
-from services.shared.jetstream import NO_ROOM, locks_bucket, no_room
+from services.shared.jetstream import NO_ROOM, locks_bucket, no_room, queued_queries
 from services.shared.live_config import LiveSettings
 from services.shared.nats_away import NATS_AWAY
 from services.shared.query_errors import QueryErrors
@@ -558,24 +557,17 @@ class Generator:
 
     async def _earlier_query_pending(self, sid: str, msg: Msg) -> int | None:
         """The stream sequence of the session's oldest query before this one
-        that is still to be answered, if any."""
-        ours, start = msg.metadata.sequence.stream, 1
-        while True:
-            try:
-                oldest = await self._bus.js.get_msg(
-                    subjects.QUERIES_STREAM, seq=start, subject=subjects.query(sid), next=True,
-                    direct=self._bus.fresh_reads_direct,
-                )
-            except NotFoundError:
-                return None
+        that is still to be answered, if any (one acknowledged here may not yet
+        be dropped by the server)."""
+        ours = msg.metadata.sequence.stream
+        async for oldest in queued_queries(self._bus.js, sid, self._bus.fresh_reads_direct):
             seq = int(oldest.seq or 0)
             if seq >= ours:
                 return None
             if not await self._answered.acknowledged(
                     seq, (oldest.headers or {}).get(MSG_ID_HEADER)):
                 return seq
-            start = seq + 1  # acknowledged here, not yet dropped by the server
-
+        return None
 
 def work_queue_consumer(durable: str, subject: str, ack_wait_s: float) -> ConsumerConfig:
     """The durable consumer every generator process shares on a work queue."""

@@ -16,11 +16,14 @@ rather than fail, until the layout is made again.
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+
 import structlog
 from nats.js import JetStreamContext
 from nats.js.api import (
     DiscardPolicy,
     KeyValueConfig,
+    RawStreamMsg,
     RetentionPolicy,
     StorageType,
     StreamConfig,
@@ -279,3 +282,17 @@ async def _bucket(js: JetStreamContext, config: KeyValueConfig) -> KeyValue:
         if err.err_code != NAME_IN_USE:
             raise
         return await js.key_value(config.bucket)  # another service made it meanwhile
+
+
+async def queued_queries(js: JetStreamContext, sid: str, direct: bool,
+                         start: int = 1) -> AsyncIterator[RawStreamMsg]:
+    """The session's queries still in the QUERIES stream, oldest first, from
+    sequence `start`: each read is the next one of the session's subject."""
+    while True:
+        try:
+            msg = await js.get_msg(s.QUERIES_STREAM, seq=start, subject=s.query(sid),
+                                   next=True, direct=direct)
+        except NotFoundError:
+            return
+        yield msg
+        start = int(msg.seq or start) + 1
