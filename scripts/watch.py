@@ -22,7 +22,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 from nats.aio.msg import Msg
 from rich.console import Console
@@ -35,7 +34,7 @@ from scripts.terminal_text import shown
 from services.shared.bus import connect, parse_json, round_trip
 from services.shared.logging import configure_logging
 from services.shared.runner import main as run_main
-from services.shared.settings import ServiceSettings, nats_servers, shown_url
+from services.shared.settings import ServiceSettings, shown_url, url_has_credentials
 
 STYLES = {"chat": "cyan", "generator": "magenta", "response": "green",
           "compaction": "yellow", "tool": "blue", "system": "bold red"}
@@ -207,14 +206,6 @@ class Printer:
             sys.stdout.flush()
         else:
             self._console.print(describe(msg.subject, msg.data).text(), soft_wrap=True)
-
-
-def url_has_credentials(url: str) -> bool:
-    """Whether a server `url` lists names a user, password or token of its
-    own, which nats-py sends when it is given no credentials."""
-    parts = (urlsplit(server if "://" in server else f"nats://{server}")
-             for server in nats_servers(url))
-    return any(part.username or part.password for part in parts)
 
 
 def credentials(settings: ServiceSettings, kept: Path) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import SplitResult, urlsplit, urlunsplit
 
 import yaml
 from pydantic import Field, SecretStr, field_validator
@@ -98,15 +98,29 @@ def nats_servers(url: str) -> list[str]:
     return servers
 
 
+def url_has_credentials(url: str) -> bool:
+    """Whether a server `url` lists names a user, password or token of its
+    own, which nats-py sends when it is given no credentials."""
+    return any(_names_credentials(_parts(server)) for server in nats_servers(url))
+
+
 def shown_url(url: str) -> str:
     """`NATS_URL` as it may be logged: a password or token in it (allowed,
     for a NATS of one's own) would go into every log that keeps the line."""
     return ",".join(_without_secret(server) for server in nats_servers(url))
 
 
+def _parts(server: str) -> SplitResult:
+    return urlsplit(server if "://" in server else f"nats://{server}")
+
+
+def _names_credentials(parts: SplitResult) -> bool:
+    return bool(parts.username or parts.password)
+
+
 def _without_secret(server: str) -> str:
-    parts = urlsplit(server if "://" in server else f"nats://{server}")
-    if not (parts.username or parts.password):
+    parts = _parts(server)
+    if not _names_credentials(parts):
         return server
     user = f"{parts.username}:***" if parts.password else "***"
     host = parts.netloc.rpartition("@")[2]
