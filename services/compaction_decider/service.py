@@ -50,7 +50,7 @@ from services.shared import metrics
 from services.shared.bus import Bus
 from services.shared.consumer import PullLoop, ensure_consumer
 from services.shared.live_config import LiveSettings
-from services.shared.nats_away import NATS_AWAY
+from services.shared.nats_away import NATS_AWAY, patiently
 from services.shared.recent import Recent
 from services.shared.runner import Endpoint
 
@@ -264,14 +264,12 @@ class Decider:
         its crowded prompt called for. Waited for a bounded while only."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + RESULTS_BACKLOG_WAIT_S
-        while loop.time() < deadline:
-            try:
-                info = await self._bus.js.consumer_info(subjects.RESULTS_STREAM,
-                                                        RESULTS_CONSUMER)
-            except NATS_AWAY as err:  # an election, a reconnect: asked again
-                log.warning("results_backlog_unknown", error=type(err).__name__)
-                await asyncio.sleep(0.5)
-                continue
+        while (left := deadline - loop.time()) > 0:
+            try:  # an election, a reconnect: asked again, as any read while NATS is away
+                info = await patiently(lambda: self._bus.js.consumer_info(
+                    subjects.RESULTS_STREAM, RESULTS_CONSUMER), left, "results_backlog_unknown")
+            except NATS_AWAY:
+                break
             if not info.num_pending and not info.num_ack_pending:
                 return
             self._result_read.clear()
