@@ -85,7 +85,10 @@ export function postTurn(url, body, key, signal) {
 // A fresh Idempotency-Key. Not crypto.randomUUID: a page served over plain
 // HTTP to another machine is no secure context, and has none.
 export function newKey() {
-  const bytes = crypto.getRandomValues(new Uint8Array(16));
+  return hex(crypto.getRandomValues(new Uint8Array(16)));
+}
+
+function hex(bytes) {
   return Array.from(bytes, (b) => b.toString(16).padStart(2, "0")).join("");
 }
 
@@ -96,8 +99,7 @@ export async function queryIdFor(sessionId, key, retry) {
   if (!crypto.subtle) return null;
   const named = `${sessionId}\n${retry ? "retry" : "message"}\n${key}`;
   const digest = await crypto.subtle.digest("SHA-256", new TextEncoder().encode(named));
-  const hex = Array.from(new Uint8Array(digest), (b) => b.toString(16).padStart(2, "0")).join("");
-  return hex.slice(0, 32);
+  return hex(new Uint8Array(digest)).slice(0, 32);
 }
 
 // The session's live events (GET /api/events), reconnected by the browser.
