@@ -9,6 +9,9 @@ under way (and stopped) for as long as a test needs."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
 
 import httpx
 import nats
@@ -28,7 +31,7 @@ from services.gateway.idempotency import (
 )
 from services.shared.query_errors import KeptError, digest
 from tests import slow_answers
-from tests.events import server_sent_events, watching
+from tests.events import Watcher, server_sent_events, watching
 from tests.nats_server import free_port
 from tests.slow_answers import LONG, SSE, create
 from tests.stub_server import stub_stats
@@ -336,15 +339,26 @@ async def stopped_once(http: httpx.AsyncClient) -> str:
     return sid
 
 
+@contextlib.asynccontextmanager
+async def retry_under_way(http: httpx.AsyncClient, nats_url: str, sid: str,
+                          headers: dict[str, str]
+                          ) -> AsyncIterator[tuple[Watcher, AsyncIterator[tuple[str, Any]]]]:
+    """A retry streamed under `headers`, its first token already come, and
+    the session's queries watched from before it was sent."""
+    url = f"/api/sessions/{sid}/retry"
+    async with watching(nats_url, subjects.query(sid)) as queries, \
+            http.stream("POST", url, headers={**headers, **SSE}) as running:
+        events = server_sent_events(running)
+        assert (await anext(events))[0] == "token"  # the retried answer is under way
+        yield queries, events
+
+
 async def test_a_retry_resent_while_it_runs_waits_for_that_answer(
     http: httpx.AsyncClient, nats_url: str,
 ) -> None:
     sid = await stopped_once(http)
     retry = {"Idempotency-Key": "long-retry"}
-    async with watching(nats_url, subjects.query(sid)) as queries, \
-            http.stream("POST", f"/api/sessions/{sid}/retry", headers={**retry, **SSE}) as running:
-        events = server_sent_events(running)
-        assert (await anext(events))[0] == "token"  # the retried answer is under way
+    async with retry_under_way(http, nats_url, sid, retry) as (queries, events):
         again = asyncio.create_task(http.post(f"/api/sessions/{sid}/retry", headers=retry))
         await queries.wait_until(lambda: len(queries.payloads()) == 2)
         assert (await http.post(f"/api/sessions/{sid}/stop")).status_code == 202
@@ -364,10 +378,7 @@ async def test_a_retry_resent_with_a_message_queued_behind_it_waits_for_its_answ
     connection's "Send again") was refused as `turn_running`."""
     sid = await stopped_once(http)
     retry = {"Idempotency-Key": "retry-before-a-message"}
-    async with watching(nats_url, subjects.query(sid)) as queries, \
-            http.stream("POST", f"/api/sessions/{sid}/retry", headers={**retry, **SSE}) as running:
-        events = server_sent_events(running)
-        assert (await anext(events))[0] == "token"
+    async with retry_under_way(http, nats_url, sid, retry) as (queries, events):
         later = asyncio.create_task(say(http, sid, "and then this", "queued-behind"))
         await queries.wait_until(lambda: len(queries.payloads()) == 2)
         again = asyncio.create_task(http.post(f"/api/sessions/{sid}/retry", headers=retry))
