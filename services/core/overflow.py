@@ -18,6 +18,7 @@ from schemas.history import ChatMessage, Conversation
 from services.core.boundary import choose_boundary
 from services.core.cutting import cut_content, cut_text
 from services.core.prompt import render_messages
+from services.core.splice import CompactionPlan, plan_compaction
 from services.core.summary_prompt import MINIMAL_SUMMARY
 
 # A tool result that must be cut is cut until the prompt takes at most this
@@ -46,6 +47,20 @@ def best_case(conversation: Conversation, tail_turns: int) -> Conversation:
     if boundary == 0:
         return conversation
     return Conversation(summary=MINIMAL_SUMMARY, messages=conversation.messages[boundary:])
+
+
+def relief_plan(conversation: Conversation, tails: Sequence[int],
+                fits: Callable[[Conversation], bool]) -> CompactionPlan | None:
+    """The plan keeping the most raw turns (of `tails`) whose best case fits;
+    when none does, the one keeping the fewest; None when no tail leaves
+    anything to compact. For a context past the emergency line, where the
+    usual raw tail could be all that fills it."""
+    plans = [(tail, plan) for tail in sorted(set(tails), reverse=True)
+             if (plan := plan_compaction(conversation, tail)) is not None]
+    if not plans:
+        return None
+    fitting = (plan for tail, plan in plans if fits(best_case(conversation, tail)))
+    return next(fitting, plans[-1][1])
 
 
 def cut_tool_output(pending: Sequence[ChatMessage], fits: FitsShare

@@ -39,7 +39,7 @@ from services.core.boundary import tail_turns_for
 from services.core.context import next_prompt_tokens
 from services.core.decision import EMERGENCY_FRACTION
 from services.core.decision import Level as CoreLevel
-from services.core.overflow import best_case
+from services.core.overflow import relief_plan
 from services.core.pieces import (
     NothingFits,
     Piece,
@@ -304,13 +304,11 @@ class Compactor:
         if job.auto or tokens < line:
             return self._plan(conversation, job.level)
         level_tail = tail_turns_for(CoreLevel(job.level), self._settings.compaction_tail_turns)
-        plans = [(tail, plan) for tail in sorted({level_tail, 1, 0}, reverse=True)
-                 if (plan := plan_compaction(conversation, tail)) is not None]
-        if not plans:
+        plan = relief_plan(conversation, (level_tail, 1, 0),
+                           lambda least: self.tokens(record, least) < line)
+        if plan is None:
             raise CompactionSkipped("nothing to compact")
-        fitting = (plan for tail, plan in plans
-                   if self.tokens(record, best_case(conversation, tail)) < line)
-        return next(fitting, plans[-1][1])  # else the one keeping the fewest
+        return plan
 
     def _plan(self, conversation: Conversation, level: Level,
               tail_turns: int | None = None) -> CompactionPlan:

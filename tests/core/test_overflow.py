@@ -4,8 +4,15 @@ from __future__ import annotations
 
 from schemas.history import ChatMessage, Conversation, ToolCall
 from services.core.decision import check_fit
-from services.core.overflow import CUT_TO_SHARE, best_case_prompt, cut_tool_output, cut_tool_results
+from services.core.overflow import (
+    CUT_TO_SHARE,
+    best_case_prompt,
+    cut_tool_output,
+    cut_tool_results,
+    relief_plan,
+)
 from services.core.prompt import render_messages
+from services.core.splice import CompactionPlan
 from services.core.summary_prompt import MINIMAL_SUMMARY
 from services.core.tokens import Calibration, estimate_prompt, prompt_budget
 
@@ -48,6 +55,43 @@ def test_a_message_that_fits_once_the_history_is_summarised() -> None:
 def test_with_nothing_before_the_last_turn_the_best_case_is_the_prompt_itself() -> None:
     short = Conversation(messages=(user("only"), answer("one")))
     assert best_case_prompt("", short, [user("z")], 1) == render_messages("", short, [user("z")])
+
+
+FOUR_TURNS = Conversation(messages=tuple(
+    m for i in range(4) for m in (user(f"q{i} " + "a" * 4000), answer(f"r{i} " + "b" * 4000))))
+
+
+def raw_turns(conversation: Conversation) -> int:
+    return sum(m.role == "user" for m in conversation.messages)
+
+
+def kept_raw(plan: CompactionPlan | None) -> int:
+    assert plan is not None
+    return raw_turns(Conversation(messages=plan.live))
+
+
+def test_relief_keeps_the_most_raw_turns_whose_best_case_fits() -> None:
+    assert kept_raw(relief_plan(FOUR_TURNS, (2, 1, 0), lambda least: True)) == 2
+    assert kept_raw(relief_plan(FOUR_TURNS, (2, 1, 0),
+                                lambda least: raw_turns(least) <= 1)) == 1
+
+
+def test_relief_keeps_the_fewest_when_no_best_case_fits() -> None:
+    assert kept_raw(relief_plan(FOUR_TURNS, (2, 1, 0), lambda least: False)) == 0
+
+
+def test_relief_weighs_the_best_case_a_compaction_could_leave() -> None:
+    seen: list[Conversation] = []
+    relief_plan(FOUR_TURNS, (1, 2), lambda least: bool(seen.append(least)))
+    assert [raw_turns(c) for c in seen] == [2, 1]  # the most kept raw asked first
+    assert all(c.summary == MINIMAL_SUMMARY for c in seen)
+
+
+def test_relief_with_the_whole_history_in_one_turn_compacts_it_all_or_nothing() -> None:
+    one = Conversation(messages=(user("only"), answer("one")))
+    assert kept_raw(relief_plan(one, (2, 1, 0), lambda least: True)) == 0
+    assert relief_plan(one, (2, 1), lambda least: True) is None
+    assert relief_plan(Conversation(), (2, 1, 0), lambda least: True) is None
 
 
 def turn_with_results(*sizes: int) -> list[ChatMessage]:
