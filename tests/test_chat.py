@@ -89,6 +89,13 @@ def test_a_conversation_with_a_compaction(system: System) -> None:
     assert "never sent" not in out
 
 
+def test_a_refused_compaction_is_said_and_the_chat_goes_on(system: System) -> None:
+    out = chat(system, ["first", "/compact " + "x" * 4001, "second"])
+    assert "compaction requested" not in out and "compacting…" not in out
+    assert "error: invalid_field: instructions: String should have at most 4000" in out
+    assert "Echo: second (turn 2)" in out
+
+
 def test_an_existing_session_goes_on_and_an_unknown_one_is_refused(system: System) -> None:
     first = chat(system, ["one"])
     sid = first.split("session ", 1)[1].split()[0]
