@@ -59,6 +59,13 @@ class ErrorCode(StrEnum):
     # message overtook.
     nothing_to_retry = "nothing_to_retry"
     retry_outdated = "retry_outdated"
+    # Answered before: by a compaction or a retry since, or by an error the
+    # query failed with on an earlier try (the gateway's records).
+    already_answered = "already_answered"
+    failed_before = "failed_before"
+    # NATS refused to keep the answer (its store is full), or did not answer.
+    storage_full = "storage_full"
+    nats_unavailable = "nats_unavailable"
 
 
 class Reply(Payload):

@@ -14,6 +14,8 @@ import math
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
+from schemas.messages import ErrorCode
+
 # After this many crashes of a query its caller gets `internal_error`.
 MAX_CRASHES = 3
 CRASH_PAUSE_S = 0.5
@@ -47,7 +49,7 @@ class TryAgain:
 
 @dataclass(frozen=True)
 class GiveUp:
-    code: str  # "internal_error", "nats_unavailable" or "storage_full"
+    code: ErrorCode  # internal_error, nats_unavailable or storage_full
 
 
 def after_failure(tries: Tries, failure: Failure, now: float, patience_s: float
@@ -56,16 +58,16 @@ def after_failure(tries: Tries, failure: Failure, now: float, patience_s: float
     NATS is waited out while `patience_s` has not passed since it first
     failed this query."""
     if failure is Failure.no_room:
-        return tries, GiveUp("storage_full")
+        return tries, GiveUp(ErrorCode.storage_full)
     if failure is Failure.crash:
         counted = replace(tries, crashes=tries.crashes + 1)
         if counted.crashes >= MAX_CRASHES:
-            return counted, GiveUp("internal_error")
+            return counted, GiveUp(ErrorCode.internal_error)
         return counted, TryAgain(CRASH_PAUSE_S)
     since = now if tries.away_since is None else tries.away_since
     counted = replace(tries, aways=tries.aways + 1, away_since=since)
     if now - since >= patience_s:
-        return counted, GiveUp("nats_unavailable")
+        return counted, GiveUp(ErrorCode.nats_unavailable)
     # The doubling stops at the longest pause: a float power overflows after
     # about a thousand tries, which a patience of a day reaches.
     doublings = min(counted.aways - 1, DOUBLINGS_TO_LONGEST)

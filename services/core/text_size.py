@@ -59,12 +59,6 @@ def extra_bytes(text: str) -> int:
     return len(text.encode("utf-8", "surrogatepass")) - len(text)
 
 
-def message_size(message: Mapping[str, Any]) -> Size:
-    """One rendered message as sent (as `prompt.message_chars` counts it)."""
-    chars, extra = _weigh((message,))
-    return Size(chars, extra, 1)
-
-
 def _weigh(messages: Iterable[Mapping[str, Any]]) -> tuple[int, int]:
     """Characters (framing included) and extra bytes of rendered messages.
     One loop with nothing made per message: every turn weighs its whole

@@ -12,7 +12,6 @@ or nothing out.
 from __future__ import annotations
 
 import hmac
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 # Hosts a browser uses for this machine; a wildcard bind adds nothing.
@@ -176,6 +175,3 @@ def bearer(authorization: str | None) -> str | None:
     scheme, _, value = (authorization or "").partition(" ")
     return value.strip() or None if scheme.lower() == "bearer" else None
 
-
-def cookie_value(cookies: Iterable[tuple[str, str]], name: str = TOKEN_COOKIE) -> str | None:
-    return next((value for key, value in cookies if key == name), None)

@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from schemas import subjects
-from schemas.messages import Query, Reply
+from schemas.messages import ErrorCode, Query, Reply
 from services.gateway import idempotency
 from services.gateway.errors import STOPPING, STORAGE_FULL, HttpError, error, nats_away
 from services.gateway.live import KEEPALIVE_S
@@ -34,24 +34,25 @@ from services.shared.history_store import HistoryStore
 from services.shared.jetstream import no_room
 from services.shared.nats_away import NATS_AWAY, patiently
 
-# Generator error codes -> HTTP status.
-ERROR_STATUS = {
-    "unknown_session": 404,
-    "context_overflow": 413,
-    "compacting": 409,
-    "already_answered": 409,
-    "failed_before": 409,
-    "unreachable": 502,
-    "provider_error": 502,
-    "empty_reply": 502,
+# The HTTP status of each error a reply may carry (another's code reads as 500).
+ERROR_STATUS: dict[str, int] = {
+    ErrorCode.unknown_session: 404,
+    ErrorCode.context_overflow: 413,
+    ErrorCode.compacting: 409,
+    ErrorCode.already_answered: 409,
+    ErrorCode.failed_before: 409,
+    ErrorCode.unreachable: 502,
+    ErrorCode.provider_error: 502,
+    ErrorCode.empty_reply: 502,
     # Ollama's own status for a model it has not pulled.
-    "model_not_found": 404,
-    "timeout": 504,
-    "tool_loop_limit": 502,
-    "nothing_to_retry": 409,
-    "retry_outdated": 409,
-    "storage_full": 507,
-    "nats_unavailable": 503,
+    ErrorCode.model_not_found: 404,
+    ErrorCode.timeout: 504,
+    ErrorCode.tool_loop_limit: 502,
+    ErrorCode.internal_error: 500,
+    ErrorCode.nothing_to_retry: 409,
+    ErrorCode.retry_outdated: 409,
+    ErrorCode.storage_full: 507,
+    ErrorCode.nats_unavailable: 503,
 }
 log = structlog.get_logger()
 # What a caller the gateway stopped waiting for may do (`reply_timeout`, not the

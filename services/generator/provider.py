@@ -44,7 +44,7 @@ class ModelTimeout(Exception):
 class ProviderError(Exception):
     """The model could not answer; `cause` is a short machine-readable tag."""
 
-    def __init__(self, cause: str, message: str) -> None:
+    def __init__(self, cause: ErrorCode, message: str) -> None:
         super().__init__(message)
         self.cause = cause
 
@@ -160,29 +160,28 @@ class OllamaProvider:
             async with turn(request.model) as started:
                 return await self._answer(body, request.watch_gaps, on_token, started)
         except ModelTimeout as err:
-            raise ProviderError("timeout", str(err)) from err
+            raise ProviderError(ErrorCode.timeout, str(err)) from err
         except (httpx.TransportError, ConnectionError) as err:
             raise self._unreachable(err) from err
         except ValidationError as err:  # e.g. a tool call without a usable name
             problem = err.errors(include_url=False, include_input=False)[0]
             where = ".".join(str(part) for part in problem["loc"]) or "(answer)"
-            raise ProviderError(
-                "provider_error", f"the model's answer could not be read: {where}: "
-                f"{problem['msg']}"
-            ) from err
+            raise ProviderError(ErrorCode.provider_error, "the model's answer could not be "
+                                f"read: {where}: {problem['msg']}") from err
 
     def _unreachable(self, err: Exception) -> ProviderError:
-        return ProviderError("unreachable", f"Ollama at {self._host} is unreachable: {err}")
+        return ProviderError(ErrorCode.unreachable, f"Ollama at {self._host} is unreachable: {err}")
 
     def _refused(self, model: str, err: ollama.ResponseError) -> ProviderError:
         if err.status_code == 404:
             return model_not_found(model)
         if err.status_code == -1:  # an error line in a stream under way, after a 200
-            return ProviderError("provider_error", f"Ollama failed during the answer: {err.error}")
+            return ProviderError(ErrorCode.provider_error,
+                                 f"Ollama failed during the answer: {err.error}")
         if err.status_code == 400 and any(words in err.error for words in WINDOW_EXCEEDED):
             return ProviderError(ErrorCode.context_overflow, "the model counted more tokens "
                                  f"than its window holds: {err.error}")
-        return ProviderError("provider_error",
+        return ProviderError(ErrorCode.provider_error,
                              f"Ollama answered HTTP {err.status_code}: {err.error}")
 
     def _body(self, request: ChatRequest, facts: ModelFacts) -> dict[str, Any]:
@@ -210,7 +209,7 @@ class OllamaProvider:
                 async with asyncio.timeout(self._limits.first_token_s):
                     return facts_from_show(await self._client.show(model))
             except TimeoutError as err:
-                raise ProviderError("timeout", f"Ollama did not describe {model} within "
+                raise ProviderError(ErrorCode.timeout, f"Ollama did not describe {model} within "
                                     f"{self._limits.first_token_s:g} s") from err
             except ollama.ResponseError as err:
                 if err.status_code == 404:

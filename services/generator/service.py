@@ -25,7 +25,7 @@ from nats.js.api import AckPolicy, ConsumerConfig
 
 from schemas import subjects
 from schemas.envelope import Envelope
-from schemas.messages import CompactionRequest, Query, Reply, StopAccepted, StopRequest
+from schemas.messages import CompactionRequest, ErrorCode, Query, Reply, StopAccepted, StopRequest
 from services.core.failed_tries import Failure, GiveUp, Tries, TryAgain, after_failure
 from services.core.state_machine import Action, CompactionMode
 from services.generator.arrival_order import ArrivalOrder, HandBacks
@@ -442,7 +442,7 @@ class Generator:
         other goes back to the stream, to try again in a second."""
         if blocked:
             await self._send_reply(delivery, env, self._error_reply(env, TurnError(
-                "compacting", "the session is being compacted (blocking mode); "
+                ErrorCode.compacting, "the session is being compacted (blocking mode); "
                 "try again when it is done")))
             return
         log.warning("session_lock_timeout")
@@ -548,7 +548,7 @@ class Generator:
     def _error_reply(self, env: Envelope[Query], err: Exception) -> Reply:
         sid = env.payload.session_id
         if isinstance(err, SessionNotFound):
-            code, text = "unknown_session", f"session {sid} does not exist"
+            code, text = ErrorCode.unknown_session, f"session {sid} does not exist"
         else:
             assert isinstance(err, TurnError)
             code, text = err.code, str(err)

@@ -88,7 +88,7 @@ FollowUp = Callable[[], Coroutine[Any, Any, None]]
 class TurnError(Exception):
     """The query cannot be answered; `code` and the message go to the caller."""
 
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: ErrorCode, message: str) -> None:
         super().__init__(message)
         self.code = code
 
@@ -271,12 +271,12 @@ class TurnRunner:
             turn.view = await self._history.append(turn.sid, turn.view,
                                                    [*turn.messages, answer], supersedes)
         except NATS_AWAY as err:
-            raise TurnError("nats_unavailable", "NATS did not take the answer for too long "
+            raise TurnError(ErrorCode.nats_unavailable, "NATS did not take the answer for too long "
                             f"({type(err).__name__}); try again in a moment") from err
         except APIError as err:
             if not no_room(err):
                 raise
-            raise TurnError("storage_full", f"the answer was not kept: {NO_ROOM}") from err
+            raise TurnError(ErrorCode.storage_full, f"the answer was not kept: {NO_ROOM}") from err
         if first and not await self._sessions.exists(turn.sid):
             # Deleted while its first answer was written: the delete removes
             # the record before the history, so this read sees it gone
@@ -301,12 +301,12 @@ class TurnRunner:
             return Turn(env, record, view, [_question(env)]), None
         point = retry_point(view.conversation)
         if point is None:
-            raise TurnError("nothing_to_retry", "the session has no user message left to "
+            raise TurnError(ErrorCode.nothing_to_retry, "the session has no user message left to "
                             "answer again (none yet, or folded into the summary)")
         if point.context.messages[-1].content != env.payload.content:
             # Another message was answered since the retry was asked for.
-            raise TurnError("retry_outdated", "the session's last message changed since the "
-                            "retry was asked for; retry again")
+            raise TurnError(ErrorCode.retry_outdated, "the session's last message changed "
+                            "since the retry was asked for; retry again")
         return (Turn(env, record, view, [], retry_context=point.context),
                 point.supersedes)
 
@@ -346,7 +346,7 @@ class TurnRunner:
             if not result.tool_calls or result.stopped:
                 return result, tools
             if rounds == self._settings.max_tool_iterations:  # none run past the limit
-                raise TurnError("tool_loop_limit", f"the model kept calling tools after "
+                raise TurnError(ErrorCode.tool_loop_limit, f"the model kept calling tools after "
                                 f"{rounds} rounds")
             ran = await self._run_tools(turn, result)
             if ran is None:  # stopped: the text so far is the answer
@@ -482,8 +482,7 @@ class TurnRunner:
 
     def _overflow(self, record: SessionRecord, prompt: Messages, tools: Messages,
                   advice: str) -> TurnError:
-        return TurnError(
-            "context_overflow",
+        return TurnError(ErrorCode.context_overflow,
             f"the prompt would need about {self._estimate(record, prompt, tools)} tokens but "
             f"the budget is {self.budget(record)} (num_ctx {self.num_ctx(record)}); {advice}",
         )
@@ -541,7 +540,7 @@ class TurnRunner:
             log.warning("answer_cut_at_its_room", num_predict=room)
         if not result.content.strip() and not result.tool_calls:
             where = " (its output was all in 'thinking')" if result.thinking else ""
-            raise TurnError("empty_reply", f"the model returned an empty reply{where}")
+            raise TurnError(ErrorCode.empty_reply, f"the model returned an empty reply{where}")
         return result
 
     async def _learn_from_refusal(self, turn: Turn, prompt: Messages, tools: Messages) -> None:

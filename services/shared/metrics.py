@@ -35,10 +35,9 @@ from schemas.messages import ErrorCode
 TIME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 # Estimate / provider count: 1.0 is a perfect estimate.
 RATIO_BUCKETS = (0.5, 0.7, 0.8, 0.9, 0.95, 1.0, 1.05, 1.1, 1.25, 1.5, 2.0)
-TOKEN_BUCKETS = (64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 # Error codes a reply may carry; anything else is counted as `other`, so a
 # new code cannot grow the label set unnoticed.
-KNOWN_ERROR_CODES = frozenset({*(code.value for code in ErrorCode), "already_answered"})
+KNOWN_ERROR_CODES = frozenset(code.value for code in ErrorCode)
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
