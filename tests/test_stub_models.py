@@ -88,6 +88,20 @@ async def test_show_reports_capabilities_and_window(url: str) -> None:
     assert plain.parameters and "num_ctx" in plain.parameters
 
 
+async def test_a_window_asked_beyond_the_models_own_is_cut_to_it(url: str) -> None:
+    """As Ollama's scheduler does: `small` (4,096) asked for 8,192 runs with
+    4,096, so a prompt of about 5,000 tokens sent untruncated is refused."""
+    body = {"model": "small", "messages": user("w " * 10_000), "stream": False,
+            "options": {"num_ctx": 8192}, "truncate": False}
+    async with ollama.AsyncClient(host=url) as client:
+        with pytest.raises(ollama.ResponseError) as refused:
+            await client._request_raw("POST", "/api/chat", json=body)
+        assert refused.value.status_code == 400
+        answered = await client._request_raw("POST", "/api/chat",
+                                             json={**body, "model": "plain"})
+    assert answered.json()["message"]["content"].startswith("Echo: w w")
+
+
 async def test_a_thinking_model_thinks_unless_told_not_to(url: str) -> None:
     thought = await chat(url, "thinker", user("hi"))
     assert thought.message.thinking and thought.message.content.startswith("Echo: hi")

@@ -66,7 +66,9 @@ def receive_prompt(state: StubState, request: ChatRequest
     Recording comes first so the stats show the untruncated size, under every quirk.
     """
     config = state.config
-    num_ctx = request.options.get("num_ctx") or config.default_num_ctx
+    asked = request.options.get("num_ctx") or config.default_num_ctx
+    # Ollama runs a model with at most the window it was trained for, whatever was asked.
+    num_ctx = min(asked, config.models.context_length_of(request.model))
     received = count_prompt_tokens(request.messages, request.tools, config.chars_per_token)
     too_long = received > num_ctx
     state.record_prompt(request.model, received, truncated=too_long and request.truncate,
