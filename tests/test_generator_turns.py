@@ -161,6 +161,26 @@ async def test_a_model_that_never_answers_times_out_and_leaves_the_session_clean
             await fails_cleanly(http, stub, "hang", 504, "timeout")
 
 
+async def test_an_answer_ended_without_its_done_chunk_is_kept_without_counts(
+        stub: str, http: httpx.AsyncClient) -> None:
+    """Ollama ends a model repeating itself so, with no counts: what came is
+    the answer, stored, and the session goes on."""
+    sid = await create(http)
+    await configure_stub(stub, quirks=["no-done"])
+    whole = await http.post(f"/api/sessions/{sid}/messages", json={"content": "whole"})
+    async with http.stream("POST", f"/api/sessions/{sid}/messages", json={"content": "parts"},
+                           headers={"Accept": "text/event-stream"}) as response:
+        events = [event async for event in server_sent_events(response)]
+    assert whole.status_code == 200, whole.text
+    assert whole.json()["reply"] == "Echo: whole (turn 1)"
+    assert whole.json()["prompt_tokens"] is None
+    assert events[-1] == ("done", {**events[-1][1], "reply": "Echo: parts (turn 2)"})
+    await configure_stub(stub, quirks=[])
+    again = await http.post(f"/api/sessions/{sid}/messages", json={"content": "again"})
+    assert again.json()["reply"] == "Echo: again (turn 3)"
+    assert again.json()["prompt_tokens"] > 0
+
+
 async def fails_cleanly(http: httpx.AsyncClient, stub: str, quirk: str, status: int,
                         code: str) -> None:
     sid = await create(http)

@@ -536,6 +536,17 @@ async def test_error_quirk_answers_500(stub_url: str) -> None:
 
 
 @pytest.mark.asyncio
+async def test_no_done_quirk_ends_the_answer_without_its_done_chunk(stub_url: str) -> None:
+    configure(stub_url, quirks=["no-done"])
+    parts = await stream_parts(stub_url, [user("hello")])
+    assert joined_content(parts) == "Echo: hello (turn 1)"
+    assert not any(part.done for part in parts)
+    whole = await chat(stub_url, [user("hello")])
+    assert whole.message.content == "Echo: hello (turn 1)"
+    assert (whole.done, whole.done_reason, whole.prompt_eval_count) == (False, None, None)
+
+
+@pytest.mark.asyncio
 async def test_hang_quirk_times_out_without_blocking_the_server(stub_url: str) -> None:
     configure(stub_url, quirks=["hang"])
     async with (

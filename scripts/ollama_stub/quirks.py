@@ -1,12 +1,20 @@
 """The Ollama behaviours switched on with ``--quirk`` (or live, by ``/_stub/config``).
 
-``cache-count``: prompt_eval_count counts only what follows the prompt-cache prefix,
-and is left out when that is tiny. ``empty-content``: the answer comes in the thinking
-channel only. ``error``: a 500. ``error-midway``: a streamed answer's first piece,
-then an ``{"error": ...}`` line and no done chunk, as Ollama ends a stream that fails
-once it has begun (a request not streamed gets the 500). ``hang``: no answer until the
-client goes away or the stand-in exits. How models differ (404, no tools, thinking,
-windows, loads, parallel slots) lives in ``models``."""
+- ``cache-count``: prompt_eval_count counts only what follows the prompt-cache prefix,
+  and is left out when that is tiny (Ollama before 0.1.49; later releases count the
+  whole prompt, as the stand-in does without the quirk).
+- ``empty-content``: the answer comes in the thinking channel only.
+- ``error``: a 500.
+- ``error-midway``: a streamed answer's first piece, then an ``{"error": ...}`` line
+  and no done chunk, as Ollama ends a stream that fails once it has begun (a request
+  not streamed gets the 500).
+- ``no-done``: the answer ends without its done chunk (no counts, no done_reason), as
+  Ollama ends one whose model repeats a token over and over (a request not streamed
+  gets its last piece, ``done`` false).
+- ``hang``: no answer until the client goes away or the stand-in exits.
+
+How models differ (404, no tools, thinking, windows, loads, parallel slots) lives in
+``models``."""
 
 from __future__ import annotations
 
@@ -24,7 +32,7 @@ if TYPE_CHECKING:  # a type only: the state module imports this one, indirectly
     from .state import StubState
 
 
-QUIRKS = ("cache-count", "empty-content", "error", "error-midway", "hang")
+QUIRKS = ("cache-count", "empty-content", "error", "error-midway", "hang", "no-done")
 ERROR_TEXT = "stub: simulated internal error"
 # Below this many new tokens a prompt-cache hit makes Ollama omit prompt_eval_count.
 CACHE_MIN_TOKENS = 5

@@ -77,6 +77,8 @@ class Generation:
     loading_ns: int = 0
     # The ``error-midway`` quirk: the stream fails after its first piece.
     fails_midway: bool = False
+    # The ``no-done`` quirk: the answer ends without its done chunk.
+    cut_short: bool = False
 
     def final_fields(self, load_ns: int, eval_ns: int) -> JSONObject:
         fields: JSONObject = {
@@ -124,6 +126,8 @@ async def _chunks(generation: Generation, paused: Callable[[], Awaitable[None]]
         if generation.fails_midway:
             yield _ndjson({"error": ERROR_TEXT})
             return
+    if generation.cut_short:
+        return
     final = chat_chunk(generation.model, {"role": "assistant", "content": ""}, done=True)
     final.update(generation.final_fields(load_ns, time.perf_counter_ns() - eval_started))
     yield _ndjson(final)
@@ -136,6 +140,8 @@ def _ndjson(obj: JSONObject) -> bytes:
 async def complete_chat(generation: Generation) -> JSONObject:
     load_ns = await sleep_ns(generation.latency_s)
     eval_ns = await sleep_ns(generation.per_token_s * generation.eval_count)
+    if generation.cut_short:  # the last piece Ollama had: no counts, not done
+        return chat_chunk(generation.model, reply_message(generation.reply), done=False)
     answer = chat_chunk(generation.model, reply_message(generation.reply), done=True)
     answer.update(generation.final_fields(load_ns, eval_ns))
     return answer

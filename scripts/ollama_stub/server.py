@@ -134,6 +134,7 @@ async def chat_endpoint(request: Request) -> Response:
     generation = prepare_generation(state, chat, kept, prompt_tokens, started_ns)
     generation.loading_ns = loading_ns
     generation.fails_midway = "error-midway" in quirks
+    generation.cut_short = "no-done" in quirks
     return await answer_in_slot(state, chat, generation)
 
 
