@@ -11,12 +11,13 @@ from datetime import UTC, datetime, timedelta
 import nats
 import pytest
 from nats.aio.client import Client as NATS
+from nats.js.errors import ServerError
 
 from schemas import subjects
 from schemas.history import ChatMessage, HistoryEntry, Snapshot
 from services.core.transcript import items_of
 from services.shared.history_store import HistoryConflict, HistoryStore, HistoryView
-from services.shared.jetstream import ensure_layout
+from services.shared.jetstream import STREAMS, ensure_layout
 from services.shared.transcript import stored_entries, trim
 from tests.events import eventually
 from tests.nats_server import NatsServer
@@ -47,6 +48,30 @@ async def test_a_turn_is_one_write_and_reads_back(store: HistoryStore, nc: NATS)
     assert info.state.subjects == {subjects.history(sid): 1}
     fresh = HistoryStore(nc.jetstream())
     assert (await fresh.read(sid)).conversation.messages == tuple(turn(1))
+
+
+async def test_a_rollup_header_cannot_purge_a_transcript(store: HistoryStore, nc: NATS) -> None:
+    """Only an explicit delete removes what was said; the stream allowed rollups."""
+    sid = new_sid()
+    await store.append(sid, await store.read(sid), turn(1))
+    with pytest.raises(ServerError, match="rollup not permitted"):
+        await nc.jetstream().publish(subjects.history(sid), b"{}",
+                                     headers={"Nats-Rollup": "sub"})
+    fresh = HistoryStore(nc.jetstream())
+    assert [m.content for m in (await fresh.read(sid)).conversation.messages] == ["q1", "a1"]
+
+
+async def test_a_history_stream_made_allowing_rollups_is_mended(
+        private_nats: NatsServer) -> None:
+    nc = await nats.connect(private_nats.url)
+    js = nc.jetstream()
+    history = next(c for c in STREAMS if c.name == subjects.HISTORY_STREAM)
+    await js.add_stream(history.evolve(allow_rollup_hdrs=True))
+    await ensure_layout(js)  # not the owner: left as it is
+    assert (await js.stream_info(subjects.HISTORY_STREAM)).config.allow_rollup_hdrs
+    await ensure_layout(js, move_replicas=True)
+    assert not (await js.stream_info(subjects.HISTORY_STREAM)).config.allow_rollup_hdrs
+    await nc.close()
 
 
 async def test_a_stale_view_cannot_write(store: HistoryStore) -> None:

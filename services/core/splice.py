@@ -54,7 +54,7 @@ def plan_compaction(snapshot: Conversation, tail_turns: int) -> CompactionPlan |
 
 
 def splice(current: Conversation, plan: CompactionPlan, summary: str) -> Snapshot:
-    """The rollup that replaces `current`: the new summary, then messages[boundary:]."""
+    """The snapshot appended after `current`: the new summary, then messages[boundary:]."""
     if not summary.strip():
         raise ValueError("an empty summary is never spliced")
     _check_unchanged(current, plan)

@@ -77,7 +77,9 @@ STREAMS = (
         subjects=[f"{s.HISTORY_PREFIX}.*"],
         retention=RetentionPolicy.LIMITS,
         storage=StorageType.FILE,
-        allow_rollup_hdrs=True,
+        # No rollups: a Nats-Rollup header would purge a session's transcript,
+        # which only an explicit delete may do.
+        allow_rollup_hdrs=False,
         allow_direct=True,
         duplicate_window=DUPLICATE_WINDOW_S,
         max_msg_size=MAX_MESSAGE_BYTES,
@@ -130,8 +132,9 @@ async def ensure_layout(js: JetStreamContext, lock_lease_s: float | None = None,
                         replicas: int | None = None, move_replicas: bool = False) -> None:
     """Make what is missing with `replicas` copies (the services pass
     `JETSTREAM_REPLICAS`), and with `move_replicas` give every stream and
-    bucket that many. Only the generator, the layout's owner, moves replicas
-    and passes its lease; the others leave what exists as they find it."""
+    bucket that many and mend what earlier releases made otherwise. Only the
+    generator, the layout's owner, does so and passes its lease; the others
+    leave what exists as they find it."""
     for config in STREAMS:
         try:
             await js.stream_info(config.name or "")
@@ -142,8 +145,19 @@ async def ensure_layout(js: JetStreamContext, lock_lease_s: float | None = None,
     await compactions_running_bucket(js)
     await config_bucket(js)
     await query_errors_bucket(js)
-    if move_replicas and replicas is not None:
-        await match_replicas(js, replicas)
+    if move_replicas:
+        await refuse_history_rollups(js)
+        if replicas is not None:
+            await match_replicas(js, replicas)
+
+
+async def refuse_history_rollups(js: JetStreamContext) -> None:
+    """Earlier releases made HISTORY allowing rollups, which nothing sent."""
+    info = await js.stream_info(s.HISTORY_STREAM)
+    if info.config.allow_rollup_hdrs:
+        info.config.allow_rollup_hdrs = False
+        await js.update_stream(info.config)
+        log.warning("history_rollups_refused_from_now_on")
 
 
 async def _add_stream(js: JetStreamContext, config: StreamConfig, replicas: int) -> None:
