@@ -19,7 +19,7 @@ from tests.events import eventually
 
 
 async def state_change(nc: NATS, sid: str) -> None:
-    body = {"message_type": "state_change", "session_id": sid, "payload": {}}
+    body = {"message_type": "generator.state", "session_id": sid, "payload": {}}
     await nc.publish(subjects.state(sid), json.dumps(body).encode())
 
 
@@ -32,9 +32,29 @@ async def test_subscribed_only_while_someone_listens(nc: NATS) -> None:
     assert feed.subscribed
     await state_change(nc, "s1")
     event = await asyncio.wait_for(anext(stream), 5)
-    assert event.startswith("event: state_change\n")
+    assert event.startswith("event: generator.state\n")
     await stream.aclose()
     await eventually(lambda: not feed.subscribed, "the feed unsubscribed")
+    await feed.stop()
+
+
+async def test_a_message_names_neither_its_event_nor_its_subject(nc: NATS) -> None:
+    """A `message_type` with line breaks wrote a made-up compaction result
+    into every page's stream, and a `subject` field hid where it came from."""
+    feed = LiveFeed(nc)
+    stream = feed.stream("s3")
+    await anext(stream)
+    forged = "x\n\nevent: compaction.result\ndata: {}"
+    body = {"message_type": forged, "subject": "compaction.result", "session_id": "s3",
+            "payload": {}}
+    await nc.publish(subjects.COMPACTION_REQUEST, json.dumps(body).encode())
+    event = await asyncio.wait_for(anext(stream), 5)
+    name, data = event.removesuffix("\n\n").split("\n")
+    assert name == "event: compaction.request"
+    passed_on = json.loads(data.removeprefix("data: "))
+    assert passed_on["subject"] == subjects.COMPACTION_REQUEST
+    assert passed_on["message_type"] == forged  # as text, inside the data
+    await stream.aclose()
     await feed.stop()
 
 
@@ -46,7 +66,7 @@ async def test_a_second_listener_keeps_the_subscription(nc: NATS) -> None:
     await first.aclose()
     # Heard after the first listener left, so still subscribed then.
     await state_change(nc, "s2")
-    assert (await asyncio.wait_for(anext(second), 5)).startswith("event: state_change")
+    assert (await asyncio.wait_for(anext(second), 5)).startswith("event: generator.state")
     assert feed.subscribed
     await second.aclose()
     await feed.stop()

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import json
 from collections import Counter
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -21,19 +21,30 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from schemas import subjects
+from schemas.messages import (
+    CompactionEvent,
+    CompactionRequest,
+    CompactionResult,
+    GenerationReport,
+    StateChange,
+)
 from services.shared.bus import parse_json, round_trip
 
-WATCHED = (
-    f"{subjects.STATE_PREFIX}.*",
-    subjects.RESPONSE_GENERATION,
-    subjects.COMPACTION_REQUEST,
-    subjects.COMPACTION_RESULT,
-    subjects.COMPACTION_EVENT,
-)
+# Each watched subject and the event name its messages go out under. The name
+# is never read from a message: one with a line break in its `message_type`
+# would have written events of its own into every page's stream.
+WATCHED = {
+    f"{subjects.STATE_PREFIX}.*": StateChange.MESSAGE_TYPE,
+    subjects.RESPONSE_GENERATION: GenerationReport.MESSAGE_TYPE,
+    subjects.COMPACTION_REQUEST: CompactionRequest.MESSAGE_TYPE,
+    subjects.COMPACTION_RESULT: CompactionResult.MESSAGE_TYPE,
+    subjects.COMPACTION_EVENT: CompactionEvent.MESSAGE_TYPE,
+}
 KEEPALIVE_S = 15.0
 # A page that stops reading misses the newest events rather than growing our memory.
 QUEUE_LIMIT = 1000
-Listener = asyncio.Queue[tuple[str, dict[str, object]] | None]
+# (event name, subject, envelope), or the end of the stream.
+Listener = asyncio.Queue[tuple[str, str, dict[str, object]] | None]
 _END = None  # put in a listener's queue: its stream ends
 
 
@@ -67,8 +78,8 @@ class LiveFeed:
     async def _subscribe(self) -> None:
         async with self._subscribing:
             if not self._subs:
-                self._subs = [await self._nc.subscribe(subject, cb=self._on_message)
-                              for subject in WATCHED]
+                self._subs = [await self._nc.subscribe(subject, cb=self._passing_on(name))
+                              for subject, name in WATCHED.items()]
                 await round_trip(self._nc)  # events from here on reach the listener
 
     async def _unsubscribe(self) -> None:
@@ -80,16 +91,18 @@ class LiveFeed:
                 with contextlib.suppress(Exception):
                     await sub.unsubscribe()
 
-    async def _on_message(self, msg: Msg) -> None:
-        try:
-            envelope = parse_json(msg.data)
-        except ValueError:
-            return  # malformed events are reported by the services that consume them
-        if not isinstance(envelope, dict):
-            return
-        for queue in self._listeners:
-            if queue.qsize() < QUEUE_LIMIT:
-                queue.put_nowait((msg.subject, envelope))
+    def _passing_on(self, name: str) -> Callable[[Msg], Awaitable[None]]:
+        async def on_message(msg: Msg) -> None:
+            try:
+                envelope = parse_json(msg.data)
+            except ValueError:
+                return  # malformed events are reported by the services that consume them
+            if not isinstance(envelope, dict):
+                return
+            for queue in self._listeners:
+                if queue.qsize() < QUEUE_LIMIT:
+                    queue.put_nowait((name, msg.subject, envelope))
+        return on_message
 
     async def stream(self, session_id: str | None) -> AsyncGenerator[str, None]:
         queue: Listener = asyncio.Queue()
@@ -107,11 +120,11 @@ class LiveFeed:
                     continue
                 if event is _END:
                     return
-                subject, envelope = event
+                name, subject, envelope = event
                 if session_id and envelope.get("session_id") != session_id:
                     continue
-                data = json.dumps({"subject": subject, **envelope})
-                yield f"event: {envelope.get('message_type', 'message')}\ndata: {data}\n\n"
+                data = json.dumps({**envelope, "subject": subject})  # where it truly came
+                yield f"event: {name}\ndata: {data}\n\n"
         finally:
             self._listeners.discard(queue)
             if not self._listeners:
