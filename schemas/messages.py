@@ -69,7 +69,9 @@ class ErrorCode(StrEnum):
 
 
 class Reply(Payload):
-    """The outcome of one query: the answer, or an error naming its cause."""
+    """The outcome of one query: the answer, or an error naming its cause
+    (`error_code`, one of `ErrorCode` here). `query_id` is the query
+    envelope's `message_id`: a waiter matches its reply by it."""
 
     MESSAGE_TYPE = "chat.reply"
     session_id: SessionId

@@ -82,6 +82,17 @@ def is_valid_session_id(value: str) -> bool:
     return _SESSION_ID.fullmatch(value) is not None
 
 
+# Subjects whose last token is a session id.
+PER_SESSION_PREFIXES = (QUERY_PREFIX, REPLY_PREFIX, TOKEN_PREFIX, STOP_PREFIX, STATE_PREFIX,
+                        HISTORY_PREFIX)
+
+
+def session_in(subject: str) -> str | None:
+    """The session a per-session subject names, else None."""
+    prefix, _, last = subject.rpartition(".")
+    return last if prefix in PER_SESSION_PREFIXES else None
+
+
 def query(sid: str) -> str:
     return f"{QUERY_PREFIX}.{session_id(sid)}"
 

@@ -148,7 +148,8 @@ class ReplyRouter:
         if env is None:
             return
         for waiting in self._by_query.get(env.payload.query_id, ()):
-            waiting.events.put_nowait(env.payload)
+            if waiting.sid == env.payload.session_id:  # another session's is not ours
+                waiting.events.put_nowait(env.payload)
 
     async def _on_token(self, msg: Msg) -> None:
         env = await self._bus.decode_or_report(msg, Token)

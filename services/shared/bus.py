@@ -61,9 +61,26 @@ def parse_json(data: bytes | str) -> Any:
 
 def decode(data: bytes, payload_type: type[P], subject: str) -> Envelope[P]:
     try:
-        return enveloped(payload_type).model_validate_json(data)
+        env = enveloped(payload_type).model_validate_json(data)
     except ValidationError as err:
         raise BadMessage(validation_report(err, subject)) from err
+    _check_session(env, subject)
+    return env
+
+
+def _check_session(env: Envelope[Any], subject: str) -> None:
+    """A message names the session of the subject it came on, if any, in its
+    payload and envelope: one on `chat.query.A` for B wrote a turn into B,
+    past B's queue and a delete of B; one on `chat.stop.A` stopped B."""
+    in_subject = subjects.session_in(subject)
+    in_payload = getattr(env.payload, "session_id", None)
+    for field, named in (("payload.session_id", in_payload), ("session_id", env.session_id)):
+        expected = in_subject or in_payload
+        if named is not None and expected is not None and named != expected:
+            raise BadMessage(ErrorReport(
+                code="invalid_message", subject=subject,
+                message=f"{field} is {named}, but the message is for session {expected}",
+                details=[{"field": field, "error": f"not the session {expected}"}]))
 
 
 def validation_report(err: ValidationError, subject: str | None) -> ErrorReport:

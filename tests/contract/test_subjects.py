@@ -230,6 +230,24 @@ async def test_a_malformed_event_is_reported_on_system_error(target: Target) -> 
     assert report["payload"]["subject"] == "response.generation"
 
 
+async def test_a_query_naming_another_session_than_its_subject_is_refused(
+        target: Target) -> None:
+    """One on `chat.query.A` for B wrote a turn into B, past B's own queue."""
+    async with gateway(target) as client:
+        a, b = await new_session(client), await new_session(client)
+        query = envelope(f"chat.query.{a}", "chat.query",
+                         {"session_id": b, "content": "into the other"}, b)
+        async with tapped(target.nats_url, "system.error") as (tap, nc):
+            await nc.jetstream().publish(f"chat.query.{a}", query)
+            [report] = await tap.until(lambda s, e: e.get("payload", {}).get("subject")
+                                       == f"chat.query.{a}")
+        assert report["payload"]["code"] == "invalid_message"
+        assert "session" in report["payload"]["message"]
+        await ask(client, b, "the next one")  # answered after the refused one, were it taken
+        messages = (await client.get(f"/api/sessions/{b}")).json()["messages"]
+    assert [m["content"] for m in messages if m["role"] == "user"] == ["the next one"]
+
+
 async def test_http_errors_are_json_with_a_code(target: Target) -> None:
     async with gateway(target) as client:
         missing = await client.post("/api/sessions/nosuchsession/messages",
