@@ -61,6 +61,27 @@ async def test_a_rollup_header_cannot_purge_a_transcript(store: HistoryStore, nc
     assert [m.content for m in (await fresh.read(sid)).conversation.messages] == ["q1", "a1"]
 
 
+async def test_an_entry_no_reader_can_take_in_is_passed_over(store: HistoryStore,
+                                                               nc: NATS) -> None:
+    """One record another program wrote into the session made every read of
+    it fail (a 500 for each request) until the session was deleted."""
+    sid = new_sid()
+    view = await store.append(sid, await store.read(sid), turn(1))
+    for junk in (b'{"not": "an entry"}', b"not json"):
+        await nc.jetstream().publish(subjects.history(sid), junk)
+    fresh = HistoryStore(nc.jetstream())
+    read = await fresh.read(sid)
+    assert read.conversation.messages == view.conversation.messages
+    read = await fresh.append(sid, read, turn(2))  # its place in the stream is known
+    assert [m.content for m in (await HistoryStore(nc.jetstream()).read(sid))
+            .conversation.messages] == ["q1", "a1", "q2", "a2"]
+    kinds = [e.entry.kind async for e in stored_entries(nc.jetstream(), sid)]
+    assert kinds == ["turn", "turn"]  # and the junk is still there, two entries in between
+    info = await nc.jetstream().stream_info(subjects.HISTORY_STREAM,
+                                            subjects_filter=subjects.history(sid))
+    assert info.state.subjects == {subjects.history(sid): 4}
+
+
 async def test_a_history_stream_made_allowing_rollups_is_mended(
         private_nats: NatsServer) -> None:
     nc = await nats.connect(private_nats.url)

@@ -23,6 +23,7 @@ import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import structlog
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 from nats.js import JetStreamContext
@@ -36,6 +37,8 @@ from services.shared.jetstream import missing
 from services.shared.nats_away import patiently
 from services.shared.recent import Recent
 from services.shared.together import together
+
+log = structlog.get_logger()
 
 EXPECTED_LAST_SUBJECT_SEQ = "Nats-Expected-Last-Subject-Sequence"
 WRONG_LAST_SEQUENCE = (10071, 10164)
@@ -292,8 +295,10 @@ class HistoryStore:
         view = start
         msg = first or await self._entry_after(subject, view.last_seq)
         while msg is not None:
-            entry = HistoryEntry.model_validate_json(msg.data or b"")
-            view = _applied(view, entry, int(msg.seq or view.last_seq + 1))
+            seq = int(msg.seq or view.last_seq + 1)
+            entry = readable_entry(msg)
+            view = (_applied(view, entry, seq) if entry is not None
+                    else HistoryView(view.conversation, seq, view.base_seq))
             msg = await self._entry_after(subject, view.last_seq) if view.last_seq < last else None
         return view
 
@@ -315,6 +320,20 @@ def _applied(view: HistoryView, entry: HistoryEntry, seq: int) -> HistoryView:
 
 def _base_of(msg: RawStreamMsg) -> int:
     """Where the context that `msg` ends starts: the snapshot's own sequence,
-    or the one a turn names."""
-    entry = HistoryEntry.model_validate_json(msg.data or b"")
+    or the one a turn names (for one that cannot be read, the start)."""
+    entry = readable_entry(msg)
+    if entry is None:
+        return 0
     return int(msg.seq or 0) if entry.kind == "snapshot" else entry.base
+
+
+def readable_entry(msg: RawStreamMsg) -> HistoryEntry | None:
+    """The entry `msg` holds, or None, logged, for one no reader can take in
+    (written by another program, say): passed over, not fatal to the session,
+    and left in the stream, which only an explicit delete empties."""
+    try:
+        return HistoryEntry.model_validate_json(msg.data or b"")
+    except ValidationError as err:
+        log.warning("history_entry_unreadable", subject=msg.subject, seq=msg.seq,
+                    errors=err.error_count())
+        return None

@@ -12,8 +12,8 @@ from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
 from schemas import subjects
-from schemas.history import HistoryEntry
 from services.core.transcript import Item, MarkdownWriter, Position, StoredEntry, items_of
+from services.shared.history_store import readable_entry
 
 # Scrolling back: how much longer each stretch of the stream read is than the
 # one before. Doubling reads at most about twice the entries a page needs.
@@ -36,7 +36,9 @@ async def stored_entries(js: JetStreamContext, sid: str, from_seq: int = 1,
         seq = int(msg.seq or seq + 1)
         if seq > last:
             return
-        yield StoredEntry(seq, msg.time, HistoryEntry.model_validate_json(msg.data or b""))
+        entry = readable_entry(msg)
+        if entry is not None:
+            yield StoredEntry(seq, msg.time, entry)
 
 
 async def last_seq(js: JetStreamContext, sid: str) -> int:
