@@ -77,6 +77,13 @@ def test_invalid_settings_fail_loudly(monkeypatch: pytest.MonkeyPatch) -> None:
         DeciderSettings()
 
 
+@pytest.mark.parametrize("number", ["1e999", "inf", "nan"])
+def test_a_number_must_be_finite(number: str) -> None:
+    """A cooldown read as infinity was taken, and no compaction was asked for again."""
+    with pytest.raises(ValidationError):
+        DeciderSettings(compaction_cooldown_s=number)
+
+
 @pytest.mark.parametrize("settings", [GeneratorSettings, GatewaySettings])
 def test_a_window_too_small_to_work_in_is_refused_at_the_start(settings: type) -> None:
     """NUM_CTX 256 left a prompt budget of one token: every message was refused

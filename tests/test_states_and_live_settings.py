@@ -68,6 +68,19 @@ async def test_settings_change_without_a_restart(nc: NATS) -> None:
             await kv.delete(key)
 
 
+async def test_a_huge_value_refused_is_logged_cut_short(nc: NATS) -> None:
+    """A megabyte put under a setting was written whole into each service's log."""
+    live = LiveSettings(nc.jetstream(), DeciderSettings())
+    huge = "9" * 1_000_000
+    with structlog.testing.capture_logs() as logs:
+        for key in ("compaction_cooldown_s", "COMPACTION_COOLDOWN_S", "nats_url"):
+            live.apply(key, huge)
+    refused = [entry for entry in logs if entry["event"].startswith("live_setting_")]
+    assert len(refused) == 3
+    assert all(len(entry["value"]) < 300 and "1000000 characters" in entry["value"]
+               for entry in refused)
+
+
 async def test_only_live_settings_change_and_bad_bytes_stop_nothing(nc: NATS) -> None:
     """A setting read once at start is not half-changed; bytes that are not text
     are logged and the watch goes on."""

@@ -35,6 +35,16 @@ S = TypeVar("S", bound=ServiceSettings)
 log = structlog.get_logger()
 
 
+# A value refused is logged this long at most: anyone who may put a setting
+# could otherwise write a megabyte into each service's log per put.
+SHOWN_CHARS = 200
+
+
+def shown(value: object) -> str:
+    text = value if isinstance(value, str) else repr(value)
+    return text if len(text) <= SHOWN_CHARS else f"{text[:SHOWN_CHARS]}… ({len(text)} characters)"
+
+
 class LiveSettings(Generic[S]):
     def __init__(self, js: JetStreamContext, initial: S,
                  on_change: Callable[[S], None] | None = None) -> None:
@@ -98,13 +108,13 @@ class LiveSettings(Generic[S]):
         if key != key.lower() and key.lower() in type(self.current).model_fields:
             # Taking it would give the setting two keys, each put and deleted
             # on its own: which value held would depend on which came last.
-            log.warning("live_setting_ignored", key=key, value=raw,
+            log.warning("live_setting_ignored", key=key, value=shown(raw),
                         error=f"setting names are lower case: use {key.lower()!r}")
             return
         if key not in type(self.current).model_fields:
             return  # a setting of another service
         if key not in LIVE_KEYS:
-            log.warning("live_setting_ignored", key=key, value=raw,
+            log.warning("live_setting_ignored", key=key, value=shown(raw),
                         error="not a live setting: set it in the environment or "
                         "the settings file")
             return
@@ -115,7 +125,7 @@ class LiveSettings(Generic[S]):
             updated = type(self.current).model_validate(
                 {**self.current.model_dump(), key: value})
         except ValidationError as err:
-            log.error("live_setting_rejected", key=key, value=value,
+            log.error("live_setting_rejected", key=key, value=shown(value),
                       error=err.errors(include_url=False)[0]["msg"])
             return
         log.info("live_setting_changed", key=key, value=getattr(updated, key))

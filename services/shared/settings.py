@@ -27,7 +27,8 @@ from services.shared.nats_auth import connect_options
 
 
 class ServiceSettings(BaseSettings):
-    model_config = SettingsConfigDict(extra="ignore", case_sensitive=False)
+    # Finite numbers only: "1e999" read as infinity made a cooldown never end.
+    model_config = SettingsConfigDict(extra="ignore", case_sensitive=False, allow_inf_nan=False)
 
     # One server, or several of a cluster separated by commas.
     nats_url: str = "nats://127.0.0.1:4222"
