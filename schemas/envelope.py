@@ -9,6 +9,8 @@ from typing import Annotated, Generic, TypeVar
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
+from schemas.subjects import SESSION_ID_PATTERN
+
 SCHEMA_VERSION = 1
 
 P = TypeVar("P", bound=BaseModel)
@@ -50,7 +52,7 @@ class Envelope(BaseModel, Generic[P]):
     subject: str = Field(min_length=1, max_length=256)
     sender_id: str = Field(pattern=r"^[a-z][a-z0-9-]{0,63}$")
     correlation_id: str = Field(default_factory=new_id, min_length=1, max_length=128)
-    session_id: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    session_id: str | None = Field(default=None, pattern=SESSION_ID_PATTERN)
     timestamp: Timestamp = Field(default_factory=utc_now)
     schema_version: int = SCHEMA_VERSION
     payload: P

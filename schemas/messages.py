@@ -13,9 +13,9 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from schemas.session import CountBasis
+from schemas.subjects import SESSION_ID_PATTERN
 
 SessionId = str
-SESSION_ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
 MAX_CONTENT_CHARS = 1_000_000
 
 Level = Literal["gentle", "tighter", "emergency"]

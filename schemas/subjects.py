@@ -61,7 +61,9 @@ CONFIG_BUCKET = "config"
 # Error replies by query id, for as long as a resend of the query is dropped as a duplicate.
 QUERY_ERRORS_BUCKET = "query_errors"
 
-_SESSION_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+# Safe as one subject token and as a KV key (messages validate against it too).
+SESSION_ID_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
+_SESSION_ID = re.compile(SESSION_ID_PATTERN)
 _TOOL_NAME = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
 
 

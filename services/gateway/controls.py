@@ -24,7 +24,7 @@ from schemas.messages import Query, StopAccepted, StopRequest
 from services.core.retry import retry_point
 from services.core.state_machine import Phase
 from services.gateway.bodies import parse_body
-from services.gateway.errors import HttpError
+from services.gateway.errors import HttpError, error
 from services.shared.bus import BadMessage, Bus, decode
 from services.shared.history_store import HistoryStore
 from services.shared.jetstream import queued_queries
@@ -54,7 +54,7 @@ class StopBody(BaseModel):
 
 
 def conflict(code: str, message: str) -> JSONResponse:
-    return JSONResponse({"error": {"code": code, "message": message}}, status_code=409)
+    return error(409, code, message)
 
 
 class Controls:

@@ -42,7 +42,7 @@ class GatewaySettings(ServiceSettings):
 
     @field_validator("gateway_token")
     @classmethod
-    def _empty_is_none(cls, token: str | None) -> str | None:
+    def _printable_or_none(cls, token: str | None) -> str | None:
         # It travels in a header and a cookie: printable ASCII, no spaces.
         if token and not all("!" <= char <= "~" for char in token):
             raise ValueError("GATEWAY_TOKEN may hold only printable ASCII characters, no spaces")

@@ -20,11 +20,12 @@ from starlette.routing import Route
 
 from schemas import subjects
 from schemas.envelope import Envelope
-from schemas.messages import Query, Reply
+from schemas.messages import ErrorCode, Query, Reply
 from services.core.transcript import InvalidCursor, Position, page_limit
-from services.gateway.errors import HttpError
+from services.gateway.errors import HttpError, error
 from services.shared.bus import Bus, decode
 from services.shared.history_store import HistoryStore
+from services.shared.jetstream import queued_queries
 from services.shared.sessions import SessionStore
 from services.shared.transcript import json_export, markdown_export, page, page_before
 
@@ -130,29 +131,15 @@ class TranscriptRoutes:
 
     async def _answer_queued(self, sid: str) -> None:
         """Each query still queued gets its answer: the session is gone."""
-        js, seq = self._bus.js, 0
-        while True:
-            try:
-                msg = await js.get_msg(subjects.QUERIES_STREAM, seq=seq + 1,
-                                       subject=subjects.query(sid), next=True,
-                                       direct=self._bus.fresh_reads_direct)
-            except NotFoundError:
-                return
-            seq = int(msg.seq or seq + 1)
+        async for msg in queued_queries(self._bus.js, sid, self._bus.fresh_reads_direct):
             try:
                 env: Envelope[Query] = decode(msg.data or b"", Query, msg.subject or "")
             except Exception:  # a malformed query is purged all the same
                 continue
             await self._bus.publish(subjects.reply(sid), Reply(
-                session_id=sid, query_id=env.message_id, error_code="unknown_session",
+                session_id=sid, query_id=env.message_id, error_code=ErrorCode.unknown_session,
                 error=f"session {sid} was deleted"), correlation_id=env.correlation_id,
                 session_id=sid)
-
-
-def error(status: int, code: str, message: str, field: str) -> JSONResponse:
-    # The gateway's error shape (see `api.error`, which imports this module).
-    return JSONResponse({"error": {"code": code, "message": message, "field": field}},
-                        status_code=status)
 
 
 def _cursor(raw: str | None, name: str) -> Position | None:

@@ -6,7 +6,8 @@ write the summary while the session goes on answering, then take the
 session lock only for the splice: one snapshot message (the transcript's
 marker, and where the context starts from then on), compare-and-swap on the
 sequence just read, keeping every message appended since the snapshot.
-Blocking mode holds the lock for the whole compaction, like the first seed.
+Blocking mode holds the lock for the whole compaction: queries wait, or are
+told `compacting`.
 
 Every attempt ends with exactly one `compaction.result`: completed, skipped
 (with the reason) or failed (with the error). History is only ever changed
@@ -152,7 +153,7 @@ class Compactor:
 
     @property
     def _settings(self) -> GeneratorSettings:
-        # Read on every use: settings may change while we run.
+        # Read on every use: `compaction_threshold` may change while it runs.
         return self._live.current
 
     @property
