@@ -6,6 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from schemas.history import ChatMessage, Conversation
+from schemas.messages import ErrorCode
+
+NOTHING_TO_RETRY = ("the session has no user message left to answer again (none yet, or "
+                    "folded into the summary)")
+RETRY_OUTDATED = "the session's last message changed since the retry was asked for; retry again"
 
 
 @dataclass(frozen=True)
@@ -15,6 +20,24 @@ class RetryPoint:
     context: Conversation
     # The query whose answer the fresh one replaces; None if it has none.
     supersedes: str | None
+
+
+@dataclass(frozen=True)
+class RetryRefused:
+    code: ErrorCode
+    message: str
+
+
+def retry_verdict(conversation: Conversation, asked_for: str | None = None
+                  ) -> RetryPoint | RetryRefused:
+    """Where a retry goes, or why it cannot. `asked_for`: the user message
+    the retry was asked for, when known; another answered since outdates it."""
+    point = retry_point(conversation)
+    if point is None:
+        return RetryRefused(ErrorCode.nothing_to_retry, NOTHING_TO_RETRY)
+    if asked_for is not None and point.context.messages[-1].content != asked_for:
+        return RetryRefused(ErrorCode.retry_outdated, RETRY_OUTDATED)
+    return point
 
 
 def retry_point(conversation: Conversation) -> RetryPoint | None:

@@ -21,7 +21,7 @@ from starlette.routing import Route
 from schemas import subjects
 from schemas.history import Conversation
 from schemas.messages import Query, StopAccepted, StopRequest
-from services.core.retry import retry_point
+from services.core.retry import RetryRefused, retry_verdict
 from services.core.state_machine import Phase
 from services.gateway.bodies import parse_body
 from services.gateway.errors import HttpError, error
@@ -112,10 +112,9 @@ class Controls:
         if not done and await self._busy(sid, conversation, ours):
             raise HttpError(conflict("turn_running", "the session is answering a message; "
                                      "stop it or wait for its answer, then retry"))
-        point = retry_point(conversation)
-        if point is None:
-            raise HttpError(conflict("nothing_to_retry", "the session has no user message left "
-                                     "to answer again (none yet, or folded into the summary)"))
+        point = retry_verdict(conversation)
+        if isinstance(point, RetryRefused):
+            raise HttpError(conflict(point.code, point.message))
         return point.context.messages[-1].content
 
     async def _busy(self, sid: str, conversation: Conversation, ours: str | None) -> bool:

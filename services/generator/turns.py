@@ -36,7 +36,7 @@ from services.core.decision import Level, check_fit
 from services.core.overflow import FitsShare, best_case_prompt, cut_tool_output
 from services.core.prompt import HistoryWeights, render_messages
 from services.core.prompt_cache import cached_size, previous_call
-from services.core.retry import retry_point
+from services.core.retry import RetryRefused, retry_verdict
 from services.core.state_machine import Action
 from services.core.text_size import Size, prompt_size
 from services.core.tokens import (
@@ -299,14 +299,9 @@ class TurnRunner:
         """The turn, and for a retry the query whose answer its answer replaces."""
         if not env.payload.retry:
             return Turn(env, record, view, [_question(env)]), None
-        point = retry_point(view.conversation)
-        if point is None:
-            raise TurnError(ErrorCode.nothing_to_retry, "the session has no user message left to "
-                            "answer again (none yet, or folded into the summary)")
-        if point.context.messages[-1].content != env.payload.content:
-            # Another message was answered since the retry was asked for.
-            raise TurnError(ErrorCode.retry_outdated, "the session's last message changed "
-                            "since the retry was asked for; retry again")
+        point = retry_verdict(view.conversation, env.payload.content)
+        if isinstance(point, RetryRefused):
+            raise TurnError(point.code, point.message)
         return (Turn(env, record, view, [], retry_context=point.context),
                 point.supersedes)
 

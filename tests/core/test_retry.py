@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from schemas.history import ChatMessage, Conversation, HistoryEntry, fold
-from services.core.retry import retry_point
+from schemas.messages import ErrorCode
+from services.core.retry import RetryPoint, RetryRefused, retry_point, retry_verdict
 
 
 def user(text: str, qid: str) -> ChatMessage:
@@ -47,3 +48,15 @@ def test_entries_written_before_the_flags_existed_still_read() -> None:
     old = '{"kind": "turn", "messages": [{"role": "assistant", "content": "a"}]}'
     entry = HistoryEntry.model_validate_json(old)
     assert entry.supersedes is None and not entry.messages[0].stopped
+
+
+def test_the_verdict_names_why_a_retry_cannot_be() -> None:
+    empty = retry_verdict(Conversation(), "anything")
+    assert isinstance(empty, RetryRefused) and empty.code == ErrorCode.nothing_to_retry
+    asked = Conversation(messages=(user("one", "q1"), answer("a1", "q1"), user("two", "q2")))
+    outdated = retry_verdict(asked, "one")  # "two" was sent since the retry was asked for
+    assert isinstance(outdated, RetryRefused) and outdated.code == ErrorCode.retry_outdated
+    for known in ("two", None):
+        point = retry_verdict(asked, known)
+        assert isinstance(point, RetryPoint) and point.supersedes is None
+        assert point.context.messages[-1].content == "two"
