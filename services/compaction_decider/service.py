@@ -28,23 +28,20 @@ from schemas import subjects
 from schemas.envelope import Envelope, new_id
 from schemas.messages import CompactionRequest, CompactionResult, ErrorReport, GenerationReport
 from services.compaction_decider.settings import DeciderSettings
-from services.core.context import context_tokens, part_tokens, summary_allowance
+from services.core.context import context_tokens
 from services.core.decision import (
     Decision,
-    Observation,
     Policy,
     SessionMemory,
     decide,
-    level_for,
     on_compacted,
     on_result,
 )
+from services.core.observation import observe, report_calibration
 from services.core.text_size import Size
 from services.core.tokens import (
     Calibration,
     calibrate,
-    calibration_from,
-    prompt_budget,
 )
 from services.shared import metrics
 from services.shared.bus import Bus
@@ -233,28 +230,8 @@ class Decider:
 
     def _decide(self, tracked: Tracked, report: GenerationReport
                 ) -> tuple[Decision, SessionMemory]:
-        # The session's own ratio when the report carries it: the estimate is
-        # then the very number the gauge and the compaction results show.
-        cal = (calibration_from(report.tokens_per_char, report.tokens_per_extra_byte,
-                                report.count_basis)
-               if report.tokens_per_char is not None else tracked.calibration)
-        limit = prompt_budget(report.num_ctx, self.settings.output_headroom)
-        whole = next_prompt(report)
-        upcoming = context_tokens(whole, cal)
-        level = level_for(upcoming, limit, self.policy())
-        # What a compaction at that level replaces: its own, smaller live zone.
-        # A generator that does not say is not taken to have nothing to free
-        # (that vetoed every compaction): priced as all of it, the request
-        # goes, and the generator, which knows, skips what it cannot fold.
-        freeable = whole.chars if report.compactable_chars is None else report.compactable_chars
-        if level is not None:
-            freeable = report.compactable_chars_by_level.get(level.value, freeable)
-        obs = Observation(next_prompt_tokens=upcoming, budget=limit,
-                          compactable_tokens=part_tokens(whole, freeable, cal),
-                          now=time.monotonic(),
-                          summary_tokens=part_tokens(whole, report.summary_chars, cal),
-                          summary_allowance=summary_allowance(report.num_ctx, cal),
-                          compactions=report.compactions)
+        obs = observe(report, report_calibration(report, tracked.calibration),
+                      self.settings.output_headroom, self.policy(), time.monotonic())
         return decide(obs, tracked.memory, self.policy())
 
     async def _read_results_backlog(self) -> None:
@@ -299,15 +276,6 @@ class Decider:
             tracked.awaiting = None
             tracked.memory = on_result(tracked.memory, env.payload.tokens_after,
                                        time.monotonic())
-
-
-def next_prompt(report: GenerationReport) -> Size:
-    """What the session's next call sends, as the report says (the call just
-    made, from a generator that does not say)."""
-    if report.next_prompt_chars:
-        return Size(report.next_prompt_chars, report.next_prompt_extra_bytes,
-                    report.next_prompt_messages)
-    return Size(report.sent_chars, report.sent_extra_bytes, report.sent_messages)
 
 
 def _check_estimate(before: Calibration, after: Calibration, report: GenerationReport) -> None:
