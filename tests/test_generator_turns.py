@@ -15,7 +15,7 @@ from nats.aio.msg import Msg
 from schemas import subjects
 from schemas.history import ToolCall
 from schemas.messages import Reply, ToolOutcome
-from services.generator.service import AnsweredQueries
+from services.generator.answered import AnsweredQueries
 from services.generator.toolbox import Toolbox
 from services.shared.bus import Bus, round_trip
 from tests.events import server_sent_events, transitions, turns_finished, watching
