@@ -85,9 +85,12 @@ async def test_the_service_lists_and_runs_its_tools_over_nats(tools_nc: NATS) ->
                                                arguments={"expression": "2+2"}))
     reply = await tools_nc.request(subject, env.model_dump_json().encode(), timeout=10)
     assert decode(reply.data, ToolOutcome, subject).payload.content == "4"
+    reported = await tools_nc.subscribe(subjects.ERROR_SUBJECT)
     for asking in (subject, subjects.TOOL_LIST):
         bad = await tools_nc.request(asking, b"{broken", timeout=10)
         assert json.loads(bad.data)["payload"]["code"] == "invalid_message"
+        report = json.loads((await reported.next_msg(timeout=10)).data)
+        assert report["payload"]["subject"] == asking  # told on system.error too, as elsewhere
 
 
 async def test_a_tool_call_and_its_answer_carry_the_tracing_headers(tools_nc: NATS) -> None:

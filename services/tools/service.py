@@ -118,6 +118,7 @@ class ToolsService:
             try:
                 env = decode(request.data, asked, request.subject)
             except BadMessage as err:
+                await self._bus.report_bad_event(err)  # logged and on system.error, as elsewhere
                 await self._answer(request, err.report)
                 return
             with structlog.contextvars.bound_contextvars(session_id=env.session_id,
