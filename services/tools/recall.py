@@ -12,7 +12,8 @@ from typing import Any
 from nats.js import JetStreamContext
 
 from schemas.messages import ToolOutcome
-from services.core.transcript import Recall, items_of
+from services.core.recall import Recall
+from services.core.transcript import items_of
 from services.shared.transcript import stored_entries
 
 NAME = "recall"

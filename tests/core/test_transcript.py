@@ -1,4 +1,4 @@
-"""The transcript's items, cursors, Markdown and search, as pure functions."""
+"""The transcript's items, cursors and Markdown, as pure functions (its search: `recall`)."""
 
 from __future__ import annotations
 
@@ -7,17 +7,16 @@ from datetime import UTC, datetime
 import pytest
 
 from schemas.history import ChatMessage, HistoryEntry, Snapshot, ToolCall
+from services.core.recall import Recall, recall
 from services.core.transcript import (
     InvalidCursor,
     MarkdownWriter,
     Position,
-    Recall,
     StoredEntry,
     divider,
     items_after,
     markdown,
     page_limit,
-    recall,
 )
 from services.core.transcript import _markdown_item as markdown_lines
 
