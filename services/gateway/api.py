@@ -182,7 +182,7 @@ class Api:
     async def post_message(self, request: Request) -> Response:
         sid = session_id_of(request)
         body = await parse_body(request, PostMessage)
-        await self._require(sid)
+        await self.require_known(sid)
         return await self.answer(request, Query(session_id=sid, content=body.content))
 
     async def answer(self, request: Request, query: Query) -> Response:
@@ -191,7 +191,7 @@ class Api:
     async def compact(self, request: Request) -> Response:
         sid = session_id_of(request)
         body = await parse_body(request, CompactBody, optional=True)
-        await self.patiently(lambda: self.require(sid), "session_read_tried_again")
+        await self.patiently(lambda: self.require_fresh(sid), "session_read_tried_again")
         request_id = new_id()  # offered again under one id, the stream keeps it once
         await self.patiently(lambda: self._bus.js_publish(
             subjects.COMPACTION_REQUEST,
@@ -218,7 +218,7 @@ class Api:
         await self._record(sid)
         return sid
 
-    async def require(self, sid: str) -> None:
+    async def require_fresh(self, sid: str) -> None:
         """404 unless the session exists, read afresh: for the controls (compact,
         stop, retry), which no generator would refuse for a session another
         gateway deleted."""
@@ -227,7 +227,7 @@ class Api:
     async def state(self, sid: str) -> dict[str, str]:
         return await self._state(sid)
 
-    async def _require(self, sid: str) -> None:
+    async def require_known(self, sid: str) -> None:
         """404 unless the session exists; once seen an id needs no further
         look-up until this gateway deletes it (another gateway's delete is
         answered `unknown_session` by the generator)."""
@@ -235,8 +235,7 @@ class Api:
             forgotten = self._forgotten
             # As patient as the message's publish: NATS away for a moment
             # answers 503 only after NATS_AWAY_PATIENCE_S.
-            await patiently(lambda: self._record(sid), self._settings.nats_away_patience_s,
-                            "session_read_tried_again", pause=self._replies.stopping_within)
+            await self.patiently(lambda: self._record(sid), "session_read_tried_again")
             if self._forgotten == forgotten:  # no delete while it was read
                 self._known.add(sid)
 

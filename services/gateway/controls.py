@@ -39,7 +39,7 @@ MAX_QUEUED_READ = 256
 
 
 class Answers(Protocol):
-    async def require(self, sid: str) -> None: ...
+    async def require_fresh(self, sid: str) -> None: ...
 
     async def patiently(self, attempt: Callable[[], Awaitable[T]], event: str) -> T: ...
 
@@ -80,7 +80,7 @@ class Controls:
         sid = self._session_id_of(request)
         body = await parse_body(request, StopBody, optional=True)
         query_id = self._query_id_of(request, sid, body.retry)
-        await self._answers.require(sid)
+        await self._answers.require_fresh(sid)
         try:
             msg = await self._bus.request(
                 subjects.stop(sid), StopRequest(session_id=sid, query_id=query_id),
@@ -106,7 +106,7 @@ class Controls:
     async def _question_to_retry(self, sid: str, ours: str | None) -> str:
         """The message a retry answers again; a 404 or 409 when there is none,
         or the session is answering another."""
-        await self._answers.require(sid)
+        await self._answers.require_fresh(sid)
         conversation = (await self._history.read(sid)).conversation
         done = ours is not None and conversation.answered(sid, ours) is not None
         if not done and await self._busy(sid, conversation, ours):
