@@ -297,6 +297,31 @@ async def test_nats_restarted_without_its_store_works_again(
             assert (await http.get(f"/api/sessions/{sid}")).json()["compactions"] == 1
 
 
+async def test_a_query_lost_with_the_store_is_said_lost_at_once(
+        private_nats: NatsServer) -> None:
+    """The store went while the model answered: nobody was left to reply, and
+    the caller waited REPLY_TIMEOUT_S to be told its query stayed queued."""
+    env = {"REPLY_TIMEOUT_S": "120"}
+    with running_stub() as stub, running_system(private_nats.url, stub, env,
+                                                services=("generator", "gateway")) as system:
+        async with system.http(timeout=150) as http:
+            sid = (await http.post("/api/sessions", json={})).json()["session_id"]
+            await configure_stub(stub, held_models=["stub-model"])
+            asked = asyncio.create_task(http.post(
+                f"/api/sessions/{sid}/messages", json={"content": "lost?"},
+                headers={"Idempotency-Key": "lost-with-the-store"}))
+            await model_called(stub)
+            private_nats.stop()
+            system["gateway"].wait_for("nats_disconnected", 10)
+            private_nats.lose_store()
+            private_nats.start()
+            answer = await asked
+            await configure_stub(stub, held_models=[])
+    assert answer.status_code == 503, answer.text
+    assert answer.json()["error"]["code"] == "nats_unavailable"
+    assert "without this query" in answer.json()["error"]["message"]
+
+
 async def turn_compaction_on(nats_url: str, deadline: float) -> None:
     """Put the threshold in the live settings, once a service has made the
     bucket again."""

@@ -226,6 +226,7 @@ class Answering:
                 session_id=sid, message_id=waiting.query_id),
                 self._settings.nats_away_patience_s, "query_offered_again",
                 pause=self._replies.stopping_within)
+        waiting.stored = True
         return ack
 
     def _reply_response(self, reply: Reply) -> JSONResponse:

@@ -14,7 +14,10 @@ already sent.
 Replies are core NATS messages: one sent while this process's connection was
 away (a NATS node lost, a restart) never arrives. The turn is stored, or the
 error kept, before its reply is sent, so when NATS is back each request still
-waiting looks for its answer in the session's history, then for its error.
+waiting looks for its answer in the session's history, then for its error. A
+query found in none of them, nor still in the queue, was lost with NATS's
+store: its caller is told so at once, not after REPLY_TIMEOUT_S that it stays
+queued.
 
 When the gateway stops, the requests still waiting get a short grace for
 their replies; then each is told the gateway is stopping (GatewayStopping),
@@ -35,15 +38,26 @@ from nats.aio.subscription import Subscription
 
 from schemas import subjects
 from schemas.envelope import new_id
-from schemas.messages import Reply, Token
-from services.shared.bus import Bus
+from schemas.messages import ErrorCode, Reply, Token
+from services.shared.bus import MSG_ID_HEADER, Bus
 from services.shared.history_store import HistoryStore
+from services.shared.jetstream import queued_queries
 from services.shared.query_errors import KeptError, QueryErrors
 
 log = structlog.get_logger()
+LOST = ("NATS came back without this query (its store was lost?): it was not answered, and "
+        "nothing of it was stored; send it again")
 Event = Reply | Token
 # Put in a waiting request's queue when the gateway stops before its reply.
 _STOPPING = None
+
+
+async def still_queued(bus: Bus, sid: str, query_id: str) -> bool:
+    """Whether the query is in the QUERIES stream: waiting, or being answered."""
+    async for msg in queued_queries(bus.js, sid, bus.fresh_reads_direct):
+        if (msg.headers or {}).get(MSG_ID_HEADER) == query_id:
+            return True
+    return False
 
 
 class GatewayStopping(Exception):
@@ -59,6 +73,9 @@ class Waiting:
     query_id: str = field(default_factory=new_id)
     correlation_id: str = field(default_factory=new_id)
     events: asyncio.Queue[Event | None] = field(default_factory=asyncio.Queue)
+    # The QUERIES stream confirmed it holds the query: from then on, its
+    # absence there means it was answered, or lost.
+    stored: bool = False
 
 
 class ReplyRouter:
@@ -130,18 +147,36 @@ class ReplyRouter:
 
     async def recover_missed(self) -> None:
         """NATS is back: each request still waiting whose answer was stored, or
-        error kept, meanwhile gets it (its reply may have been lost)."""
+        error kept, meanwhile gets it (its reply may have been lost); one whose
+        stored query is gone unanswered is told it was lost. Raises, for the
+        reconnect to try again, if some could not be looked at."""
+        unchecked = 0
         for waiting in list(self._waiting.values()):
-            sid, query_id = waiting.sid, waiting.query_id
             try:
-                reply = ((await self._history.read(sid)).conversation.answered(sid, query_id)
-                         or await self._errors.reply_of(query_id))
-            except Exception as err:  # NATS away again: the next reconnect asks again
-                log.warning("missed_reply_unchecked", session_id=sid, error=repr(err))
+                reply = await self._outcome(waiting)
+            except Exception as err:  # NATS away again: tried again
+                log.warning("missed_reply_unchecked", session_id=waiting.sid, error=repr(err))
+                unchecked += 1
                 continue
             if reply is not None:
-                log.info("missed_reply_recovered", session_id=sid, query_id=query_id)
+                log.info("missed_reply_recovered", session_id=waiting.sid,
+                         query_id=waiting.query_id, error_code=reply.error_code)
                 waiting.events.put_nowait(reply)
+        if unchecked:
+            raise RuntimeError(f"{unchecked} waiting requests not looked at")
+
+    async def _outcome(self, waiting: Waiting) -> Reply | None:
+        """The reply the waiter missed; None while its query is still to be
+        answered. The queue is read first: a query answered after that look
+        is in the history when it is read."""
+        sid, query_id = waiting.sid, waiting.query_id
+        queued = waiting.stored and await still_queued(self._bus, sid, query_id)
+        reply = ((await self._history.read(sid)).conversation.answered(sid, query_id)
+                 or await self._errors.reply_of(query_id))
+        if reply is None and waiting.stored and not queued:
+            return Reply(session_id=sid, query_id=query_id, error_code=ErrorCode.nats_unavailable,
+                         error=LOST)
+        return reply
 
     async def _on_reply(self, msg: Msg) -> None:
         env = await self._bus.decode_or_report(msg, Reply)
