@@ -68,6 +68,42 @@ async def test_settings_change_without_a_restart(nc: NATS) -> None:
             await kv.delete(key)
 
 
+async def test_a_setting_the_bucket_no_longer_holds_goes_back_to_its_start(
+        private_nats: NatsServer) -> None:
+    """After a lost store a threshold put before it stayed in force, where no
+    one could see it and a service started since had another."""
+    nc = await nats.connect(private_nats.url)
+    changed = asyncio.Event()
+    live = LiveSettings(nc.jetstream(), DeciderSettings(compaction_threshold=0.8),
+                        on_change=lambda _: changed.set())
+
+    async def settled(threshold: float) -> None:
+        async with asyncio.timeout(10):  # a guard against hanging, not a measure
+            while live.current.compaction_threshold != threshold:
+                changed.clear()
+                await changed.wait()
+
+    try:
+        await live.start()
+        await (await nc.jetstream().key_value(subjects.CONFIG_BUCKET)).put(
+            "compaction_threshold", b"0.3")
+        await settled(0.3)
+        await live.watch_again()  # NATS back with its store: the bucket still says 0.3
+        await (await nc.jetstream().key_value(subjects.CONFIG_BUCKET)).put(
+            "compaction_cooldown_s", b"5")  # an event after the watch's start values
+        while live.current.compaction_cooldown_s != 5:
+            changed.clear()
+            await changed.wait()
+        assert live.current.compaction_threshold == 0.3
+        await nc.jetstream().delete_key_value(subjects.CONFIG_BUCKET)  # the store lost
+        await live.watch_again()
+        await settled(0.8)
+        assert live.current.compaction_cooldown_s == DeciderSettings().compaction_cooldown_s
+    finally:
+        await live.stop()
+        await nc.close()
+
+
 async def test_a_huge_value_refused_is_logged_cut_short(nc: NATS) -> None:
     """A megabyte put under a setting was written whole into each service's log."""
     live = LiveSettings(nc.jetstream(), DeciderSettings())

@@ -65,8 +65,10 @@ class LiveSettings(Generic[S]):
         """NATS came back: the watcher lived in the server's memory, and the
         bucket may be gone with a lost store. (nats-py would replace the
         watcher only after two missed heartbeats, starting past the revisions
-        it saw, which a bucket made anew has not reached.) The settings in
-        force stay until the new watch says otherwise."""
+        it saw, which a bucket made anew has not reached.) The bucket is the
+        truth again once the new watch has read it: a setting it no longer
+        holds (a lost store) goes back to the start-up value, as a service
+        started now would have it, rather than live on where nobody sees it."""
         await self.stop()
         await self.start()
 
@@ -79,21 +81,30 @@ class LiveSettings(Generic[S]):
             self._watcher = None
 
     async def _follow(self, watcher: object) -> None:
+        held: set[str] | None = set()  # keys the bucket held at the start; None after
         async for entry in watcher:  # type: ignore[attr-defined]
-            if entry is None or not entry.key:
-                continue  # the end-of-initial-values marker
-            if entry.operation in DELETIONS:
-                # nats-py hands a deletion over as an entry with an empty value.
-                self.restore(entry.key)
-                continue
-            if entry.value is None:
-                continue
-            try:
-                raw = entry.value.decode().strip()
-            except UnicodeDecodeError:
-                log.error("live_setting_rejected", key=entry.key, error="not UTF-8 text")
-                continue
-            self.apply(entry.key, raw)
+            if entry is None:  # the end of the values the bucket held at the start
+                for key in LIVE_KEYS - held if held is not None else ():
+                    self.restore(key)
+                held = None
+            elif entry.key:
+                if held is not None and entry.operation not in DELETIONS:
+                    held.add(entry.key)
+                self._take(entry)
+
+    def _take(self, entry: KeyValue.Entry) -> None:
+        if entry.operation in DELETIONS:
+            # nats-py hands a deletion over as an entry with an empty value.
+            self.restore(entry.key)
+            return
+        if entry.value is None:
+            return
+        try:
+            raw = entry.value.decode().strip()
+        except UnicodeDecodeError:
+            log.error("live_setting_rejected", key=entry.key, error="not UTF-8 text")
+            return
+        self.apply(entry.key, raw)
 
     def restore(self, key: str) -> None:
         """The key was deleted: back to the value this service started with
