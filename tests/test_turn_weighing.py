@@ -11,7 +11,7 @@ from schemas.session import SessionRecord
 from services.core.prompt import render_messages
 from services.core.prompt_cache import cached_size, previous_call
 from services.core.text_size import prompt_size
-from services.generator.turns import Turn
+from services.generator.turn import Turn
 from services.shared.history_store import HistoryView
 
 SYSTEM = "You are terse."

@@ -38,7 +38,8 @@ from services.generator.settings import GeneratorSettings
 from services.generator.slots import Slots
 from services.generator.states import SessionStates
 from services.generator.toolbox import Toolbox
-from services.generator.turns import FollowUp, TurnError, TurnRunner
+from services.generator.turn import TurnError
+from services.generator.turns import FollowUp, TurnRunner
 from services.shared import metrics
 from services.shared.bus import MSG_ID_HEADER, Bus
 from services.shared.consumer import Delivery, PullLoop, ensure_consumer

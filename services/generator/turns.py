@@ -8,18 +8,17 @@ turn's messages are written at the end in one history entry, tagged with the
 query's id, so a redelivered query finds its answer and is never answered
 twice.
 
-Before every model call the prompt is measured against the budget. Over it,
-the turn compacts first (emergency level) when automatic compaction is on,
-and refuses with a clear error when it is off or cannot make room: nothing
-that would overflow the window is ever sent.
+Before every model call the prompt is made to fit the budget (`fitting`):
+compacted first (emergency level) when automatic compaction is on, refused
+with a clear error when it is off or cannot make room. Nothing that would
+overflow the window is ever sent.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Coroutine, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import structlog
@@ -32,16 +31,13 @@ from schemas.messages import ErrorCode, GenerationReport, Query, Reply
 from schemas.session import SessionRecord
 from services.core.boundary import choose_boundary, tail_turns_for
 from services.core.context import next_prompt_size
-from services.core.decision import Level, check_fit
-from services.core.overflow import FitsShare, best_case_prompt, cut_tool_output
+from services.core.decision import Level
 from services.core.prompt import HistoryWeights, render_messages
-from services.core.prompt_cache import cached_size, previous_call
 from services.core.retry import RetryRefused, retry_verdict
 from services.core.state_machine import Action
-from services.core.text_size import Size, prompt_size
+from services.core.text_size import prompt_size
 from services.core.tokens import (
     calibrate,
-    estimate_prompt,
     prompt_budget,
     refused_as_too_long,
     stored_calibration,
@@ -49,11 +45,10 @@ from services.core.tokens import (
     worth_storing,
 )
 from services.generator.compaction import (
-    CompactionFailed,
-    CompactionSkipped,
     CompactionStopped,
     Compactor,
 )
+from services.generator.fitting import Fitting, estimate, fits
 from services.generator.head_start import HeadStart, HeadStartCount, still_good
 from services.generator.models import ModelFacts
 from services.generator.provider import (
@@ -69,6 +64,7 @@ from services.generator.states import SessionStates
 from services.generator.stops import Stops, StopSwitch
 from services.generator.token_stream import TokenStream
 from services.generator.toolbox import Toolbox, ToolRun
+from services.generator.turn import Messages, Turn, TurnError, WindowExceeded
 from services.shared.bus import Bus
 from services.shared.history_store import HistoryStore, HistoryView
 from services.shared.jetstream import NO_ROOM, no_room
@@ -81,78 +77,7 @@ log = structlog.get_logger()
 # text written before calling a tool ("Let me check.") and the answer written
 # with its result ran together as one sentence. Not part of what is stored.
 ROUND_BREAK = "\n\n"
-Messages = list[dict[str, Any]]
 FollowUp = Callable[[], Coroutine[Any, Any, None]]
-
-
-class TurnError(Exception):
-    """The query cannot be answered; `code` and the message go to the caller."""
-
-    def __init__(self, code: ErrorCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-class WindowExceeded(TurnError):
-    """The model server refused a prompt as longer than its window."""
-
-
-@dataclass
-class Turn:
-    """What one query has produced so far."""
-
-    env: Envelope[Query]
-    record: SessionRecord
-    view: HistoryView
-    # The user's message, then tool calls and results as they come.
-    messages: list[ChatMessage]
-    # The turn's last model call, and the one before it (None for the first:
-    # the session's previous call is then read off the history the turn
-    # started on). Only the report and the calibration need their sizes, so
-    # they are weighed after the reply (`weigh_last_call`), not while the
-    # model answers: each weighing is a pass over the whole prompt.
-    last_prompt: Messages = field(default_factory=list)
-    prompt_before: Messages | None = None
-    # How much of the last call a prompt cache may have served, and its size.
-    reused: Size = field(default_factory=Size)
-    sent: Size = field(default_factory=Size)
-    # The history the turn began on (`view` moves on as the turn is stored).
-    started_on: Conversation = field(init=False)
-    # A retry's: the history up to the last user message, the answer after
-    # it left out (see `services.core.retry`). None for a new message.
-    retry_context: Conversation | None = None
-    # Thrown by a stop; a head start's own when the turn keeps its call.
-    switch: StopSwitch = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.started_on = self.view.conversation
-        self.switch = StopSwitch(self.env.message_id)
-
-    def called(self, prompt: Messages) -> None:
-        """A model call is sent with this prompt."""
-        self.prompt_before = self.last_prompt or None
-        self.last_prompt = prompt
-
-    def weigh_last_call(self, tools: Messages) -> None:
-        previous = self.prompt_before
-        if previous is None:
-            previous = previous_call(self.record.system, self.started_on,
-                                     self.record.tokens_per_char is not None)
-        self.sent = prompt_size(self.last_prompt, tools)
-        self.reused = cached_size(previous, self.last_prompt, tools, whole=self.sent)
-
-    @property
-    def context(self) -> Conversation:
-        """The history the turn's prompt is built on."""
-        return self.retry_context if self.retry_context is not None else self.view.conversation
-
-    @property
-    def sid(self) -> str:
-        return self.env.payload.session_id
-
-    @property
-    def query_id(self) -> str:
-        return self.env.message_id
 
 
 class TurnRunner:
@@ -181,6 +106,15 @@ class TurnRunner:
 
     def budget(self, record: SessionRecord) -> int:
         return prompt_budget(self.num_ctx(record), self._settings.output_headroom)
+
+    async def _prompt(self, turn: Turn, head: HeadStart | None, tools: Messages) -> Messages:
+        """The head start's prompt, which fitted; else the turn's, made to fit."""
+        if head is not None:
+            return head.prompt
+        record = turn.record
+        fitting = Fitting(self._settings, self._compactor, self.budget(record),
+                          self.num_ctx(record))
+        return await fitting.prompt(turn, tools)
 
     async def _facts(self, record: SessionRecord) -> ModelFacts:
         try:
@@ -216,7 +150,7 @@ class TurnRunner:
         except TurnError:
             return None  # the turn itself will meet the error and report it
         prompt = render_messages(record.system, view.conversation, [_question(env)])
-        if not self._fits(record, prompt, tools):
+        if not fits(record, prompt, tools, self.budget(record)):
             return None  # the turn must compact first
         stream = TokenStream(self._bus, env, held=True) if env.payload.stream else None
         switch = StopSwitch(env.message_id)
@@ -310,7 +244,7 @@ class TurnRunner:
         if head is None:
             return None
         if still_good(head.view, head.record, turn.view, turn.record,
-                      lambda: self._fits(turn.record, head.prompt, head.tools)):
+                      lambda: fits(turn.record, head.prompt, head.tools, self.budget(turn.record))):
             return head
         head.abandon()
         return None
@@ -323,7 +257,7 @@ class TurnRunner:
         refused, rounds = False, 0
         while True:
             try:
-                prompt = head.prompt if head else await self._fitting_prompt(turn, tools)
+                prompt = await self._prompt(turn, head, tools)
             except CompactionStopped:
                 return ChatResult(content="", stopped=True), tools
             turn.called(prompt)
@@ -362,126 +296,6 @@ class TurnRunner:
             return head.stream
         return TokenStream(self._bus, env)
 
-    async def _fitting_prompt(self, turn: Turn, tools: Messages) -> Messages:
-        prompt = self._render(turn)
-        if self._fits(turn.record, prompt, tools):
-            return prompt
-        if turn.retry_context is not None:
-            # A compaction could fold away the very message to answer again.
-            advice = "a retried answer does not compact first: compact the session, then retry"
-        elif not self._may_compact(turn.record):
-            advice = ("automatic compaction is off for this session: compact it "
-                      "(POST /api/sessions/{id}/compact) or shorten the message")
-        elif await self._compact_if_it_can_help(turn, tools):
-            advice = ("it does not fit even after compaction (a single message larger than "
-                      "the window?)")
-        else:
-            advice = ("no compaction could make room: the system prompt, a minimal summary and "
-                      "this turn alone are too large (a single message larger than the window?); "
-                      "the history was left as it is")
-        prompt = self._render(turn)
-        if self._fits(turn.record, prompt, tools):
-            return prompt
-        # Still over: a tool result too large for the turn is cut, not the turn lost.
-        if self._cut_tool_output(turn, lambda pending, share: self._fits(
-                turn.record, render_messages(turn.record.system, turn.context, pending),
-                tools, share)):
-            return self._render(turn)
-        raise self._overflow(turn.record, prompt, tools, advice)
-
-    async def _compact_if_it_can_help(self, turn: Turn, tools: Messages) -> bool:
-        """An emergency compaction, only when its best outcome (a minimal summary
-        in place of all but the last turn, or failing that of all of it) would
-        fit: it is irreversible and costs a model call. A tool result that keeps
-        even that from fitting is cut first. False when nothing could help
-        (history untouched)."""
-        tail = self._emergency_tail(turn, tools)
-        if tail is None:
-            log.info("emergency_compaction_cannot_help")
-            return False
-        prompt = self._render(turn)
-        if self._fits(turn.record, prompt, tools):
-            return True  # the cut alone made room
-        try:
-            await self._compact_to_fit(turn, tools, tail)
-        except CompactionStopped:
-            raise
-        except (CompactionSkipped, CompactionFailed) as err:
-            raise self._overflow(turn.record, prompt, tools,
-                                 f"emergency compaction could not make room: {err}") from err
-        return True
-
-    async def _compact_to_fit(self, turn: Turn, tools: Messages, tail: int) -> None:
-        """Compacts keeping `tail` turns raw; and if its summary took more than
-        the minimal one the choice was priced at (or freed too little to be
-        kept), the turn kept raw goes too, rather than the message refused."""
-        try:
-            await self._compact_within_turn(turn, tail)
-        except CompactionStopped:
-            raise  # a CompactionSkipped too: stopped, nothing more is tried
-        except CompactionSkipped:
-            if tail == 0:
-                raise
-        if (tail > 0 and not turn.switch.thrown
-                and not self._fits(turn.record, self._render(turn), tools)
-                and self._cut_tool_output(turn, self._best_case_fits(turn, tools, 0))):
-            await self._compact_within_turn(turn, 0)
-
-    async def _compact_within_turn(self, turn: Turn, tail: int) -> None:
-        turn.view = await self._compactor.compact_within_turn(
-            turn.record, turn.view, turn.env.correlation_id, turn.switch, tail)
-
-    def _emergency_tail(self, turn: Turn, tools: Messages) -> int | None:
-        """The turns an emergency compaction keeps raw: the emergency level's,
-        or none when the last turn alone leaves this one no room (a question
-        near the budget and its answer, kept raw, would refuse every later
-        message); None when even that would not fit."""
-        for tail in (tail_turns_for(Level.emergency, self._settings.compaction_tail_turns), 0):
-            if self._cut_tool_output(turn, self._best_case_fits(turn, tools, tail)):
-                return tail
-        return None
-
-    def _best_case_fits(self, turn: Turn, tools: Messages, tail: int) -> FitsShare:
-        """Would the turn fit behind a minimal summary of all but `tail` turns?"""
-        def fits(pending: Sequence[ChatMessage], share: float = 1.0) -> bool:
-            best = best_case_prompt(turn.record.system, turn.context, pending, tail)
-            return self._fits(turn.record, best, tools, share)
-        return fits
-
-    def _cut_tool_output(self, turn: Turn, fits: FitsShare) -> bool:
-        """The turn's tool results cut (newest first) if it does not fit; False
-        when even that is not enough."""
-        cut = cut_tool_output(turn.messages, fits)
-        if cut is None:
-            return False
-        if list(cut) != turn.messages:
-            log.warning("tool_output_cut", chars_before=sum(len(m.content) for m in turn.messages),
-                        chars_after=sum(len(m.content) for m in cut))
-        turn.messages = list(cut)
-        return True
-
-    def _render(self, turn: Turn) -> Messages:
-        return render_messages(turn.record.system, turn.context, turn.messages)
-
-    def _may_compact(self, record: SessionRecord) -> bool:
-        return self._settings.compaction_threshold > 0 and record.auto_compact
-
-    def _estimate(self, record: SessionRecord, prompt: Messages, tools: Messages) -> int:
-        return estimate_prompt(prompt, stored_calibration(record), tools)
-
-    def _fits(self, record: SessionRecord, prompt: Messages, tools: Messages,
-              share: float = 1.0) -> bool:
-        """Does the prompt fit (within `share` of the budget), margin kept?"""
-        return check_fit(self._estimate(record, prompt, tools),
-                         int(share * self.budget(record))).fits
-
-    def _overflow(self, record: SessionRecord, prompt: Messages, tools: Messages,
-                  advice: str) -> TurnError:
-        return TurnError(ErrorCode.context_overflow,
-            f"the prompt would need about {self._estimate(record, prompt, tools)} tokens but "
-            f"the budget is {self.budget(record)} (num_ctx {self.num_ctx(record)}); {advice}",
-        )
-
     async def _run_tools(self, turn: Turn, result: ChatResult) -> list[ChatMessage] | None:
         """The results of the calls `result` asks for; None when the answer is
         stopped before they all came (the calls are cut short, as a timeout
@@ -511,7 +325,7 @@ class TurnRunner:
         # unbounded, Ollama lets a looping model write ten windows' worth,
         # dropping the prompt's start (the system prompt) to make room. (Its
         # turn may then fill the budget: the next one compacts it too.)
-        room = max(num_ctx - self._estimate(record, prompt, tools), num_ctx - self.budget(record))
+        room = max(num_ctx - estimate(record, prompt, tools), num_ctx - self.budget(record))
         request = ChatRequest(model=record.model_or(self._settings.model), messages=prompt,
                               num_ctx=num_ctx, tools=tools, think=self._settings.think,
                               num_predict=room)
@@ -547,7 +361,7 @@ class TurnRunner:
         previous = stored_calibration(turn.record)
         raised = refused_as_too_long(previous, prompt_size(prompt, tools), num_ctx)
         log.warning("prompt_refused_as_too_long", num_ctx=num_ctx,
-                    estimate=self._estimate(turn.record, prompt, tools))
+                    estimate=estimate(turn.record, prompt, tools))
         if raised != previous:
             turn.record = with_calibration(turn.record, raised)
             await self._sessions.update(turn.record)
