@@ -41,17 +41,21 @@ def _in_utc_if_unzoned(moment: datetime) -> datetime:
 Timestamp = Annotated[datetime, AfterValidator(_in_utc_if_unzoned)]
 
 
+# Message and correlation ids: any 1-128 characters.
+MAX_ID_CHARS = 128
+
+
 class Envelope(BaseModel, Generic[P]):
     """Use `enveloped(PayloadType)` rather than `Envelope[PayloadType]` on hot
     paths: it builds the parametrised model once."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    message_id: str = Field(default_factory=new_id, min_length=1, max_length=128)
+    message_id: str = Field(default_factory=new_id, min_length=1, max_length=MAX_ID_CHARS)
     message_type: str = Field(min_length=1, max_length=64)
     subject: str = Field(min_length=1, max_length=256)
     sender_id: str = Field(pattern=r"^[a-z][a-z0-9-]{0,63}$")
-    correlation_id: str = Field(default_factory=new_id, min_length=1, max_length=128)
+    correlation_id: str = Field(default_factory=new_id, min_length=1, max_length=MAX_ID_CHARS)
     session_id: str | None = Field(default=None, pattern=SESSION_ID_PATTERN)
     timestamp: Timestamp = Field(default_factory=utc_now)
     schema_version: int = SCHEMA_VERSION

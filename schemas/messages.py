@@ -66,6 +66,8 @@ class ErrorCode(StrEnum):
     # NATS refused to keep the answer (its store is full), or did not answer.
     storage_full = "storage_full"
     nats_unavailable = "nats_unavailable"
+    # A query that does not match its schema (the message names the fields).
+    invalid_message = "invalid_message"
 
 
 class Reply(Payload):

@@ -53,6 +53,7 @@ ERROR_STATUS: dict[str, int] = {
     ErrorCode.retry_outdated: 409,
     ErrorCode.storage_full: 507,
     ErrorCode.nats_unavailable: 503,
+    ErrorCode.invalid_message: 400,
 }
 log = structlog.get_logger()
 # What a caller the gateway stopped waiting for may do (`reply_timeout`, not the

@@ -24,7 +24,15 @@ from nats.js.api import AckPolicy, ConsumerConfig
 
 from schemas import subjects
 from schemas.envelope import Envelope
-from schemas.messages import CompactionRequest, ErrorCode, Query, Reply, StopAccepted, StopRequest
+from schemas.messages import (
+    CompactionRequest,
+    ErrorCode,
+    ErrorReport,
+    Query,
+    Reply,
+    StopAccepted,
+    StopRequest,
+)
 from services.core.failed_tries import Failure, TryAgain
 from services.core.state_machine import Action, CompactionMode
 from services.generator.answered import AnsweredQueries, FailedTries, failure_of
@@ -41,11 +49,12 @@ from services.generator.toolbox import Toolbox
 from services.generator.turn import TurnError
 from services.generator.turns import FollowUp, TurnRunner
 from services.shared import metrics
-from services.shared.bus import MSG_ID_HEADER, Bus
+from services.shared.bus import MSG_ID_HEADER, BadMessage, Bus, decode, readable_id
 from services.shared.consumer import Delivery, PullLoop, ensure_consumer
 from services.shared.history_store import HistoryConflict, HistoryStore
 from services.shared.jetstream import NO_ROOM, locks_bucket, queued_queries
 from services.shared.live_config import LiveSettings
+from services.shared.nats_away import NATS_AWAY
 from services.shared.query_errors import QueryErrors
 from services.shared.runner import Endpoint
 from services.shared.sessions import SessionNotFound, SessionStore
@@ -280,9 +289,11 @@ class Generator:
             loop.room_freed()
 
     async def _handle(self, msg: Msg) -> None:
-        env = await self._bus.decode_or_report(msg, Query)
-        if env is None:
-            await msg.term()  # a malformed query would only come back
+        try:
+            env = decode(msg.data, Query, msg.subject)
+        except BadMessage as err:
+            await self._bus.report_bad_event(err)
+            await self._refuse_malformed(msg, err.report)
             return
         sid = env.payload.session_id
         metrics.generator().query_received(env.timestamp, msg.metadata.num_delivered)
@@ -299,6 +310,19 @@ class Generator:
                     follow_up = None
             if follow_up is not None:  # outside the session's locks, and its slot
                 self._spawn(follow_up(), busy=False)
+
+    async def _refuse_malformed(self, msg: Msg, report: ErrorReport) -> None:
+        """Dropped (it would only come back), and its caller told why when the
+        subject names a session and the message an id to answer it under:
+        a caller waiting on `chat.reply.<sid>` would wait out its timeout."""
+        await msg.term()
+        sid, query_id = subjects.session_in(msg.subject), readable_id(msg.data)
+        if sid is None or query_id is None or not subjects.is_valid_session_id(sid):
+            return
+        with contextlib.suppress(*NATS_AWAY):
+            await self._bus.publish(subjects.reply(sid), Reply(
+                session_id=sid, query_id=query_id, error_code=ErrorCode.invalid_message,
+                error=report.message), session_id=sid)
 
     async def _answer_in_order(self, delivery: Delivery, env: Envelope[Query]
                                ) -> FollowUp | None:

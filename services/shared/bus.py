@@ -27,7 +27,7 @@ from nats.js.api import PubAck
 from pydantic import ValidationError
 
 from schemas import subjects
-from schemas.envelope import Envelope, enveloped, new_id
+from schemas.envelope import MAX_ID_CHARS, Envelope, enveloped, new_id
 from schemas.messages import ErrorReport, Payload
 from services.shared.nats_auth import inbox_prefix
 from services.shared.settings import nats_servers, shown_url
@@ -81,6 +81,17 @@ def _check_session(env: Envelope[Any], subject: str) -> None:
                 code="invalid_message", subject=subject,
                 message=f"{field} is {named}, but the message is for session {expected}",
                 details=[{"field": field, "error": f"not the session {expected}"}]))
+
+
+def readable_id(data: bytes) -> str | None:
+    """The `message_id` of a message that does not validate, when it has a
+    usable one: what its answer can be addressed to."""
+    try:
+        message = parse_json(data)
+    except ValueError:
+        return None
+    found = message.get("message_id") if isinstance(message, dict) else None
+    return found if isinstance(found, str) and 0 < len(found) <= MAX_ID_CHARS else None
 
 
 def validation_report(err: ValidationError, subject: str | None) -> ErrorReport:

@@ -204,6 +204,19 @@ async def test_a_query_for_an_unknown_session_gets_an_error_reply(target: Target
     assert reply["payload"]["error"]
 
 
+async def test_a_malformed_query_with_an_id_gets_an_error_reply(target: Target) -> None:
+    """Its caller, waiting on the session's reply subject, waited out its timeout."""
+    sid = f"s{uuid.uuid4().hex[:12]}"
+    query = json.loads(envelope(f"chat.query.{sid}", "chat.query",
+                                {"session_id": sid, "content": ""}, sid))  # empty: invalid
+    async with tapped(target.nats_url, f"chat.reply.{sid}") as (tap, nc):
+        await nc.jetstream().publish(f"chat.query.{sid}", json.dumps(query).encode())
+        [reply] = await tap.until(of_session(sid))
+    assert reply["payload"]["query_id"] == query["message_id"]
+    assert reply["payload"]["error_code"] == "invalid_message"
+    assert "payload.content" in reply["payload"]["error"]
+
+
 async def test_a_query_timed_without_a_zone_is_answered(target: Target) -> None:
     """`datetime.utcnow().isoformat()` writes no zone: such a query passed
     validation, then crashed the generator, and its answer was never sent."""
