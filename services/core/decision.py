@@ -220,3 +220,14 @@ def check_fit(next_prompt_tokens: int, budget: int, margin: float = FIT_MARGIN) 
     limit = math.floor((1.0 - margin) * budget)
     over = next_prompt_tokens - limit
     return Fit(fits=over <= 0, over_by=max(0, over))
+
+
+def answer_room(num_ctx: int, budget: int, prompt_estimate: int,
+                margin: float = FIT_MARGIN) -> int:
+    """The most tokens the answer may take (`num_predict`): what the prompt
+    leaves of the window, the prompt priced as it may truly be (its estimate
+    over 1 - `margin`, the error `check_fit` keeps in reserve; at the raw
+    estimate, an answer using all its room ran past the window by the
+    estimate's error), and never less than the headroom the budget keeps."""
+    worst = math.ceil(prompt_estimate / (1.0 - margin))
+    return max(num_ctx - worst, num_ctx - budget)

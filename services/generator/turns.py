@@ -31,7 +31,7 @@ from schemas.messages import ErrorCode, GenerationReport, Query, Reply
 from schemas.session import SessionRecord
 from services.core.boundary import choose_boundary, tail_turns_for
 from services.core.context import next_prompt_size
-from services.core.decision import Level
+from services.core.decision import Level, answer_room
 from services.core.prompt import HistoryWeights, render_messages
 from services.core.retry import RetryRefused, retry_verdict
 from services.core.state_machine import Action
@@ -325,7 +325,7 @@ class TurnRunner:
         # unbounded, Ollama lets a looping model write ten windows' worth,
         # dropping the prompt's start (the system prompt) to make room. (Its
         # turn may then fill the budget: the next one compacts it too.)
-        room = max(num_ctx - estimate(record, prompt, tools), num_ctx - self.budget(record))
+        room = answer_room(num_ctx, self.budget(record), estimate(record, prompt, tools))
         request = ChatRequest(model=record.model_or(self._settings.model), messages=prompt,
                               num_ctx=num_ctx, tools=tools, think=self._settings.think,
                               num_predict=room)

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import replace
 
 import pytest
@@ -23,6 +24,7 @@ from services.core.decision import (
     Observation,
     Policy,
     SessionMemory,
+    answer_room,
     awaits_result,
     check_fit,
     decide,
@@ -396,3 +398,17 @@ def test_no_refiring_every_cooldown_once_no_raw_turn_is_left() -> None:
         now += 45.0
     # One emergency compaction per paste that pushes the session over 95%, nothing else.
     assert fired and set(fired) == {Level.emergency}
+
+
+def test_an_answer_using_all_its_room_stays_in_the_window_whatever_the_estimates_error() -> None:
+    """At the raw estimate, a prompt counted a few tokens over it and an answer
+    using all its room ran past the window (by 1 to 3 tokens in a soak)."""
+    for num_ctx, headroom in ((2048, 256), (8192, 1024), (4096, 0)):
+        budget = num_ctx - headroom
+        for estimate in range(0, budget + 1, 7):
+            if not check_fit(estimate, budget).fits:
+                continue  # never sent
+            room = answer_room(num_ctx, budget, estimate)
+            truly_at_most = math.floor(estimate / (1.0 - FIT_MARGIN))  # the error reserved for
+            assert truly_at_most + room <= num_ctx, (num_ctx, estimate)
+            assert room >= headroom
