@@ -198,6 +198,18 @@ def test_markup_in_a_message_is_shown_as_text(watched: Watched) -> None:
 
 
 @pytest.mark.parametrize("watched", [390], indirect=True)
+def test_the_danger_buttons_can_be_read(watched: Watched, stub_url: str) -> None:
+    """Stop and Delete… were red on red: a later rule gave them the red text
+    and kept the red fill."""
+    page = watched.page
+    create_session(page)
+    colours = "(e) => { const s = getComputedStyle(e); return [s.color, s.backgroundColor]; }"
+    with answer_under_way(page, stub_url, "a message being answered"):
+        for button in ("#stop-button", "#delete-button"):
+            text, fill = page.eval_on_selector(button, colours)
+            assert text != fill, (button, text, fill)
+
+
 def test_a_message_is_sent_on_a_narrow_screen(watched: Watched) -> None:
     page = watched.page
     create_session(page)
