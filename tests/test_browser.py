@@ -197,7 +197,6 @@ def test_markup_in_a_message_is_shown_as_text(watched: Watched) -> None:
     assert watched.dialogs == []
 
 
-@pytest.mark.parametrize("watched", [390], indirect=True)
 def test_the_danger_buttons_can_be_read(watched: Watched, stub_url: str) -> None:
     """Stop and Delete… were red on red: a later rule gave them the red text
     and kept the red fill."""
@@ -210,6 +209,32 @@ def test_the_danger_buttons_can_be_read(watched: Watched, stub_url: str) -> None
             assert text != fill, (button, text, fill)
 
 
+def test_a_long_answer_is_laid_out_once_a_frame_not_once_a_piece(
+        watched: Watched, stub_url: str) -> None:
+    """Each piece, added with a look at the scroll position after it, made the
+    browser lay the list out again: 40,000 characters took 52 s to show."""
+    page = watched.page
+    create_session(page)
+    devtools = page.context.new_cdp_session(page)
+    devtools.send("Performance.enable")
+
+    def layouts() -> int:
+        metrics = devtools.send("Performance.getMetrics")["metrics"]
+        return int(next(m["value"] for m in metrics if m["name"] == "LayoutCount"))
+
+    configure_stub_now(stub_url, chars_per_token=100)  # room in the window for it all
+    try:
+        before = layouts()
+        send(page, "long !long 12000")
+        laid_out = layouts() - before
+    finally:
+        configure_stub_now(stub_url, chars_per_token=4)
+    pieces = len(page.locator("#messages .msg-assistant .msg-text").last.inner_text().split())
+    assert pieces > 1500
+    assert laid_out < pieces / 4, (laid_out, pieces)
+
+
+@pytest.mark.parametrize("watched", [390], indirect=True)
 def test_a_message_is_sent_on_a_narrow_screen(watched: Watched) -> None:
     page = watched.page
     create_session(page)

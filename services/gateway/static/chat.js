@@ -317,6 +317,25 @@ function pendingAnswer(again) {
   unsaved.push(item);
   scrollToEnd(true);
   let failure = null;
+  // Pieces are added once a frame, not one by one: each added piece, with the
+  // look at the scroll position after it, made the browser lay the list out
+  // again, and a long answer froze the tab for a time growing as its square.
+  let unshown = "";
+  let frame = 0;
+  const show = () => {
+    cancelAnimationFrame(frame);
+    frame = 0;
+    if (!unshown) return;
+    const stick = nearBottom();
+    text.append(document.createTextNode(unshown));
+    unshown = "";
+    if (stick) scrollToEnd(true);
+  };
+  const forget = () => {
+    cancelAnimationFrame(frame);
+    frame = 0;
+    unshown = "";
+  };
   return {
     get failure() {
       return failure;
@@ -333,19 +352,24 @@ function pendingAnswer(again) {
       status.textContent = writing ? "writing…" : pendingText(waiting);
     },
     append(piece) {
-      const stick = nearBottom();
+      if (!writing) status.textContent = "writing…";
       writing = true;
-      text.append(document.createTextNode(piece));
-      status.textContent = "writing…";
-      if (stick) scrollToEnd(true);
+      unshown += piece;
+      if (!frame) frame = requestAnimationFrame(show);
     },
     restart() {
       // The generator died mid-answer and another one starts it over.
+      forget();
       text.textContent = "";
       status.textContent = "generating again…";
     },
     done(body) {
-      if (typeof body.reply === "string") text.textContent = body.reply;
+      if (typeof body.reply === "string") {
+        forget();
+        text.textContent = body.reply;
+      } else {
+        show();
+      }
       if (typeof body.thinking === "string" && body.thinking) {
         if (typeof body.query_id === "string") thoughts.set(body.query_id, body.thinking);
         text.before(thinkingBlock(body.thinking));
@@ -356,6 +380,7 @@ function pendingAnswer(again) {
       item.removeAttribute("aria-busy");
     },
     fail(error) {
+      show();
       failure = error ?? { code: "error" };
       item.classList.remove("msg-pending");
       item.classList.add("msg-failed");
