@@ -187,6 +187,30 @@ def test_compact_shows_compacting_then_the_result_and_the_gauge_drops(
     watched.shot("compacted")
 
 
+def test_compact_now_waits_for_the_compaction_under_way(
+        watched: Watched, stub_url: str) -> None:
+    """A second click during a compaction was skipped, "nothing to compact",
+    and its line replaced the first one's result; with no session open,
+    Delete… could be clicked, to no effect."""
+    page = watched.page
+    compact, delete = page.locator("#compact-button"), page.locator("#delete-button")
+    playwright_api.expect(delete).to_be_disabled()
+    create_session(page)
+    playwright_api.expect(delete).to_be_enabled()
+    for n in range(2):
+        send(page, f"turn {n}: " + "the quick brown fox jumps over the lazy dog " * 12)
+    configure_stub_now(stub_url, held_models=[SUMMARY_MODEL])
+    try:
+        compact.click()
+        playwright_api.expect(page.locator("#compacting-banner")).to_be_visible()
+        playwright_api.expect(compact).to_be_disabled()
+    finally:
+        configure_stub_now(stub_url, held_models=[])
+    playwright_api.expect(page.locator("#compact-status")).to_contain_text(
+        "Compaction completed")
+    playwright_api.expect(compact).to_be_enabled()
+
+
 def test_markup_in_a_message_is_shown_as_text(watched: Watched) -> None:
     page = watched.page
     create_session(page)

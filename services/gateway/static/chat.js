@@ -5,7 +5,7 @@
 import { API, newKey, postStop, postTurn, queryIdFor, readError, requestJson } from "./api.js";
 import { app, el, fmt, show, showNotice, ui } from "./shared.js";
 import { SseParser } from "./live.js";
-import { renderGauge } from "./panel.js";
+import { renderCompactButton, renderGauge } from "./panel.js";
 import { labelOf, loadSession, rememberSession } from "./sessions.js";
 
 const TRANSCRIPT_PAGE = 100;
@@ -421,7 +421,8 @@ function sendAgainButton(item, again) {
 export function setComposerEnabled(enabled) {
   ui.input.disabled = !enabled;
   ui.sendButton.disabled = !enabled || app.busy;
-  ui.compactButton.disabled = !enabled;
+  ui.deleteButton.disabled = !enabled;
+  renderCompactButton();
   if (!enabled) {
     ui.emptyHint.textContent = "Create a session with “New session…” to start chatting.";
     show(ui.emptyHint, true);

@@ -93,10 +93,22 @@ export function renderState(detail = "") {
 }
 
 export function renderCompacting() {
-  const visible = app.compacting !== null || app.phase === "compacting";
+  const visible = compactingNow();
   show(ui.compactingBanner, visible);
   ui.compactingBanner.textContent = progressText(app.compactionProgress);
   document.body.classList.toggle("is-compacting", visible);
+  renderCompactButton();
+}
+
+function compactingNow() {
+  return app.compacting !== null || app.phase === "compacting";
+}
+
+// Compact now, for a session open and not compacting: a second click during a
+// compaction was skipped ("nothing to compact"), and its line replaced the
+// first one's result.
+export function renderCompactButton() {
+  ui.compactButton.disabled = !app.sessionId || ui.input.disabled || compactingNow();
 }
 
 function fillBar(bar, fill, fraction, level) {
@@ -181,7 +193,7 @@ export async function requestCompaction(event) {
     ui.compactStatus.dataset.kind = "error";
     ui.compactStatus.textContent = `Compaction not requested: ${err.message}`;
   } finally {
-    ui.compactButton.disabled = !app.sessionId;
+    renderCompactButton();
   }
 }
 
