@@ -211,6 +211,17 @@ def test_compact_now_waits_for_the_compaction_under_way(
     playwright_api.expect(compact).to_be_enabled()
 
 
+def test_the_picker_shows_the_session_opened_by_its_address(watched: Watched) -> None:
+    """Opened by its address (a link, Back), a session the picker knew, with
+    its label, left the picker on "(choose a session)"."""
+    page = watched.page
+    first = create_session(page)
+    send(page, "the first session")
+    create_session(page)
+    page.evaluate(f"location.hash = '#session={first}'")
+    playwright_api.expect(page.locator("#session-select")).to_have_value(first)
+
+
 def test_markup_in_a_message_is_shown_as_text(watched: Watched) -> None:
     page = watched.page
     create_session(page)

@@ -158,6 +158,7 @@ export function selectSession(id, { updateHash = true } = {}) {
     history.replaceState(null, "", `#session=${encodeURIComponent(id)}`);
   }
   rememberSession(id);
+  renderSessionPicker(); // a session known already, with its label, left it showing another
   showNotice("");
   setComposerEnabled(true);
   setExportLinks(id);
