@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.events import until
 from tests.stub_server import configure_stub_now, running_stub
 from tests.system import System, ask, new_session, running_system
 
@@ -455,6 +456,23 @@ def session_of_turns(client: httpx.Client, turns: int) -> str:
 def open_session(page: playwright_api.Page, sid: str) -> None:
     page.goto(f"/#session={sid}")
     playwright_api.expect(page.locator("#state-badge")).to_have_attribute("data-state", "idle")
+
+
+def test_a_compacted_session_is_labelled_by_its_first_message(
+        watched: Watched, system: System) -> None:
+    """Labelled from its context, it took the first message the compaction
+    kept raw: 't2' where the session began with 't0'."""
+    with system.client() as client:
+        sid = new_session(client)
+        for n in range(3):  # long enough for a summary to free room
+            long = f"t{n} " + "the quick brown fox jumps over the lazy dog " * 12
+            assert ask(client, sid, long).status_code == 200
+        assert client.post(f"/api/sessions/{sid}/compact", json={}).status_code == 202
+        until(lambda: client.get(f"/api/sessions/{sid}").json()["compactions"] == 1,
+              "the compaction done")
+    open_session(watched.page, sid)
+    option = watched.page.locator(f"#session-select option[value='{sid}']")
+    playwright_api.expect(option).to_have_text(re.compile(r"^t0"))
 
 
 def test_the_turn_under_way_stays_when_earlier_messages_are_loaded(

@@ -207,7 +207,23 @@ export async function loadSession({ messages = true } = {}) {
     renderState();
   }
   renderCompacting();
-  const firstUser = (session.messages || []).find((m) => m.role === "user");
+  labelSession(id, session);
+}
+
+// A session is labelled by its first message. The context holds that one only
+// until a compaction: after one, its first message was a later one, and the
+// transcript's first page says.
+async function labelSession(id, session) {
+  if (knownSessions().some((s) => s.id === id && s.label)) return;
+  let messages = session.messages || [];
+  if (session.compactions > 0) {
+    try {
+      messages = (await requestJson(API.transcript(id, { kind: "message", limit: 10 }))).items ?? [];
+    } catch {
+      return; // labelled on a later read
+    }
+  }
+  const firstUser = messages.find((m) => m.role === "user");
   if (firstUser) rememberSession(id, labelOf(firstUser.content));
 }
 
