@@ -12,7 +12,7 @@ import contextlib
 import os
 import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -318,6 +318,24 @@ def test_stop_ends_the_answer_keeps_its_text_and_gives_send_back(
     assert page.locator("#messages .msg-assistant .msg-tag").count() == 1
 
 
+Handler = Callable[[playwright_api.Route], None]
+
+
+def first_request_only(handle: Handler) -> tuple[Handler, list[str]]:
+    """A route handler doing `handle` to the first request and letting the
+    others through, and the URLs it handled."""
+    handled: list[str] = []
+
+    def once(route: playwright_api.Route) -> None:
+        if handled:
+            route.continue_()
+            return
+        handled.append(route.request.url)
+        handle(route)
+
+    return once, handled
+
+
 def network_failures_only(watched: Watched) -> None:
     """Requests a test cut on purpose show as console errors: only those may."""
     watched.problems[:] = [p for p in watched.problems if "net::ERR_FAILED" not in p]
@@ -361,18 +379,13 @@ def test_a_retry_that_fails_leaves_the_answer_standing(watched: Watched) -> None
 def test_a_live_feed_the_gateway_refused_is_opened_again_by_the_page(
         watched: Watched) -> None:
     page = watched.page
-    refused: list[str] = []
-
-    def refuse_once(route: playwright_api.Route) -> None:
-        if refused:
-            route.continue_()
-            return
-        refused.append(route.request.url)
+    def refuse(route: playwright_api.Route) -> None:
         # As the gateway answers a client over its share of streams; the
         # browser does not try such a stream again by itself.
         route.fulfill(status=429, content_type="application/json",
                       body='{"error": {"code": "too_many_streams", "message": "too many"}}')
 
+    refuse_once, refused = first_request_only(refuse)
     page.route("**/api/events*", refuse_once)
     create_session(page)
     playwright_api.expect(page.locator("#live-status")).to_have_attribute(
@@ -865,17 +878,11 @@ def test_an_answer_that_came_after_all_shows_once(watched: Watched) -> None:
     bubble and Send again, until the next turn."""
     page = watched.page
     create_session(page)
-    lost: list[str] = []
-
     def lose_the_answer(route: playwright_api.Route) -> None:
-        if lost:
-            route.continue_()
-            return
-        lost.append(route.request.url)
         route.fetch()  # the gateway takes the message and answers it...
         route.abort()  # ...and the page never hears of it
 
-    page.route("**/api/sessions/*/messages", lose_the_answer)
+    page.route("**/api/sessions/*/messages", first_request_only(lose_the_answer)[0])
     page.fill("#message-input", "hello")
     page.click("#send-button")
     playwright_api.expect(page.locator("#messages .msg-failed .send-again-button")

@@ -72,11 +72,12 @@ def _check_session(env: Envelope[Any], subject: str) -> None:
     """A message names the session of the subject it came on, if any, in its
     payload and envelope: one on `chat.query.A` for B wrote a turn into B,
     past B's queue and a delete of B; one on `chat.stop.A` stopped B."""
-    in_subject = subjects.session_in(subject)
     in_payload = getattr(env.payload, "session_id", None)
+    expected = subjects.session_in(subject) or in_payload
+    if expected is None:
+        return
     for field, named in (("payload.session_id", in_payload), ("session_id", env.session_id)):
-        expected = in_subject or in_payload
-        if named is not None and expected is not None and named != expected:
+        if named is not None and named != expected:
             raise BadMessage(ErrorReport(
                 code="invalid_message", subject=subject,
                 message=f"{field} is {named}, but the message is for session {expected}",

@@ -27,6 +27,7 @@ from nats.js.api import (
     RetentionPolicy,
     StorageType,
     StreamConfig,
+    StreamInfo,
 )
 from nats.js.errors import APIError, BadRequestError, NotFoundError
 from nats.js.errors import Error as JetStreamError
@@ -135,9 +136,11 @@ async def ensure_layout(js: JetStreamContext, lock_lease_s: float | None = None,
     bucket that many and mend what earlier releases made otherwise. Only the
     generator, the layout's owner, does so and passes its lease; the others
     leave what exists as they find it."""
+    found: dict[str, StreamInfo] = {}
     for config in STREAMS:
+        name = config.name or ""
         try:
-            await js.stream_info(config.name or "")
+            found[name] = await js.stream_info(name)
         except NotFoundError:
             await _add_stream(js, config, replicas or 1)
     await sessions_bucket(js)
@@ -146,14 +149,15 @@ async def ensure_layout(js: JetStreamContext, lock_lease_s: float | None = None,
     await config_bucket(js)
     await query_errors_bucket(js)
     if move_replicas:
-        await refuse_history_rollups(js)
+        history = found.get(s.HISTORY_STREAM)
+        if history is not None:  # one made just now is as it should be
+            await refuse_rollups(js, history)
         if replicas is not None:
             await match_replicas(js, replicas)
 
 
-async def refuse_history_rollups(js: JetStreamContext) -> None:
+async def refuse_rollups(js: JetStreamContext, info: StreamInfo) -> None:
     """Earlier releases made HISTORY allowing rollups, which nothing sent."""
-    info = await js.stream_info(s.HISTORY_STREAM)
     if info.config.allow_rollup_hdrs:
         info.config.allow_rollup_hdrs = False
         await js.update_stream(info.config)

@@ -84,7 +84,7 @@ class LiveSettings(Generic[S]):
         held: set[str] | None = set()  # keys the bucket held at the start; None after
         async for entry in watcher:  # type: ignore[attr-defined]
             if entry is None:  # the end of the values the bucket held at the start
-                for key in LIVE_KEYS - held if held is not None else ():
+                for key in LIVE_KEYS - (held or set()):
                     self.restore(key)
                 held = None
             elif entry.key:

@@ -322,19 +322,18 @@ function pendingAnswer(again) {
   // again, and a long answer froze the tab for a time growing as its square.
   let unshown = "";
   let frame = 0;
-  const show = () => {
-    cancelAnimationFrame(frame);
-    frame = 0;
-    if (!unshown) return;
-    const stick = nearBottom();
-    text.append(document.createTextNode(unshown));
-    unshown = "";
-    if (stick) scrollToEnd(true);
-  };
   const forget = () => {
     cancelAnimationFrame(frame);
     frame = 0;
     unshown = "";
+  };
+  const show = () => {
+    const pieces = unshown;
+    forget();
+    if (!pieces) return;
+    const stick = nearBottom();
+    text.append(document.createTextNode(pieces));
+    if (stick) scrollToEnd(true);
   };
   return {
     get failure() {
