@@ -897,3 +897,49 @@ def test_an_answer_that_came_after_all_shows_once(watched: Watched) -> None:
     playwright_api.expect(page.locator("#messages .msg-user")).to_have_count(1)
     playwright_api.expect(page.locator("#messages .msg-assistant")).to_have_count(1)
     network_failures_only(watched)  # the aborted request, cut on purpose
+
+
+def test_a_reload_mid_answer_shows_the_turn_under_way_and_stop_still_ends_it(
+        watched: Watched, stub_url: str) -> None:
+    """Reloaded while its answer was written, the page showed neither the
+    question nor the answer, and offered Send, not Stop, until it was stored."""
+    page = watched.page
+    create_session(page)
+    with answer_under_way(page, stub_url, "a question cut by a reload"):
+        page.reload()
+        playwright_api.expect(page.locator("#messages .msg-user")).to_have_text(
+            re.compile("a question cut by a reload"))
+        playwright_api.expect(page.locator("#messages .msg-pending")).to_have_count(1)
+        stop_button = page.locator("#stop-button")
+        playwright_api.expect(stop_button).to_be_visible()
+        stop_button.click()
+        playwright_api.expect(page.locator("#messages .msg-pending")).to_have_count(0)
+    answer = page.locator("#messages .msg-assistant")
+    playwright_api.expect(answer).to_have_count(1)
+    playwright_api.expect(answer.locator(".msg-tag")).to_have_text("stopped")
+    playwright_api.expect(page.locator("#messages .msg-user")).to_have_count(1)
+    playwright_api.expect(page.locator("#send-button")).to_be_visible()
+    # Heard to its end, the turn is not read again by the next reload.
+    page.reload()
+    playwright_api.expect(answer.locator(".msg-tag")).to_have_text("stopped")
+    playwright_api.expect(page.locator("#messages .msg-pending")).to_have_count(0)
+    playwright_api.expect(page.locator("#send-button")).to_be_visible()
+
+
+def test_an_answer_left_for_another_session_shows_once_on_coming_back(
+        watched: Watched, system: System, stub_url: str) -> None:
+    page = watched.page
+    sid = create_session(page)
+    with system.client() as client:
+        other = new_session(client)
+    with answer_under_way(page, stub_url, "a question left behind"):
+        open_session(page, other)
+        page.goto(f"/#session={sid}")
+        playwright_api.expect(page.locator("#messages .msg-pending")).to_have_count(1)
+        playwright_api.expect(page.locator("#stop-button")).to_be_visible()
+    answer = page.locator("#messages .msg-assistant")
+    playwright_api.expect(answer.locator(".msg-text")).to_have_text(
+        re.compile(r"^Echo: a question left behind"))
+    playwright_api.expect(page.locator("#messages .msg-pending")).to_have_count(0)
+    playwright_api.expect(answer).to_have_count(1)
+    playwright_api.expect(page.locator("#messages .msg-user")).to_have_count(1)

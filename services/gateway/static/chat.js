@@ -303,9 +303,12 @@ const UNKNOWN_OUTCOME = [
 
 // The assistant answer being streamed into the list.
 // `again` sends the request again, offered after a failure of unknown outcome.
-function pendingAnswer(again) {
-  const text = el("div", { className: "msg-text", attrs: OWN_DIRECTION });
-  let waiting = { queued: !QUIET_PHASES.includes(app.phase), started: false };
+// `resumed`: the turn ran before this page read it again (a reload), so its
+// first pieces are not heard; the whole answer shows at its end.
+function pendingAnswer(again, resumed = false) {
+  const text = el("div", { className: "msg-text", attrs: OWN_DIRECTION, text: resumed ? "… " : "" });
+  let waiting = resumed ? { queued: false, started: true }
+    : { queued: !QUIET_PHASES.includes(app.phase), started: false };
   let writing = false;
   const status = el("div", { className: "msg-status", text: pendingText(waiting) });
   const item = el("li", { className: "msg msg-assistant msg-pending", attrs: { "aria-busy": "true" } }, [
@@ -460,6 +463,73 @@ function retryButton() {
   return button;
 }
 
+// A turn this tab sent and has not heard the end of is kept in the tab's
+// session storage: a reload, or a visit to another session, stops the page
+// reading its answer, not the answer. Back on the session, the page sends it
+// again under its key, which is answered once (the same answer, never a
+// second turn), and shows it as before: the question, the answer being
+// written, Stop. A turn kept longer than this is let go.
+const TURN_STORE = "chat.turnUnderWay.";
+const RESUME_WITHIN_MS = 60 * 60 * 1000;
+
+function keepTurn(sessionId, turn) {
+  try {
+    sessionStorage.setItem(TURN_STORE + sessionId, JSON.stringify(turn));
+  } catch {
+    // storage disabled: a reload loses sight of the turn, as it did
+  }
+}
+
+export function forgetTurn(sessionId) {
+  try {
+    sessionStorage.removeItem(TURN_STORE + sessionId);
+  } catch {
+    // storage disabled: nothing was kept
+  }
+}
+
+function keptTurn(sessionId) {
+  let turn;
+  try {
+    turn = JSON.parse(sessionStorage.getItem(TURN_STORE + sessionId) ?? "null");
+  } catch {
+    return null;
+  }
+  const usable = turn && typeof turn.key === "string" && typeof turn.at === "number" &&
+    (turn.retry === true || typeof turn.content === "string");
+  if (usable && Date.now() - turn.at < RESUME_WITHIN_MS) return turn;
+  forgetTurn(sessionId);
+  return null;
+}
+
+let resuming = false;
+
+// The turn kept for this session, read again once its stored transcript is
+// shown; none when that transcript holds its answer already.
+export async function resumeTurn(id) {
+  const turn = keptTurn(id);
+  if (!turn || resuming || app.busy) return;
+  resuming = true;
+  try {
+    const queryId = await queryIdFor(id, turn.key, turn.retry).catch(() => null);
+    if (id !== app.sessionId || app.busy) return;
+    if (queryId && app.items.some((item) => item.query_id === queryId)) {
+      forgetTurn(id);
+      return;
+    }
+    if (!turn.retry) {
+      const asked = messageItem({ role: "user", content: turn.content });
+      unsaved = [asked];
+      ui.messages.append(asked);
+      show(ui.emptyHint, false);
+    }
+    runTurn(turn.retry ? API.retry(id) : API.messages(id),
+      turn.retry ? null : { content: turn.content }, turn.key, true);
+  } finally {
+    resuming = false;
+  }
+}
+
 export async function sendMessage(event) {
   event?.preventDefault();
   const id = app.sessionId;
@@ -539,9 +609,11 @@ export function abandonAnswer() {
 
 // Sends a message (or a retry) and streams its answer into a pending bubble;
 // under `key`, so that sending it again after a failure is answered once.
-async function runTurn(url, body, key) {
-  const answer = pendingAnswer(() => runTurn(url, body, key));
-  tagUnsaved([...unsaved], app.sessionId, key, body === null);
+async function runTurn(url, body, key, resumed = false) {
+  const sessionId = app.sessionId;
+  const answer = pendingAnswer(() => runTurn(url, body, key), resumed);
+  keepTurn(sessionId, { key, retry: body === null, content: body?.content ?? null, at: Date.now() });
+  tagUnsaved([...unsaved], sessionId, key, body === null);
   app.pending = answer;
   app.turnKey = { key, retry: body === null };
   const controller = new AbortController();
@@ -555,8 +627,13 @@ async function runTurn(url, body, key) {
     if (err.name === "AbortError") answer.fail({ code: "cancelled", message: "stopped reading (switched or deleted session)" });
     else answer.fail({ code: "network_error", message: String(err.message || err) });
   } finally {
-    // Unless the page moved to another session meanwhile (which aborted this read).
-    if (app.abort === controller) endTurn(answer, body, succeeded);
+    // Unless the page moved to another session meanwhile (which aborted this
+    // read): the turn stays kept, to be read again on coming back. So does one
+    // whose outcome the page did not hear: a reload sends it again.
+    if (app.abort === controller) {
+      if (!offersSendAgain(answer.failure) || succeeded) forgetTurn(sessionId);
+      endTurn(answer, body, succeeded);
+    }
   }
   return succeeded;
 }

@@ -5,7 +5,15 @@
 import { API, listSessions, requestJson } from "./api.js";
 import { app, el, isValidSessionId, show, showNotice, ui } from "./shared.js";
 import { compactingAfterRead, connectEvents, disconnectEvents } from "./live.js";
-import { abandonAnswer, clearTranscript, loadNewer, renderRetry, setComposerEnabled } from "./chat.js";
+import {
+  abandonAnswer,
+  clearTranscript,
+  forgetTurn,
+  loadNewer,
+  renderRetry,
+  resumeTurn,
+  setComposerEnabled,
+} from "./chat.js";
 import {
   loadTimeline,
   renderCompacting,
@@ -163,6 +171,10 @@ export function selectSession(id, { updateHash = true } = {}) {
   setComposerEnabled(true);
   setExportLinks(id);
   connectEvents(id);
+  // Once the stored messages show (whichever read brings them first), a turn
+  // this tab sent and did not hear the end of, cut by a reload or a visit
+  // elsewhere, is read again.
+  app.resumeFor = id;
   loadSession();
 }
 
@@ -191,6 +203,10 @@ export async function loadSession({ messages = true } = {}) {
   showNotice("");
   if (messages && !app.busy) await loadNewer(id);
   if (!current()) return; // overtaken while the messages loaded
+  if (messages && !app.busy && app.resumeFor === id) {
+    app.resumeFor = null;
+    resumeTurn(id);
+  }
   loadTimeline(id);
   if (messages && app.busy) app.reloadAfterTurn = true; // the end of the turn reloads them
   renderSessionFacts(session);
@@ -296,6 +312,7 @@ export async function deleteSession() {
   leaveSession();
   app.sessionId = null;
   forgetCurrentSession(id);
+  forgetTurn(id);
   setComposerEnabled(false);
   setExportLinks(null);
   history.replaceState(null, "", "#");
