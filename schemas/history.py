@@ -50,6 +50,13 @@ class ChatMessage(Strict):
     # An answer stopped on request while it was being written: its text is
     # the part written until then.
     stopped: bool = False
+    # On a final answer, the provider's counts for the call that wrote it: a
+    # page opened later shows them, and a resend of its query hears them.
+    # None when the provider gave none, and on answers stored before they were
+    # kept. Not checked for sense: a count a model server got wrong must not
+    # cost the turn its answer.
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
 
 
 class Snapshot(Strict):
@@ -130,7 +137,9 @@ class Conversation(Strict):
         if answer is None:
             return None
         return Reply(session_id=session_id, query_id=query_id,
-                     reply=answer.content, stopped=answer.stopped)
+                     reply=answer.content, stopped=answer.stopped,
+                     prompt_tokens=answer.prompt_tokens,
+                     completion_tokens=answer.completion_tokens)
 
     def _answer_of(self, query_id: str) -> ChatMessage | None:
         # A turn is stored whole, so a user message stored under the query

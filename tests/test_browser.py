@@ -943,3 +943,20 @@ def test_an_answer_left_for_another_session_shows_once_on_coming_back(
     playwright_api.expect(page.locator("#messages .msg-pending")).to_have_count(0)
     playwright_api.expect(answer).to_have_count(1)
     playwright_api.expect(page.locator("#messages .msg-user")).to_have_count(1)
+
+
+def test_a_page_opened_after_a_turn_shows_its_counts_and_the_last_prompt(
+        watched: Watched, system: System) -> None:
+    """Read from storage, answers showed no counts, and the last prompt's gauge
+    said "No generation yet." until the next turn."""
+    page = watched.page
+    with system.client() as client:
+        sid = session_of_turns(client, 2)
+    open_session(page, sid)
+    counts = page.locator("#messages .msg-assistant .msg-counts")
+    playwright_api.expect(counts).to_have_count(2)
+    playwright_api.expect(counts.last).to_have_text(
+        re.compile(r"^prompt \d[\d,]* · completion \d[\d,]* tokens$"))
+    prompt = counts.last.inner_text().split()[1]
+    playwright_api.expect(page.locator("#gauge-last-text")).to_contain_text(
+        f"{prompt} / 2,048 tokens")

@@ -158,6 +158,9 @@ async def test_a_resend_after_the_answer_gets_the_same_answer_without_a_model_ca
     streamed = await say(http, sid, "hello", "key-1", **SSE)
     assert again.status_code == 200, again.text
     assert again.json()["reply"] == first.json()["reply"]
+    counts = ("prompt_tokens", "completion_tokens")
+    assert all(isinstance(first.json()[name], int) for name in counts)
+    assert {n: again.json()[n] for n in counts} == {n: first.json()[n] for n in counts}
     events = [event async for event in server_sent_events(streamed)]
     assert events[-1][0] == "done" and events[-1][1]["reply"] == first.json()["reply"]
     assert (await stub_stats(stub))["requests"] == calls

@@ -85,6 +85,9 @@ def message_item(message: ChatMessage) -> dict[str, Any]:
         body["query_id"] = message.query_id
     if message.stopped:
         body["stopped"] = True
+    for name in ("prompt_tokens", "completion_tokens"):
+        if (count := getattr(message, name)) is not None:
+            body[name] = count
     return body
 
 

@@ -178,7 +178,8 @@ class TurnRunner:
         with self.stops.running(sid, turn.switch):
             result, tools = await self._tool_loop(turn, kept)
         answer = ChatMessage(role="assistant", content=result.content, query_id=query_id,
-                             stopped=result.stopped)
+                             stopped=result.stopped, prompt_tokens=result.prompt_tokens,
+                             completion_tokens=result.completion_tokens)
         await self._states.apply(sid, Action.publish, env.correlation_id)
         await self._store(turn, answer, supersedes)
         lease.leaves_history_at = turn.view.last_seq

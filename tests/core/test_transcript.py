@@ -60,6 +60,18 @@ def test_a_stopped_answer_and_a_retry_say_so() -> None:
     assert "stopped" not in items[0] and "supersedes" not in items[0]
 
 
+def test_an_answer_carries_the_counts_of_the_call_that_wrote_it() -> None:
+    question = ChatMessage(role="user", content="q", query_id="q1")
+    answer = ChatMessage(role="assistant", content="a", query_id="q1", prompt_tokens=120,
+                         completion_tokens=7)
+    items = [i.as_json() for i in items_after(
+        [StoredEntry(1, AT, HistoryEntry.of_turn((question, answer)))], None)]
+    assert items[1] == {"kind": "message", "role": "assistant", "content": "a",
+                        "query_id": "q1", "prompt_tokens": 120, "completion_tokens": 7,
+                        "position": "1-1"}
+    assert "prompt_tokens" not in items[0]
+
+
 def test_items_after_a_cursor_start_right_after_it() -> None:
     whole = list(items_after(entries(), None))
     for n, item in enumerate(whole):

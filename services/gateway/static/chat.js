@@ -121,7 +121,15 @@ function messageItem(message) {
     item.append(el("div", { className: "msg-text", text: message.content, attrs: OWN_DIRECTION }));
   }
   for (const call of message.tool_calls ?? []) item.append(renderToolCall(call));
+  if (role === "assistant" && typeof message.prompt_tokens === "number") {
+    item.append(el("div", { className: "msg-counts", text: tokenCounts(message) }));
+  }
   return item;
+}
+
+// An answer's counts, as the model reported them for the call that wrote it.
+function tokenCounts(answer) {
+  return `prompt ${fmt(answer.prompt_tokens)} · completion ${fmt(answer.completion_tokens)} tokens`;
 }
 
 // A thinking model's thinking, by the query it answered: never stored, so
@@ -376,7 +384,7 @@ function pendingAnswer(again, resumed = false) {
         if (typeof body.query_id === "string") thoughts.set(body.query_id, body.thinking);
         text.before(thinkingBlock(body.thinking));
       }
-      const counts = `prompt ${fmt(body.prompt_tokens)} · completion ${fmt(body.completion_tokens)} tokens`;
+      const counts = tokenCounts(body);
       status.textContent = body.stopped ? `stopped · ${counts}` : counts;
       item.classList.remove("msg-pending");
       item.removeAttribute("aria-busy");

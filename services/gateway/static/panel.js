@@ -137,7 +137,8 @@ export function renderGauge() {
   const g = app.lastGeneration;
   const numCtx = g?.num_ctx ?? s?.num_ctx;
   const budget = s?.budget ?? numCtx;
-  const promptTokens = typeof g?.prompt_tokens === "number" ? g.prompt_tokens : app.lastReply?.prompt_tokens;
+  const promptTokens = typeof g?.prompt_tokens === "number" ? g.prompt_tokens
+    : app.lastReply?.prompt_tokens ?? lastStoredAnswer()?.prompt_tokens;
   if (typeof promptTokens === "number" && numCtx > 0) {
     fillBar(ui.gaugeLast, ui.gaugeLastFill, promptTokens / numCtx, gaugeLevel(promptTokens, budget));
     const parts = [`${fmt(promptTokens)} / ${fmt(numCtx)} tokens (${percent(promptTokens, numCtx)}% of the window)`];
@@ -157,6 +158,16 @@ export function renderGauge() {
       text: `next prompt ≈ ${fmt(g.next_prompt_chars)} chars · compactable ${fmt(g.compactable_chars)} chars`,
     }));
   }
+}
+
+// The newest answer of the transcript shown, which a page opened after its
+// turn reads its counts from: it heard neither that turn's reply nor its report.
+function lastStoredAnswer() {
+  for (let i = app.items.length - 1; i >= 0; i -= 1) {
+    const item = app.items[i];
+    if (item.kind === "message" && item.role === "assistant" && !item.tool_calls?.length) return item;
+  }
+  return null;
 }
 
 // `s` null clears the facts (while another session loads).
