@@ -8,7 +8,10 @@ in the page, and saves a screenshot under its temporary directory.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
+import math
 import os
 import re
 import shutil
@@ -16,8 +19,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
+import nats
 import pytest
 
+from schemas import subjects
 from tests.events import until
 from tests.stub_server import configure_stub_now, running_stub
 from tests.system import System, ask, new_session, running_system
@@ -960,3 +965,39 @@ def test_a_page_opened_after_a_turn_shows_its_counts_and_the_last_prompt(
     prompt = counts.last.inner_text().split()[1]
     playwright_api.expect(page.locator("#gauge-last-text")).to_contain_text(
         f"{prompt} / 2,048 tokens")
+
+
+def put_setting(nats_url: str, key: str, value: bytes | None) -> None:
+    """A live setting put into the server's `config` bucket (deleted: None).
+    In a thread of its own: Playwright's loop runs in this one."""
+    async def put() -> None:
+        nc = await nats.connect(nats_url)
+        try:
+            kv = await nc.jetstream().key_value(subjects.CONFIG_BUCKET)
+            await (kv.put(key, value) if value is not None else kv.delete(key))
+        finally:
+            await nc.close()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pool.submit(asyncio.run, put()).result()
+
+
+def test_the_gauge_marks_where_automatic_compaction_begins(
+        watched: Watched, system: System, nats_url: str) -> None:
+    page = watched.page
+    sid = create_session(page)
+    text, mark = page.locator("#gauge-text"), page.locator("#gauge-threshold")
+    playwright_api.expect(text).to_contain_text("automatic compaction off")  # threshold 0
+    playwright_api.expect(mark).to_be_hidden()
+    put_setting(nats_url, "compaction_threshold", b"0.5")
+    try:
+        with system.client() as client:
+            def read() -> dict[str, object]:
+                return dict(client.get(f"/api/sessions/{sid}").json())
+            until(lambda: read()["compacts_at"] is not None, "the threshold read")
+            session = read()
+        page.reload()
+        playwright_api.expect(text).to_contain_text(f"compacts from {session['compacts_at']:,}")
+        playwright_api.expect(mark).to_be_visible()
+        assert session["compacts_at"] == math.ceil(int(str(session["budget"])) / 2)
+    finally:
+        put_setting(nats_url, "compaction_threshold", None)

@@ -222,6 +222,8 @@ for (const chunk of [": connected\n\nevent: tok", "en\ndata: {\"text\": \"Hi\", 
 }
 out.push(...p.finish());
 const levels = [0, 0.79, 0.8, 0.949, 0.95, 1.2].map((r) => panel.gaugeLevel(r * 1000, 1000));
+// Automatic compaction from 600 tokens of 1,000 (a threshold of 0.6): the gauge warns from there.
+const levelsFrom600 = [599, 600, 949, 950].map((t) => panel.gaugeLevel(t, 1000, 600));
 // A compaction starts; a second request is skipped; then the first one ends.
 const banner = [];
 let running = null;
@@ -270,7 +272,7 @@ const newer = chat.withNewer([{ position: "1" }, { position: "2" }],
                              [{ position: "2" }, { position: "3" }]).map((i) => i.position);
 console.log(JSON.stringify({
   progress, waits, lateProgress, echoes, newer,
-  events: out, levels, fmt: shared.fmt(1234567), pct: shared.percent(1234, 3584),
+  events: out, levels, levelsFrom600, fmt: shared.fmt(1234567), pct: shared.percent(1234, 3584),
   types: live.LIVE_EVENT_TYPES, banner, reload, gauge,
   shown: [["idle", false], ["generating", true], ["idle", true], ["compacting", false]]
     .map(([phase, compacting]) => panel.sessionState(phase, compacting)),
@@ -334,6 +336,7 @@ def test_sse_parser_and_helpers_under_node(tmp_path: Path) -> None:
         {"event": "done", "data": '{"reply": "Hi there"}'},
     ]
     assert result["levels"] == ["ok", "ok", "warn", "warn", "danger", "danger"]
+    assert result["levelsFrom600"] == ["ok", "warn", "warn", "danger"]
     assert result["fmt"] == "1,234,567"
     assert result["pct"] == 34
     assert result["types"] == list(LIVE_EVENT_TYPES)

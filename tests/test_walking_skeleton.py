@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import re
 from collections.abc import Iterator
 
@@ -21,6 +22,7 @@ from schemas.messages import GenerationReport
 from services.core.tokens import Calibration, estimate_tokens
 from services.shared.bus import round_trip
 from services.shared.sessions import SessionStore
+from tests.events import until
 from tests.nats_server import NatsServer
 from tests.system import System, ask, new_session, running_system
 from tests.test_page import STATIC, PageParser
@@ -274,3 +276,34 @@ def test_sessions_are_listed_newest_first(client: httpx.Client) -> None:
     for limit in ("lots", "²", "0", "-1", "9" * 5000):
         bad = client.get("/api/sessions", params={"limit": limit})
         assert bad.status_code == 400 and bad.json()["error"]["field"] == "limit"
+
+
+def test_the_session_says_where_it_compacts_by_itself_as_the_threshold_changes(
+        private_nats: NatsServer, stub_url: str) -> None:
+    """The page's gauge warned from 80 % whatever the threshold: set to 0.5
+    live, compaction began where the gauge still read "ok"."""
+    # A server of its own: the threshold is put into its `config` bucket.
+    with running_system(private_nats.url, stub_url) as system, system.client() as client:
+        sid = new_session(client)
+        manual = new_session(client, auto_compact=False)
+        session = client.get(f"/api/sessions/{sid}").json()
+        assert session["compacts_at"] == math.ceil(0.8 * session["budget"])
+        assert client.get(f"/api/sessions/{manual}").json()["compacts_at"] is None
+
+        def put(value: bytes) -> None:
+            async def put_threshold() -> None:
+                nc = await nats.connect(private_nats.url)
+                try:
+                    kv = await nc.jetstream().key_value(subjects.CONFIG_BUCKET)
+                    await kv.put("compaction_threshold", value)
+                finally:
+                    await nc.close()
+            asyncio.run(put_threshold())
+
+        def compacts_at() -> object:
+            return client.get(f"/api/sessions/{sid}").json()["compacts_at"]
+
+        put(b"0.5")
+        until(lambda: compacts_at() == math.ceil(0.5 * session["budget"]), "the threshold read")
+        put(b"0")
+        until(lambda: compacts_at() is None, "automatic compaction off")

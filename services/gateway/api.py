@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -40,6 +41,7 @@ from services.gateway.transcript import TranscriptRoutes
 from services.shared.bus import Bus, parse_json
 from services.shared.history_store import HistoryStore
 from services.shared.jetstream import missing
+from services.shared.live_config import LiveSettings
 from services.shared.nats_away import patiently
 from services.shared.sessions import SessionNotFound, SessionStore
 from services.shared.tool_catalogue import ToolCatalogue
@@ -76,10 +78,12 @@ def session_id_of(request: Request) -> str:
 
 
 class Api:
-    def __init__(self, bus: Bus, settings: GatewaySettings, sessions: SessionStore,
+    def __init__(self, bus: Bus, tuning: LiveSettings[GatewaySettings], sessions: SessionStore,
                  history: HistoryStore, replies: ReplyRouter, live: LiveFeed) -> None:
         self._bus = bus
-        self._settings = settings
+        # Read on every use: the compaction threshold may change while we run.
+        self._tuning = tuning
+        settings = tuning.current
         self._sessions = sessions
         self._history = history
         self._tools = ToolCatalogue(bus)
@@ -176,6 +180,7 @@ class Api:
             "token_count": tokens,
             "num_ctx": self._num_ctx(record),
             "budget": self._budget(record),
+            "compacts_at": self._compacts_at(record),
             **await self._state(sid),
         })
 
@@ -293,8 +298,20 @@ class Api:
     def _num_ctx(self, record: SessionRecord) -> int:
         return record.window(self._settings.num_ctx)
 
+    @property
+    def _settings(self) -> GatewaySettings:
+        return self._tuning.current
+
     def _budget(self, record: SessionRecord) -> int:
         return prompt_budget(self._num_ctx(record), self._settings.output_headroom)
+
+    def _compacts_at(self, record: SessionRecord) -> int | None:
+        """The estimate from which the session is compacted by itself (as the
+        decider's threshold is read); None when it never is."""
+        threshold = self._settings.compaction_threshold
+        if not record.auto_compact or threshold <= 0:
+            return None
+        return math.ceil(threshold * self._budget(record))
 
     def reconnected(self) -> None:
         """NATS came back, perhaps without its store: ask it again which

@@ -32,6 +32,7 @@ from services.shared import metrics
 from services.shared.bus import Bus
 from services.shared.history_store import HistoryStore
 from services.shared.jetstream import no_room
+from services.shared.live_config import LiveSettings
 from services.shared.nats_away import NATS_AWAY
 from services.shared.query_errors import QueryErrors
 from services.shared.runner import Endpoint
@@ -114,8 +115,10 @@ class _Server(uvicorn.Server):
 
 class Gateway:
     def __init__(self, bus: Bus, settings: GatewaySettings, api: Api,
-                 replies: ReplyRouter, live: LiveFeed) -> None:
+                 replies: ReplyRouter, live: LiveFeed,
+                 tuning: LiveSettings[GatewaySettings]) -> None:
         self._settings = settings
+        self._tuning = tuning
         self._api = api
         self._replies = replies
         self._live = live
@@ -130,6 +133,7 @@ class Gateway:
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
+        await self._tuning.start()
         await self._replies.start()
         await self._live.start()
         self._task = asyncio.create_task(self._server.serve())
@@ -151,6 +155,7 @@ class Gateway:
             await self._task
         await self._replies.stop()
         await self._live.stop()
+        await self._tuning.stop()
 
     def endpoints(self) -> list[Endpoint]:
         return []
@@ -159,6 +164,7 @@ class Gateway:
         # Replies and the live feed are plain subscriptions: nats-py renews them,
         # but what was sent meanwhile is lost.
         self._api.reconnected()
+        await self._tuning.watch_again()
         await self._replies.recover_missed()
 
     def status(self) -> dict[str, Any]:
@@ -191,5 +197,6 @@ async def build(bus: Bus, settings: GatewaySettings) -> Gateway:
     history = HistoryStore(bus.js)
     replies = ReplyRouter(bus, history, QueryErrors(bus.js))
     live = LiveFeed(bus.nc)
-    api = Api(bus, settings, sessions, history, replies, live)
-    return Gateway(bus, settings, api, replies, live)
+    tuning = LiveSettings(bus.js, settings)
+    api = Api(bus, tuning, sessions, history, replies, live)
+    return Gateway(bus, settings, api, replies, live, tuning)

@@ -18,6 +18,9 @@ class GatewaySettings(ServiceSettings):
     num_ctx: int = Field(default=8192, ge=MIN_NUM_CTX)
     output_headroom: int | None = Field(default=None, ge=0)
     model: str = "llama3.2"
+    # Where automatic compaction begins, as a share of the budget: the gauge
+    # marks it and warns from it. Set, and changed live, as the decider's is.
+    compaction_threshold: float = Field(default=0.8, ge=0, le=1)
     # How long an HTTP caller waits for an answer before getting 504.
     reply_timeout_s: float = Field(default=300.0, gt=0)
     # How long a query NATS does not take (a stream electing its leader) is

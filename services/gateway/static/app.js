@@ -51,6 +51,7 @@ function bindUi() {
     gauge: "gauge",
     gaugeFill: "gauge-fill",
     gaugeBudget: "gauge-budget",
+    gaugeThreshold: "gauge-threshold",
     gaugeText: "gauge-text",
     gaugeLast: "gauge-last",
     gaugeLastFill: "gauge-last-fill",

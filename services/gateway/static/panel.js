@@ -20,13 +20,14 @@ const WARN_AT = 0.8;
 
 const DANGER_AT = 0.95;
 
-// "ok" below 80 % of the budget, "warn" from 80 %, "danger" from 95 %.
-export function gaugeLevel(tokens, budget) {
+// "danger" from 95 % of the budget; "warn" from where automatic compaction
+// begins (`compactsAt`, tokens), or from 80 % for a session never compacted by
+// itself; "ok" below.
+export function gaugeLevel(tokens, budget, compactsAt = null) {
   if (typeof tokens !== "number" || typeof budget !== "number" || budget <= 0) return "ok";
-  const ratio = tokens / budget;
-  if (ratio >= DANGER_AT) return "danger";
-  if (ratio >= WARN_AT) return "warn";
-  return "ok";
+  if (tokens / budget >= DANGER_AT) return "danger";
+  const warnAt = typeof compactsAt === "number" ? compactsAt : WARN_AT * budget;
+  return tokens >= warnAt ? "warn" : "ok";
 }
 
 // The session as the gauge shows it once a compaction completed: its result's
@@ -118,19 +119,29 @@ function fillBar(bar, fill, fraction, level) {
   bar.setAttribute("aria-valuenow", String(Math.round(pct)));
 }
 
+// A mark on the gauge at `tokens` of the window; hidden without a number.
+function markAt(mark, tokens, numCtx) {
+  show(mark, typeof tokens === "number");
+  if (typeof tokens === "number") mark.style.left = `${Math.min(100, (tokens / numCtx) * 100)}%`;
+}
+
 export function renderGauge() {
   const s = app.session;
   if (s && typeof s.token_count === "number" && s.num_ctx > 0) {
-    const level = gaugeLevel(s.token_count, s.budget);
-    fillBar(ui.gauge, ui.gaugeFill, s.token_count / s.num_ctx, level);
-    ui.gaugeBudget.style.left = `${Math.min(100, (s.budget / s.num_ctx) * 100)}%`;
-    show(ui.gaugeBudget, true);
+    const compactsAt = typeof s.compacts_at === "number" ? s.compacts_at : null;
+    fillBar(ui.gauge, ui.gaugeFill, s.token_count / s.num_ctx,
+      gaugeLevel(s.token_count, s.budget, compactsAt));
+    markAt(ui.gaugeBudget, s.budget, s.num_ctx);
+    markAt(ui.gaugeThreshold, compactsAt, s.num_ctx);
+    const compaction = compactsAt === null ? "automatic compaction off"
+      : `compacts from ${fmt(compactsAt)}`;
     ui.gaugeText.textContent =
-      `${fmt(s.token_count)} / ${fmt(s.budget)} tokens (${percent(s.token_count, s.budget)}%) · window ${fmt(s.num_ctx)}`;
+      `${fmt(s.token_count)} / ${fmt(s.budget)} tokens (${percent(s.token_count, s.budget)}%) · window ${fmt(s.num_ctx)} · ${compaction}`;
     ui.gauge.setAttribute("aria-valuetext", ui.gaugeText.textContent);
   } else {
     fillBar(ui.gauge, ui.gaugeFill, 0, "ok");
-    show(ui.gaugeBudget, false);
+    markAt(ui.gaugeBudget, null);
+    markAt(ui.gaugeThreshold, null);
     ui.gaugeText.textContent = "—";
   }
 
@@ -140,7 +151,8 @@ export function renderGauge() {
   const promptTokens = typeof g?.prompt_tokens === "number" ? g.prompt_tokens
     : app.lastReply?.prompt_tokens ?? lastStoredAnswer()?.prompt_tokens;
   if (typeof promptTokens === "number" && numCtx > 0) {
-    fillBar(ui.gaugeLast, ui.gaugeLastFill, promptTokens / numCtx, gaugeLevel(promptTokens, budget));
+    fillBar(ui.gaugeLast, ui.gaugeLastFill, promptTokens / numCtx,
+      gaugeLevel(promptTokens, budget, s?.compacts_at));
     const parts = [`${fmt(promptTokens)} / ${fmt(numCtx)} tokens (${percent(promptTokens, numCtx)}% of the window)`];
     if (g) {
       if (typeof g.completion_tokens === "number") parts.push(`${fmt(g.completion_tokens)} generated`);
