@@ -11,26 +11,34 @@ it from the subject's last message alone, whatever the transcript's length.
 
 The system prompt is deliberately absent: it is pinned in the session's
 metadata and prepended on every call, so no compaction can drop or alter it.
+
+Entries are read leniently and written sparingly: a field this version does
+not know (a later one's) is passed over, not a reason to skip the entry, and
+an optional field added since is written only when it holds something. Only
+the generator writes here; an entry a reader skipped would be a turn that a
+redelivered query answers again and a compaction leaves out.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
 from schemas.envelope import Timestamp
 from schemas.messages import Reply
 
 # How many superseded retries a conversation remembers (see `Conversation`).
 KEPT_SUPERSEDED = 64
+# A message's fields added after its first version, written only when set.
+UNWRITTEN_WHEN_NONE = ("prompt_tokens", "completion_tokens")
 
 
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class Stored(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
 
 
-class ToolCall(Strict):
+class ToolCall(Stored):
     name: str = Field(min_length=1, max_length=128)
     arguments: dict[str, Any] = Field(default_factory=dict)
 
@@ -38,7 +46,7 @@ class ToolCall(Strict):
 Role = Literal["user", "assistant", "tool"]
 
 
-class ChatMessage(Strict):
+class ChatMessage(Stored):
     role: Role
     content: str = ""
     tool_calls: tuple[ToolCall, ...] = ()
@@ -58,8 +66,18 @@ class ChatMessage(Strict):
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
 
+    @model_serializer(mode="wrap")
+    def _counts_only_when_known(self, write: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # A version before the counts refused any message naming them, so a
+        # question or a tool result is written as it was then.
+        data: dict[str, Any] = write(self)
+        for name in UNWRITTEN_WHEN_NONE:
+            if name in data and data[name] is None:
+                del data[name]
+        return data
 
-class Snapshot(Strict):
+
+class Snapshot(Stored):
     """The whole history after a compaction: a summary plus the kept messages.
 
     The summary is None only after a structural fallback (old tool output
@@ -85,7 +103,7 @@ class Snapshot(Strict):
     tokens_after: int | None = None
 
 
-class HistoryEntry(Strict):
+class HistoryEntry(Stored):
     kind: Literal["turn", "snapshot"]
     messages: tuple[ChatMessage, ...] = ()
     snapshot: Snapshot | None = None
@@ -112,7 +130,7 @@ class HistoryEntry(Strict):
         return cls(kind="snapshot", snapshot=snapshot)
 
 
-class Conversation(Strict):
+class Conversation(Stored):
     """A session's history as the model sees it (minus the pinned system prompt)."""
 
     summary: str | None = None

@@ -11,10 +11,12 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import json
 import math
 import os
 import re
 import shutil
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -924,11 +926,36 @@ def test_a_reload_mid_answer_shows_the_turn_under_way_and_stop_still_ends_it(
     playwright_api.expect(answer.locator(".msg-tag")).to_have_text("stopped")
     playwright_api.expect(page.locator("#messages .msg-user")).to_have_count(1)
     playwright_api.expect(page.locator("#send-button")).to_be_visible()
-    # Heard to its end, the turn is not read again by the next reload.
+    # Heard to its end, the turn is not kept, nor read again by the next reload.
+    assert page.evaluate(KEPT_TURNS) == []
     page.reload()
     playwright_api.expect(answer.locator(".msg-tag")).to_have_text("stopped")
     playwright_api.expect(page.locator("#messages .msg-pending")).to_have_count(0)
     playwright_api.expect(page.locator("#send-button")).to_be_visible()
+
+
+KEPT_TURNS = "() => Object.keys(sessionStorage).filter((k) => k.startsWith('chat.turnUnderWay.'))"
+
+
+def test_a_kept_retry_of_a_message_no_longer_the_last_is_let_go(
+        watched: Watched, system: System) -> None:
+    """/retry answers whichever message is last when it comes: a retry kept
+    from before another message was answered would replace that one's answer."""
+    page = watched.page
+    with system.client() as client:
+        sid = session_of_turns(client, 2)
+    kept = {"key": "a-retry-sent-earlier", "retry": True, "content": "t0",
+            "at": int(time.time() * 1000)}
+    page.evaluate("([sid, kept]) => sessionStorage.setItem(`chat.turnUnderWay.${sid}`, kept)",
+                  [sid, json.dumps(kept)])
+    open_session(page, sid)
+    playwright_api.expect(page.locator("#messages .msg-assistant")).to_have_count(2)
+    page.wait_for_function(f"() => ({KEPT_TURNS})().length === 0")
+    playwright_api.expect(page.locator("#messages .msg-pending")).to_have_count(0)
+    with system.client() as client:
+        context = client.get(f"/api/sessions/{sid}").json()["messages"]
+    assert [m["content"] for m in context] == ["t0", "Echo: t0 (turn 1)", "t1",
+                                               "Echo: t1 (turn 2)"]
 
 
 def test_an_answer_left_for_another_session_shows_once_on_coming_back(
@@ -1001,3 +1028,6 @@ def test_the_gauge_marks_where_automatic_compaction_begins(
         assert session["compacts_at"] == math.ceil(int(str(session["budget"])) / 2)
     finally:
         put_setting(nats_url, "compaction_threshold", None)
+        with system.client() as client:  # back to 0 for the module's later tests
+            until(lambda: client.get(f"/api/sessions/{sid}").json()["compacts_at"] is None,
+                  "the threshold back to its start")

@@ -4,6 +4,7 @@ splices that keep the transcript, idempotent retries, and a bounded cache."""
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import uuid
 from datetime import UTC, datetime, timedelta
@@ -80,6 +81,30 @@ async def test_an_entry_no_reader_can_take_in_is_passed_over(store: HistoryStore
     info = await nc.jetstream().stream_info(subjects.HISTORY_STREAM,
                                             subjects_filter=subjects.history(sid))
     assert info.state.subjects == {subjects.history(sid): 4}
+
+
+async def test_an_entry_a_later_version_wrote_is_read_without_its_new_fields(
+        store: HistoryStore, nc: NATS) -> None:
+    """Refused for a field it did not know, a later version's turn was passed
+    over: a redelivered query was answered again, a compaction left it out."""
+    sid = new_sid()
+    later = turn(1)[0].model_dump() | {"mood": "curious"}
+    entry = {"kind": "turn", "messages": [later], "base": 0, "written_by": "a later version"}
+    await nc.jetstream().publish(subjects.history(sid), json.dumps(entry).encode())
+    read = await HistoryStore(nc.jetstream()).read(sid)
+    assert [m.content for m in read.conversation.messages] == ["q1"]
+
+
+def test_a_message_without_counts_is_written_as_the_version_before_them_read_it() -> None:
+    question = ChatMessage(role="user", content="q", query_id="q1")
+    answer = ChatMessage(role="assistant", content="a", query_id="q1", prompt_tokens=9,
+                         completion_tokens=None)
+    assert set(json.loads(question.model_dump_json())) == {
+        "role", "content", "tool_calls", "tool_name", "query_id", "stopped"}
+    written = json.loads(HistoryEntry.of_turn((question, answer)).model_dump_json())
+    assert written["messages"][1]["prompt_tokens"] == 9
+    assert "completion_tokens" not in written["messages"][1]
+    assert HistoryEntry.model_validate(written).messages == (question, answer)
 
 
 async def test_a_history_stream_made_allowing_rollups_is_mended(

@@ -25,7 +25,7 @@ from scripts.nats_passwords import (
 )
 from services.shared.bus import connect
 from tests.events import Watcher, eventually, server_sent_events, watching
-from tests.nats_server import ShippedNats, running_shipped_nats
+from tests.nats_server import NatsServer, ShippedNats, running_shipped_nats
 from tests.system import System
 
 ADMIN = "admin"
@@ -190,3 +190,35 @@ def test_passwords_are_made_once_kept_private_and_always_readable_by_the_server(
         k: v for k, v in first.items() if k != "NATS_TOOLS_PASSWORD"}
     for password in (new_password() for _ in range(2000)):
         assert password[0].isalpha() and password.isalnum() and len(password) == 32
+
+
+def test_a_gateway_its_user_may_not_watch_the_settings_serves_all_the_same(
+        tmp_path: Path, stub_url: str) -> None:
+    """Users written before the gateway watched the live settings: it would
+    not start at all, for a mark on the page's gauge."""
+    shipped = Path(__file__).resolve().parents[1]
+    (tmp_path / "nats.conf").write_text((shipped / "nats.conf").read_text())
+    users = (shipped / "nats-users.conf").read_text()
+    older = users.replace('"$JS.API.CONSUMER.*.KV_config", "$JS.API.CONSUMER.*.KV_config.>", '
+                          '"$JS.FC.KV_config.>",', "", 1)
+    assert older != users
+    (tmp_path / "nats-users.conf").write_text(older)
+    passwords = kept_passwords(tmp_path / "nats-passwords.env")
+    store = tmp_path / "store"
+    store.mkdir()
+    server = NatsServer(str(store), env=passwords, shipped_config=tmp_path / "nats.conf")
+    server.start()
+    gateway = System(f"nats://127.0.0.1:{server.port}", stub_url, services=(),
+                     env={"COMPACTION_THRESHOLD": "0.5"})
+    gateway.add("gateway", "services.gateway",
+                service_credentials("services.gateway", passwords))
+    try:
+        with gateway.start().client() as client:
+            created = client.post("/api/sessions", json={})
+            assert created.status_code == 201, created.text
+            session = client.get(f"/api/sessions/{created.json()['session_id']}").json()
+            assert session["compacts_at"] == -(-session["budget"] // 2)
+        assert "live_settings_unwatched" in gateway.logs()
+    finally:
+        gateway.stop()
+        server.stop()

@@ -14,6 +14,7 @@ from nats.aio.client import Client as NATS
 from schemas import subjects
 from services.compaction_decider.settings import DeciderSettings
 from services.core.state_machine import Action, CompactionMode, IllegalTransition
+from services.gateway.settings import GatewaySettings
 from services.generator.settings import GeneratorSettings
 from services.generator.states import SessionStates
 from services.shared.bus import Bus
@@ -114,7 +115,18 @@ async def test_a_huge_value_refused_is_logged_cut_short(nc: NATS) -> None:
     refused = [entry for entry in logs if entry["event"].startswith("live_setting_")]
     assert len(refused) == 3
     assert all(len(entry["value"]) < 300 and "1000000 characters" in entry["value"]
-               for entry in refused)
+               for entry in refused[:2])
+    assert "value" not in refused[2]  # not a live setting: its value is not shown at all
+
+
+async def test_a_secret_put_among_the_live_settings_is_not_logged(nc: NATS) -> None:
+    """The gateway watches the settings too: a token put there by mistake was
+    copied into its log."""
+    live = LiveSettings(nc.jetstream(), GatewaySettings())
+    with structlog.testing.capture_logs() as logs:
+        live.apply("gateway_token", "s3cret-token")
+    assert [entry["event"] for entry in logs] == ["live_setting_ignored"]
+    assert "s3cret-token" not in repr(logs)
 
 
 async def test_only_live_settings_change_and_bad_bytes_stop_nothing(nc: NATS) -> None:

@@ -7,9 +7,10 @@ import asyncio
 import contextlib
 import math
 import secrets
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
+import nats
 import structlog
 import uvicorn
 from nats.js.errors import APIError
@@ -133,7 +134,7 @@ class Gateway:
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        await self._tuning.start()
+        await self._watch_settings(self._tuning.start)
         await self._replies.start()
         await self._live.start()
         self._task = asyncio.create_task(self._server.serve())
@@ -160,12 +161,22 @@ class Gateway:
     def endpoints(self) -> list[Endpoint]:
         return []
 
+    @staticmethod
+    async def _watch_settings(watch: Callable[[], Awaitable[None]]) -> None:
+        """The live settings only mark the gauge here: without them (a users
+        file from before the gateway read them, say) it keeps its start-up
+        threshold rather than refuse to serve."""
+        try:
+            await watch()
+        except (nats.errors.Error, TimeoutError) as err:
+            log.warning("live_settings_unwatched", error=f"{type(err).__name__}: {err}")
+
     async def reconnected(self) -> None:
         # Replies and the live feed are plain subscriptions: nats-py renews them,
         # but what was sent meanwhile is lost.
         self._api.reconnected()
-        await self._tuning.watch_again()
-        await self._replies.recover_missed()
+        await self._replies.recover_missed()  # callers wait on this; the gauge's mark can wait
+        await self._watch_settings(self._tuning.watch_again)
 
     def status(self) -> dict[str, Any]:
         return {"http": f"{self._settings.gateway_host}:{self._settings.gateway_port}"}

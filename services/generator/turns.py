@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Coroutine
+from dataclasses import replace
 from typing import Any
 
 import structlog
@@ -280,7 +281,7 @@ class TurnRunner:
                                 f"{rounds} rounds")
             ran = await self._run_tools(turn, result)
             if ran is None:  # stopped: the text so far is the answer
-                return ChatResult(content=result.content, stopped=True), tools
+                return replace(result, tool_calls=(), stopped=True), tools
             call = ChatMessage(role="assistant", content=result.content,
                                tool_calls=result.tool_calls, query_id=turn.query_id)
             turn.messages, rounds = [*turn.messages, call, *ran], rounds + 1

@@ -125,7 +125,9 @@ class LiveSettings(Generic[S]):
         if key not in type(self.current).model_fields:
             return  # a setting of another service
         if key not in LIVE_KEYS:
-            log.warning("live_setting_ignored", key=key, value=shown(raw),
+            # Without its value: a token or a password put here is not to be
+            # copied into every watching service's log.
+            log.warning("live_setting_ignored", key=key,
                         error="not a live setting: set it in the environment or "
                         "the settings file")
             return

@@ -246,31 +246,33 @@ export function loadNewer(id) {
   return read;
 }
 
+// True once the transcript shown is the stored one, up to its end.
 async function readNewer(id) {
-  if (id !== app.sessionId) return;
+  if (id !== app.sessionId) return false;
   const first = app.items.length === 0;
   try {
     if (first) {
       const page = await requestJson(API.transcript(id, { before: "end", limit: TRANSCRIPT_PAGE }));
-      if (id !== app.sessionId) return;
+      if (id !== app.sessionId) return false;
       app.items = page.items;
       app.older = page.previous;
     } else {
       let after = app.items[app.items.length - 1].position;
       while (after) {
         const page = await requestJson(API.transcript(id, { after, limit: 1000 }));
-        if (id !== app.sessionId) return;
+        if (id !== app.sessionId) return false;
         app.items = withNewer(app.items, page.items);
         after = page.next;
       }
     }
   } catch (err) {
     if (id === app.sessionId) showNotice(`Could not load the transcript: ${err.message}`);
-    return;
+    return false;
   }
   // To the end on a first read, or for a reader there already; one reading
   // earlier messages stays where they are.
   renderTranscript({ toEnd: first || nearBottom() });
+  return true;
 }
 
 export async function loadOlder() {
@@ -413,6 +415,10 @@ function offersSendAgain(error) {
   return UNKNOWN_OUTCOME.includes(error?.code);
 }
 
+function heardOutcome(error) {
+  return error != null && !offersSendAgain(error) && error.code !== "cancelled";
+}
+
 function sendAgainButton(item, again) {
   const button = el("button", {
     className: "send-again-button",
@@ -482,6 +488,7 @@ const RESUME_WITHIN_MS = 60 * 60 * 1000;
 
 function keepTurn(sessionId, turn) {
   try {
+    sessionStorage.removeItem(TURN_STORE + sessionId); // not an older one, should this fail
     sessionStorage.setItem(TURN_STORE + sessionId, JSON.stringify(turn));
   } catch {
     // storage disabled: a reload loses sight of the turn, as it did
@@ -504,7 +511,7 @@ function keptTurn(sessionId) {
     return null;
   }
   const usable = turn && typeof turn.key === "string" && typeof turn.at === "number" &&
-    (turn.retry === true || typeof turn.content === "string");
+    typeof turn.retry === "boolean" && typeof turn.content === "string";
   if (usable && Date.now() - turn.at < RESUME_WITHIN_MS) return turn;
   forgetTurn(sessionId);
   return null;
@@ -513,7 +520,9 @@ function keptTurn(sessionId) {
 let resuming = false;
 
 // The turn kept for this session, read again once its stored transcript is
-// shown; none when that transcript holds its answer already.
+// shown. Not when that transcript holds its answer already, nor when the page
+// cannot tell (no digest without a secure context), nor a retry of a message
+// that is no longer the last: /retry answers whichever is last now.
 export async function resumeTurn(id) {
   const turn = keptTurn(id);
   if (!turn || resuming || app.busy) return;
@@ -521,21 +530,31 @@ export async function resumeTurn(id) {
   try {
     const queryId = await queryIdFor(id, turn.key, turn.retry).catch(() => null);
     if (id !== app.sessionId || app.busy) return;
-    if (queryId && app.items.some((item) => item.query_id === queryId)) {
+    const stale = turn.retry && lastQuestion() !== turn.content;
+    if (!queryId || stale || app.items.some((item) => item.query_id === queryId)) {
       forgetTurn(id);
       return;
     }
-    if (!turn.retry) {
-      const asked = messageItem({ role: "user", content: turn.content });
-      unsaved = [asked];
-      ui.messages.append(asked);
-      show(ui.emptyHint, false);
-    }
-    runTurn(turn.retry ? API.retry(id) : API.messages(id),
-      turn.retry ? null : { content: turn.content }, turn.key, true);
+    if (!turn.retry) showAsked(turn.content);
+    const body = turn.retry ? null : { content: turn.content };
+    runTurn(turn.retry ? API.retry(id) : API.messages(id), body, turn.key,
+      { resumed: true, question: turn.content });
   } finally {
     resuming = false;
   }
+}
+
+// The last question of the transcript shown: the one a retry answers again.
+function lastQuestion() {
+  return app.items.findLast((item) => item.kind === "message" && item.role === "user")?.content ?? null;
+}
+
+// The question of the turn about to be sent, shown until the turn is stored.
+function showAsked(content) {
+  const asked = messageItem({ role: "user", content });
+  unsaved = [asked];
+  ui.messages.append(asked);
+  show(ui.emptyHint, false);
 }
 
 export async function sendMessage(event) {
@@ -544,10 +563,7 @@ export async function sendMessage(event) {
   const content = ui.input.value;
   if (!id || app.busy || !content.trim()) return;
   ui.input.value = "";
-  show(ui.emptyHint, false);
-  const asked = messageItem({ role: "user", content });
-  unsaved = [asked];
-  ui.messages.append(asked);
+  showAsked(content);
   rememberSession(id, labelOf(content));
   await runTurn(API.messages(id), { content }, newKey());
 }
@@ -563,7 +579,7 @@ async function retryAnswer(old) {
     markSuperseded(old);
   }
   unsaved = [];
-  const answered = await runTurn(API.retry(id), null, newKey());
+  const answered = await runTurn(API.retry(id), null, newKey(), { question: lastQuestion() });
   if (!answered && old?.isConnected) {
     unmarkSuperseded(old);
     if (actions) show(actions, true);
@@ -617,10 +633,15 @@ export function abandonAnswer() {
 
 // Sends a message (or a retry) and streams its answer into a pending bubble;
 // under `key`, so that sending it again after a failure is answered once.
-async function runTurn(url, body, key, resumed = false) {
+// `resumed`: sent before, by this tab, before a reload (see resumeTurn);
+// `question`: for a retry, the message it answers again.
+async function runTurn(url, body, key, { resumed = false, question = null } = {}) {
   const sessionId = app.sessionId;
-  const answer = pendingAnswer(() => runTurn(url, body, key), resumed);
-  keepTurn(sessionId, { key, retry: body === null, content: body?.content ?? null, at: Date.now() });
+  const answer = pendingAnswer(() => runTurn(url, body, key, { question }), resumed);
+  const content = body?.content ?? question;
+  if (typeof content === "string") {
+    keepTurn(sessionId, { key, retry: body === null, content, at: Date.now() });
+  }
   tagUnsaved([...unsaved], sessionId, key, body === null);
   app.pending = answer;
   app.turnKey = { key, retry: body === null };
@@ -637,9 +658,10 @@ async function runTurn(url, body, key, resumed = false) {
   } finally {
     // Unless the page moved to another session meanwhile (which aborted this
     // read): the turn stays kept, to be read again on coming back. So does one
-    // whose outcome the page did not hear: a reload sends it again.
+    // whose outcome the page did not hear, a read the browser cut included
+    // (as it may while the page unloads): a reload sends it again.
     if (app.abort === controller) {
-      if (!offersSendAgain(answer.failure) || succeeded) forgetTurn(sessionId);
+      if (succeeded || heardOutcome(answer.failure)) forgetTurn(sessionId);
       endTurn(answer, body, succeeded);
     }
   }

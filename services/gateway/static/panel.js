@@ -126,7 +126,12 @@ function markAt(mark, tokens, numCtx) {
 }
 
 export function renderGauge() {
-  const s = app.session;
+  renderNextPrompt(app.session);
+  renderLastPrompt(app.session, app.lastGeneration);
+}
+
+// The estimate of the next prompt, against the budget and where automatic compaction begins.
+function renderNextPrompt(s) {
   if (s && typeof s.token_count === "number" && s.num_ctx > 0) {
     const compactsAt = typeof s.compacts_at === "number" ? s.compacts_at : null;
     fillBar(ui.gauge, ui.gaugeFill, s.token_count / s.num_ctx,
@@ -144,8 +149,11 @@ export function renderGauge() {
     markAt(ui.gaugeThreshold, null);
     ui.gaugeText.textContent = "—";
   }
+}
 
-  const g = app.lastGeneration;
+// The last prompt as the model counted it: from its report (`g`), this page's
+// last reply, or the newest answer stored.
+function renderLastPrompt(s, g) {
   const numCtx = g?.num_ctx ?? s?.num_ctx;
   const budget = s?.budget ?? numCtx;
   const promptTokens = typeof g?.prompt_tokens === "number" ? g.prompt_tokens

@@ -182,28 +182,20 @@ export async function loadSession({ messages = true } = {}) {
   const id = app.sessionId;
   if (!id) return;
   const seq = ++app.loadSeq;
+  const current = () => seq === app.loadSeq && id === app.sessionId;
   let session;
   try {
     session = await requestJson(API.session(id));
   } catch (err) {
-    if (seq !== app.loadSeq || id !== app.sessionId) return;
-    if (err.status === 404) {
-      showNotice(`Session ${id} does not exist (any more). It was removed from the list; create a new one.`);
-      forgetSession(id);
-      disconnectEvents();
-      setComposerEnabled(false);
-    } else {
-      showNotice(`Could not load the session: ${err.message}`);
-    }
+    if (current()) sessionUnread(id, err);
     return;
   }
-  const current = () => seq === app.loadSeq && id === app.sessionId;
   if (!current()) return; // a newer load or another session
   app.session = session;
   showNotice("");
-  if (messages && !app.busy) await loadNewer(id);
+  const shown = messages && !app.busy && await loadNewer(id);
   if (!current()) return; // overtaken while the messages loaded
-  if (messages && !app.busy && app.resumeFor === id) {
+  if (shown && app.resumeFor === id) {
     app.resumeFor = null;
     resumeTurn(id);
   }
@@ -211,6 +203,23 @@ export async function loadSession({ messages = true } = {}) {
   if (messages && app.busy) app.reloadAfterTurn = true; // the end of the turn reloads them
   renderSessionFacts(session);
   renderGauge();
+  renderPhase(session, seq);
+  labelSession(id, session);
+}
+
+function sessionUnread(id, err) {
+  if (err.status === 404) {
+    showNotice(`Session ${id} does not exist (any more). It was removed from the list; create a new one.`);
+    forgetSession(id);
+    disconnectEvents();
+    setComposerEnabled(false);
+  } else {
+    showNotice(`Could not load the session: ${err.message}`);
+  }
+}
+
+// The badge and banner after read `seq` of the session.
+function renderPhase(session, seq) {
   const wasCompacting = app.compacting;
   app.compacting = compactingAfterRead(app.compacting, session.state, seq,
     app.compactingSeenAt, app.compactionEndSeenAt);
@@ -223,7 +232,6 @@ export async function loadSession({ messages = true } = {}) {
     renderState();
   }
   renderCompacting();
-  labelSession(id, session);
 }
 
 // A session is labelled by its first message. The context holds that one only
