@@ -2,9 +2,10 @@
 waiting for them.
 
 One wildcard subscription per gateway process; each waiting request has a
-queue. Tokens find it by their correlation id; a reply by its query id, so
-it also reaches a resend under the same `Idempotency-Key` (which the QUERIES
-stream kept once), waiting under a correlation id of its own. A reply that arrives
+queue. Tokens and replies find it by their query id, so they also reach a
+resend under the same `Idempotency-Key` (which the QUERIES stream kept once),
+waiting under a correlation id of its own: a page reloaded mid-answer sees
+the rest of it written. A reply that arrives
 for nobody (the caller gave up) is dropped. What became of a query sent before
 is read from the history (an answer) or from the kept error replies
 (`services.shared.query_errors`): a resend under the same key within the
@@ -182,17 +183,17 @@ class ReplyRouter:
         env = await self._bus.decode_or_report(msg, Reply)
         if env is None:
             return
-        for waiting in self._by_query.get(env.payload.query_id, ()):
-            if waiting.sid == env.payload.session_id:  # another session's is not ours
-                waiting.events.put_nowait(env.payload)
+        self._pass_on(env.payload)
 
     async def _on_token(self, msg: Msg) -> None:
         env = await self._bus.decode_or_report(msg, Token)
-        if env is None:
-            return
-        waiting = self._waiting.get(env.correlation_id)
-        if waiting is not None:
-            waiting.events.put_nowait(env.payload)
+        if env is not None:
+            self._pass_on(env.payload)
+
+    def _pass_on(self, event: Event) -> None:
+        for waiting in self._by_query.get(event.query_id, ()):
+            if waiting.sid == event.session_id:  # another session's is not ours
+                waiting.events.put_nowait(event)
 
 
 async def events_until_reply(queue: asyncio.Queue[Event | None], timeout_s: float

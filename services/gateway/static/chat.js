@@ -15,12 +15,14 @@ const TRANSCRIPT_PAGE = 100;
 // is queued until that turn ends (reset); once its own turn runs and before
 // any token, it waits for the model (a free slot of the model server).
 export function pendingAfter(pending, action, toState) {
+  if (pending.resumed) return pending; // whose turn a state is, the page cannot tell
   if (pending.queued) return action === "reset" ? { queued: false, started: false } : pending;
   if (toState === "receiving" || toState === "generating") return { queued: false, started: true };
   return pending;
 }
 
 export function pendingText(pending) {
+  if (pending.resumed) return "sent before this page was loaded: waiting for its answer…";
   if (pending.queued) return "queued: the session's earlier message is answered first…";
   if (pending.started) return "waiting for the model…";
   return "waiting for a generator…";
@@ -317,7 +319,7 @@ const UNKNOWN_OUTCOME = [
 // first pieces are not heard; the whole answer shows at its end.
 function pendingAnswer(again, resumed = false) {
   const text = el("div", { className: "msg-text", attrs: OWN_DIRECTION, text: resumed ? "… " : "" });
-  let waiting = resumed ? { queued: false, started: true }
+  let waiting = resumed ? { resumed: true }
     : { queued: !QUIET_PHASES.includes(app.phase), started: false };
   let writing = false;
   const status = el("div", { className: "msg-status", text: pendingText(waiting) });
@@ -415,9 +417,6 @@ function offersSendAgain(error) {
   return UNKNOWN_OUTCOME.includes(error?.code);
 }
 
-function heardOutcome(error) {
-  return error != null && !offersSendAgain(error) && error.code !== "cancelled";
-}
 
 function sendAgainButton(item, again) {
   const button = el("button", {
@@ -517,7 +516,19 @@ function keptTurn(sessionId) {
   return null;
 }
 
-let resuming = false;
+let resuming = null; // the session whose kept turn is being looked at
+
+// A reload or a move to another address cuts the answer's read like a network
+// failure would; that turn is not over.
+let unloading = false;
+if (typeof window !== "undefined") { // not in the page's unit checks, run outside a browser
+  window.addEventListener("pagehide", () => {
+    unloading = true;
+  });
+  window.addEventListener("pageshow", () => {
+    unloading = false; // back from the browser's cache, the page goes on
+  });
+}
 
 // The turn kept for this session, read again once its stored transcript is
 // shown. Not when that transcript holds its answer already, nor when the page
@@ -525,8 +536,8 @@ let resuming = false;
 // that is no longer the last: /retry answers whichever is last now.
 export async function resumeTurn(id) {
   const turn = keptTurn(id);
-  if (!turn || resuming || app.busy) return;
-  resuming = true;
+  if (!turn || resuming === id || app.busy) return;
+  resuming = id;
   try {
     const queryId = await queryIdFor(id, turn.key, turn.retry).catch(() => null);
     if (id !== app.sessionId || app.busy) return;
@@ -535,13 +546,28 @@ export async function resumeTurn(id) {
       forgetTurn(id);
       return;
     }
-    if (!turn.retry) showAsked(turn.content);
-    const body = turn.retry ? null : { content: turn.content };
-    runTurn(turn.retry ? API.retry(id) : API.messages(id), body, turn.key,
-      { resumed: true, question: turn.content });
+    const options = { resumed: true, question: turn.content, since: turn.at };
+    dropUnsaved();
+    if (turn.retry) retryAnswer(retriedAnswer(), turn.key, options);
+    else {
+      showAsked(turn.content);
+      runTurn(API.messages(id), { content: turn.content }, turn.key, options);
+    }
   } finally {
-    resuming = false;
+    if (resuming === id) resuming = null;
   }
+}
+
+// The answer a retry stands to replace: the one Retry stands under.
+function retriedAnswer() {
+  return ui.messages.querySelector(".retry-button")?.closest(".msg-assistant") ?? null;
+}
+
+// The unsaved turn shown, gone: a turn cut while its read ended in an error
+// here is shown again from the start when it is read again.
+function dropUnsaved() {
+  for (const node of unsaved) node.remove();
+  unsaved = [];
 }
 
 // The last question of the transcript shown: the one a retry answers again.
@@ -552,6 +578,7 @@ function lastQuestion() {
 // The question of the turn about to be sent, shown until the turn is stored.
 function showAsked(content) {
   const asked = messageItem({ role: "user", content });
+  dropUnsaved();
   unsaved = [asked];
   ui.messages.append(asked);
   show(ui.emptyHint, false);
@@ -570,16 +597,17 @@ export async function sendMessage(event) {
 
 // A fresh answer to the last message: the old one stays on screen, marked
 // superseded, until the new one is stored; if none is, it stands again.
-async function retryAnswer(old) {
+// `key` and `options`: a retry sent before this page was loaded (resumeTurn).
+async function retryAnswer(old, key = null, options = { question: lastQuestion() }) {
   const id = app.sessionId;
-  if (!id || !retryAllowed()) return;
+  if (!id || (!key && !retryAllowed())) return;
   const actions = old?.querySelector(".msg-actions");
   if (old) {
     if (actions) show(actions, false);
     markSuperseded(old);
   }
   unsaved = [];
-  const answered = await runTurn(API.retry(id), null, newKey(), { question: lastQuestion() });
+  const answered = await runTurn(API.retry(id), null, key ?? newKey(), options);
   if (!answered && old?.isConnected) {
     unmarkSuperseded(old);
     if (actions) show(actions, true);
@@ -633,14 +661,14 @@ export function abandonAnswer() {
 
 // Sends a message (or a retry) and streams its answer into a pending bubble;
 // under `key`, so that sending it again after a failure is answered once.
-// `resumed`: sent before, by this tab, before a reload (see resumeTurn);
+// `resumed`: sent by this tab before a reload, at `since` (see resumeTurn);
 // `question`: for a retry, the message it answers again.
-async function runTurn(url, body, key, { resumed = false, question = null } = {}) {
+async function runTurn(url, body, key, { resumed = false, question = null, since = Date.now() } = {}) {
   const sessionId = app.sessionId;
   const answer = pendingAnswer(() => runTurn(url, body, key, { question }), resumed);
   const content = body?.content ?? question;
   if (typeof content === "string") {
-    keepTurn(sessionId, { key, retry: body === null, content, at: Date.now() });
+    keepTurn(sessionId, { key, retry: body === null, content, at: since });
   }
   tagUnsaved([...unsaved], sessionId, key, body === null);
   app.pending = answer;
@@ -657,11 +685,11 @@ async function runTurn(url, body, key, { resumed = false, question = null } = {}
     else answer.fail({ code: "network_error", message: String(err.message || err) });
   } finally {
     // Unless the page moved to another session meanwhile (which aborted this
-    // read): the turn stays kept, to be read again on coming back. So does one
-    // whose outcome the page did not hear, a read the browser cut included
-    // (as it may while the page unloads): a reload sends it again.
-    if (app.abort === controller) {
-      if (succeeded || heardOutcome(answer.failure)) forgetTurn(sessionId);
+    // read) or is being left (whose unloading cut it): the turn stays kept, to
+    // be read again on coming back. Any other end was shown, Send again
+    // included, and is the person's to act on.
+    if (app.abort === controller && !unloading) {
+      forgetTurn(sessionId);
       endTurn(answer, body, succeeded);
     }
   }

@@ -159,6 +159,10 @@ export function connectEvents(id, { retryMs = RETRY_FIRST_MS, wasDown = false } 
     retryMs = RETRY_FIRST_MS;
     if (wasDown) {
       logLine("live", "reconnected; reloading the session");
+      // Reports may have been missed meanwhile: the last prompt is read from
+      // the newest stored answer until the next one comes.
+      app.lastGeneration = null;
+      app.lastReply = null;
       scheduleRefresh();
     }
     wasDown = false;

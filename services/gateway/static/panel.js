@@ -170,7 +170,8 @@ function renderLastPrompt(s, g) {
     ui.gaugeLast.setAttribute("aria-valuetext", parts[0]);
   } else {
     fillBar(ui.gaugeLast, ui.gaugeLastFill, 0, "ok");
-    ui.gaugeLastText.textContent = g ? "The model did not report prompt tokens for the last call." : "No generation yet.";
+    const answered = g || app.lastReply || lastStoredAnswer();
+    ui.gaugeLastText.textContent = answered ? "The model did not report prompt tokens for the last call." : "No generation yet.";
   }
   if (g && (typeof g.next_prompt_chars === "number" || typeof g.compactable_chars === "number")) {
     ui.gaugeLastText.append(el("br"), el("span", {
@@ -190,10 +191,15 @@ function lastStoredAnswer() {
   return null;
 }
 
+function autoCompaction(s) {
+  if (!s.auto_compact) return "off";
+  return s.compacts_at === null ? "on, but off for every session (threshold 0)" : "on";
+}
+
 // `s` null clears the facts (while another session loads).
 export function renderSessionFacts(s) {
   ui.factModel.textContent = s?.model ?? "—";
-  ui.factAuto.textContent = s ? (s.auto_compact ? "on" : "off") : "—";
+  ui.factAuto.textContent = s ? autoCompaction(s) : "—";
   ui.factCompactions.textContent = s ? String(s.compactions ?? 0) : "—";
   ui.factMessages.textContent = s ? String((s.messages ?? []).length) : "—";
   ui.summaryText.textContent = s?.summary ?? "";

@@ -310,9 +310,10 @@ export async function deleteSession() {
     await requestJson(API.session(id), { method: "DELETE" });
   } catch (err) {
     if (err.status !== 404) {
-      showNotice(`Could not delete the session: ${err.message}`);
       connectEvents(id);
-      loadSession(); // the answer no longer read shows once it is stored
+      app.resumeFor = id; // the answer no longer read is read again
+      await loadSession();
+      showNotice(`Could not delete the session: ${err.message}`); // after the read's clearing
       return;
     }
   }
