@@ -519,12 +519,15 @@ function keptTurn(sessionId) {
 let resuming = null; // the session whose kept turn is being looked at
 
 // A reload or a move to another address cuts the answer's read like a network
-// failure would; that turn is not over.
+// failure would; that turn is not over. Marked as the leaving begins: on a
+// loaded machine the cut read was seen before `pagehide`.
 let unloading = false;
 if (typeof window !== "undefined") { // not in the page's unit checks, run outside a browser
-  window.addEventListener("pagehide", () => {
-    unloading = true;
-  });
+  for (const leaving of ["beforeunload", "pagehide"]) {
+    window.addEventListener(leaving, () => {
+      unloading = true;
+    });
+  }
   window.addEventListener("pageshow", () => {
     unloading = false; // back from the browser's cache, the page goes on
   });
@@ -685,11 +688,11 @@ async function runTurn(url, body, key, { resumed = false, question = null, since
     else answer.fail({ code: "network_error", message: String(err.message || err) });
   } finally {
     // Unless the page moved to another session meanwhile (which aborted this
-    // read) or is being left (whose unloading cut it): the turn stays kept, to
-    // be read again on coming back. Any other end was shown, Send again
-    // included, and is the person's to act on.
-    if (app.abort === controller && !unloading) {
-      forgetTurn(sessionId);
+    // read) or is being left (whose unloading cut it), the turn is over: it is
+    // no longer kept. Any end this page showed, Send again included, is the
+    // person's to act on.
+    if (app.abort === controller) {
+      if (succeeded || !unloading) forgetTurn(sessionId);
       endTurn(answer, body, succeeded);
     }
   }
