@@ -79,7 +79,7 @@ def page(html: str) -> PageParser:
     return parser
 
 
-MODULES = ("api", "shared", "live", "chat", "panel", "sessions", "app")
+MODULES = ("api", "shared", "kept", "live", "chat", "panel", "sessions", "app")
 
 
 @pytest.fixture(scope="module")

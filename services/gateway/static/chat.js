@@ -6,6 +6,7 @@ import { API, newKey, postStop, postTurn, queryIdFor, readError, requestJson } f
 import { app, el, fmt, show, showNotice, ui } from "./shared.js";
 import { SseParser } from "./live.js";
 import { renderCompactButton, renderGauge } from "./panel.js";
+import { forgetTurn, keepTurn, keptTurn, leaving } from "./kept.js";
 import { labelOf, loadSession, rememberSession } from "./sessions.js";
 
 const TRANSCRIPT_PAGE = 100;
@@ -476,62 +477,7 @@ function retryButton() {
   return button;
 }
 
-// A turn this tab sent and has not heard the end of is kept in the tab's
-// session storage: a reload, or a visit to another session, stops the page
-// reading its answer, not the answer. Back on the session, the page sends it
-// again under its key, which is answered once (the same answer, never a
-// second turn), and shows it as before: the question, the answer being
-// written, Stop. A turn kept longer than this is let go.
-const TURN_STORE = "chat.turnUnderWay.";
-const RESUME_WITHIN_MS = 60 * 60 * 1000;
-
-function keepTurn(sessionId, turn) {
-  try {
-    sessionStorage.removeItem(TURN_STORE + sessionId); // not an older one, should this fail
-    sessionStorage.setItem(TURN_STORE + sessionId, JSON.stringify(turn));
-  } catch {
-    // storage disabled: a reload loses sight of the turn, as it did
-  }
-}
-
-export function forgetTurn(sessionId) {
-  try {
-    sessionStorage.removeItem(TURN_STORE + sessionId);
-  } catch {
-    // storage disabled: nothing was kept
-  }
-}
-
-function keptTurn(sessionId) {
-  let turn;
-  try {
-    turn = JSON.parse(sessionStorage.getItem(TURN_STORE + sessionId) ?? "null");
-  } catch {
-    return null;
-  }
-  const usable = turn && typeof turn.key === "string" && typeof turn.at === "number" &&
-    typeof turn.retry === "boolean" && typeof turn.content === "string";
-  if (usable && Date.now() - turn.at < RESUME_WITHIN_MS) return turn;
-  forgetTurn(sessionId);
-  return null;
-}
-
 let resuming = null; // the session whose kept turn is being looked at
-
-// A reload or a move to another address cuts the answer's read like a network
-// failure would; that turn is not over. Marked as the leaving begins: on a
-// loaded machine the cut read was seen before `pagehide`.
-let unloading = false;
-if (typeof window !== "undefined") { // not in the page's unit checks, run outside a browser
-  for (const leaving of ["beforeunload", "pagehide"]) {
-    window.addEventListener(leaving, () => {
-      unloading = true;
-    });
-  }
-  window.addEventListener("pageshow", () => {
-    unloading = false; // back from the browser's cache, the page goes on
-  });
-}
 
 // The turn kept for this session, read again once its stored transcript is
 // shown. Not when that transcript holds its answer already, nor when the page
@@ -692,7 +638,7 @@ async function runTurn(url, body, key, { resumed = false, question = null, since
     // no longer kept. Any end this page showed, Send again included, is the
     // person's to act on.
     if (app.abort === controller) {
-      if (succeeded || !unloading) forgetTurn(sessionId);
+      if (succeeded || !leaving()) forgetTurn(sessionId);
       endTurn(answer, body, succeeded);
     }
   }

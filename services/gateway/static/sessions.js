@@ -5,15 +5,8 @@
 import { API, listSessions, requestJson } from "./api.js";
 import { app, el, isValidSessionId, show, showNotice, ui } from "./shared.js";
 import { compactingAfterRead, connectEvents, disconnectEvents } from "./live.js";
-import {
-  abandonAnswer,
-  clearTranscript,
-  forgetTurn,
-  loadNewer,
-  renderRetry,
-  resumeTurn,
-  setComposerEnabled,
-} from "./chat.js";
+import { abandonAnswer, clearTranscript, loadNewer, renderRetry, resumeTurn, setComposerEnabled } from "./chat.js";
+import { forgetTurn } from "./kept.js";
 import {
   loadTimeline,
   renderCompacting,
