@@ -926,7 +926,7 @@ def test_a_reload_mid_answer_shows_the_turn_under_way_and_stop_still_ends_it(
         # Whose turn the session's state is, a resumed answer cannot tell: it
         # claims neither a queue nor the model.
         playwright_api.expect(page.locator("#messages .msg-pending .msg-status")).to_have_text(
-            "sent before this page was loaded: waiting for its answer…")
+            "sent earlier from this tab: waiting for its answer…")
         stop_button = page.locator("#stop-button")
         playwright_api.expect(stop_button).to_be_visible()
         stop_button.click()
@@ -1144,3 +1144,28 @@ def test_after_a_gap_in_the_live_feed_the_last_prompt_is_the_newest_answers(
     page.evaluate(SHOW)
     playwright_api.expect(page.locator("#messages .msg-assistant")).to_have_count(2)
     playwright_api.expect(last).to_contain_text(f"{newer:,} / 2,048 tokens")
+
+
+def test_a_session_opened_while_a_delete_is_on_its_way_stays_shown(
+        watched: Watched, system: System) -> None:
+    """The delete's end cleared whatever session was shown by then, and left
+    its live feed running for a session the page no longer showed."""
+    page = watched.page
+    deleted = create_session(page)
+    with system.client() as client:
+        other = session_of_turns(client, 1)
+    page.evaluate("() => { window.confirm = () => true; }")  # Delete asks first
+    held: list[playwright_api.Route] = []
+    page.route("**/api/sessions/*", lambda route: held.append(route)
+               if route.request.method == "DELETE" else route.continue_())
+    with page.expect_request(lambda r: r.method == "DELETE"):
+        page.click("#delete-button")
+    page.evaluate("(id) => { location.hash = `session=${id}`; }", other)
+    playwright_api.expect(page.locator("#messages .msg-assistant")).to_have_count(1)
+    held[0].continue_()
+    page.wait_for_function("(id) => !JSON.parse(localStorage.getItem('chat.sessions') || '[]')"
+                           ".some((s) => s.id === id)", arg=deleted)
+    playwright_api.expect(page.locator("#messages .msg-assistant")).to_have_count(1)
+    playwright_api.expect(page.locator("#state-badge")).to_have_attribute("data-state", "idle")
+    playwright_api.expect(page.locator("#message-input")).to_be_enabled()
+    assert page.evaluate("decodeURIComponent(location.hash)") == f"#session={other}"

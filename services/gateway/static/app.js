@@ -1,7 +1,7 @@
 // The gateway's single page: chat on the left, the live generator panel on the right.
 //
 // Plain ES2020 modules, no dependencies, no build step: this one binds the page's
-// elements and wires the others (api, shared, live, chat, panel, sessions). Every
+// elements and wires the others (api, shared, kept, live, chat, panel, sessions). Every
 // piece of data that comes from the user, the model, a tool or the server is put into
 // the page as text (textContent / createTextNode), never parsed as markup.
 

@@ -1,12 +1,12 @@
 // The chat view: the transcript (pages, compaction dividers, faded and
-// superseded messages), the answer being streamed, and the composer (send, stop,
-// retry).
+// superseded messages), the answer being streamed, the composer (send, stop,
+// retry), and a turn cut by a reload or a visit elsewhere, read again.
 
 import { API, newKey, postStop, postTurn, queryIdFor, readError, requestJson } from "./api.js";
 import { app, el, fmt, show, showNotice, ui } from "./shared.js";
 import { SseParser } from "./live.js";
 import { renderCompactButton, renderGauge } from "./panel.js";
-import { forgetTurn, keepTurn, keptTurn, leaving } from "./kept.js";
+import { forgetKeptTurn, leaving, readKeptTurn, saveKeptTurn } from "./kept.js";
 import { labelOf, loadSession, rememberSession } from "./sessions.js";
 
 const TRANSCRIPT_PAGE = 100;
@@ -23,7 +23,7 @@ export function pendingAfter(pending, action, toState) {
 }
 
 export function pendingText(pending) {
-  if (pending.resumed) return "sent before this page was loaded: waiting for its answer…";
+  if (pending.resumed) return "sent earlier from this tab: waiting for its answer…";
   if (pending.queued) return "queued: the session's earlier message is answered first…";
   if (pending.started) return "waiting for the model…";
   return "waiting for a generator…";
@@ -316,7 +316,8 @@ const UNKNOWN_OUTCOME = [
 
 // The assistant answer being streamed into the list.
 // `again` sends the request again, offered after a failure of unknown outcome.
-// `resumed`: the turn ran before this page read it again (a reload), so its
+// `resumed`: the turn ran before this page read it again (after a reload or a
+// visit to another session), so its
 // first pieces are not heard; the whole answer shows at its end.
 function pendingAnswer(again, resumed = false) {
   const text = el("div", { className: "msg-text", attrs: OWN_DIRECTION, text: resumed ? "… " : "" });
@@ -484,7 +485,7 @@ let resuming = null; // the session whose kept turn is being looked at
 // cannot tell (no digest without a secure context), nor a retry of a message
 // that is no longer the last: /retry answers whichever is last now.
 export async function resumeTurn(id) {
-  const turn = keptTurn(id);
+  const turn = readKeptTurn(id);
   if (!turn || resuming === id || app.busy) return;
   resuming = id;
   try {
@@ -492,7 +493,7 @@ export async function resumeTurn(id) {
     if (id !== app.sessionId || app.busy) return;
     const stale = turn.retry && lastQuestion() !== turn.content;
     if (!queryId || stale || app.items.some((item) => item.query_id === queryId)) {
-      forgetTurn(id);
+      forgetKeptTurn(id);
       return;
     }
     const options = { resumed: true, question: turn.content, since: turn.at };
@@ -521,7 +522,10 @@ function dropUnsaved() {
 
 // The last question of the transcript shown: the one a retry answers again.
 function lastQuestion() {
-  return app.items.findLast((item) => item.kind === "message" && item.role === "user")?.content ?? null;
+  for (let i = app.items.length - 1; i >= 0; i -= 1) {
+    if (app.items[i].kind === "message" && app.items[i].role === "user") return app.items[i].content;
+  }
+  return null;
 }
 
 // The question of the turn about to be sent, shown until the turn is stored.
@@ -583,7 +587,7 @@ export async function stopAnswer() {
   ui.stopButton.disabled = true;
   app.pending?.stopping();
   const response = await postStop(id, turn).catch(() => null);
-  if (response?.status === 202) return;
+  if (response?.status === 202 || app.sessionId !== id) return;
   if (response) {
     const err = await readError(response);
     showNotice(`Could not stop: ${err.error?.message ?? response.status}`);
@@ -617,7 +621,7 @@ async function runTurn(url, body, key, { resumed = false, question = null, since
   const answer = pendingAnswer(() => runTurn(url, body, key, { question }), resumed);
   const content = body?.content ?? question;
   if (typeof content === "string") {
-    keepTurn(sessionId, { key, retry: body === null, content, at: since });
+    saveKeptTurn(sessionId, { key, retry: body === null, content, at: since });
   }
   tagUnsaved([...unsaved], sessionId, key, body === null);
   app.pending = answer;
@@ -638,7 +642,7 @@ async function runTurn(url, body, key, { resumed = false, question = null, since
     // no longer kept. Any end this page showed, Send again included, is the
     // person's to act on.
     if (app.abort === controller) {
-      if (succeeded || !leaving()) forgetTurn(sessionId);
+      if (succeeded || !leaving()) forgetKeptTurn(sessionId);
       endTurn(answer, body, succeeded);
     }
   }

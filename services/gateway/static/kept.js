@@ -7,7 +7,7 @@
 const TURN_STORE = "chat.turnUnderWay.";
 const RESUME_WITHIN_MS = 60 * 60 * 1000;
 
-export function keepTurn(sessionId, turn) {
+export function saveKeptTurn(sessionId, turn) {
   try {
     sessionStorage.removeItem(TURN_STORE + sessionId); // not an older one, should this fail
     sessionStorage.setItem(TURN_STORE + sessionId, JSON.stringify(turn));
@@ -16,7 +16,7 @@ export function keepTurn(sessionId, turn) {
   }
 }
 
-export function forgetTurn(sessionId) {
+export function forgetKeptTurn(sessionId) {
   try {
     sessionStorage.removeItem(TURN_STORE + sessionId);
   } catch {
@@ -24,7 +24,7 @@ export function forgetTurn(sessionId) {
   }
 }
 
-export function keptTurn(sessionId) {
+export function readKeptTurn(sessionId) {
   let turn;
   try {
     turn = JSON.parse(sessionStorage.getItem(TURN_STORE + sessionId) ?? "null");
@@ -34,7 +34,7 @@ export function keptTurn(sessionId) {
   const usable = turn && typeof turn.key === "string" && typeof turn.at === "number" &&
     typeof turn.retry === "boolean" && typeof turn.content === "string";
   if (usable && Date.now() - turn.at < RESUME_WITHIN_MS) return turn;
-  forgetTurn(sessionId);
+  forgetKeptTurn(sessionId);
   return null;
 }
 
@@ -48,9 +48,13 @@ if (typeof window !== "undefined") { // not in the page's unit checks, run outsi
       unloading = true;
     });
   }
-  window.addEventListener("pageshow", () => {
-    unloading = false; // back from the browser's cache, the page goes on
-  });
+  // Back from the browser's cache, or used again after a navigation was
+  // cancelled: the page goes on.
+  for (const event of ["pageshow", "pointerdown", "keydown"]) {
+    window.addEventListener(event, () => {
+      unloading = false;
+    });
+  }
 }
 
 // Whether the page is being left: a read cut now ends no turn.

@@ -6,7 +6,7 @@ import { API, listSessions, requestJson } from "./api.js";
 import { app, el, isValidSessionId, show, showNotice, ui } from "./shared.js";
 import { compactingAfterRead, connectEvents, disconnectEvents } from "./live.js";
 import { abandonAnswer, clearTranscript, loadNewer, renderRetry, resumeTurn, setComposerEnabled } from "./chat.js";
-import { forgetTurn } from "./kept.js";
+import { forgetKeptTurn } from "./kept.js";
 import {
   loadTimeline,
   renderCompacting,
@@ -303,22 +303,29 @@ export async function deleteSession() {
     await requestJson(API.session(id), { method: "DELETE" });
   } catch (err) {
     if (err.status !== 404) {
-      connectEvents(id);
-      app.resumeFor = id; // the answer no longer read is read again
-      await loadSession();
-      showNotice(`Could not delete the session: ${err.message}`); // after the read's clearing
+      if (app.sessionId === id) await deleteRefused(id, err);
       return;
     }
   }
   forgetSession(id);
+  forgetCurrentSession(id);
+  forgetKeptTurn(id);
+  // Another session opened while the delete was on its way stays shown.
+  if (app.sessionId !== id) return;
   leaveSession();
   app.sessionId = null;
-  forgetCurrentSession(id);
-  forgetTurn(id);
   setComposerEnabled(false);
   setExportLinks(null);
   history.replaceState(null, "", "#");
   showNotice(`Session ${id} was deleted.`);
+}
+
+// The session stays: its feed and its answer under way are taken up again.
+async function deleteRefused(id, err) {
+  connectEvents(id);
+  app.resumeFor = id;
+  await loadSession();
+  showNotice(`Could not delete the session: ${err.message}`); // after the read's clearing
 }
 
 // A reload is not to open a deleted session again (and report it missing),
