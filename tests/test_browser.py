@@ -1169,3 +1169,22 @@ def test_a_session_opened_while_a_delete_is_on_its_way_stays_shown(
     playwright_api.expect(page.locator("#state-badge")).to_have_attribute("data-state", "idle")
     playwright_api.expect(page.locator("#message-input")).to_be_enabled()
     assert page.evaluate("decodeURIComponent(location.hash)") == f"#session={other}"
+
+
+def test_the_timeline_is_read_when_a_session_opens_and_a_compaction_ends_only(
+        watched: Watched) -> None:
+    """Every turn's report read the newest 100 compactions again."""
+    page = watched.page
+    timeline_reads: list[str] = []
+    page.on("request", lambda r: timeline_reads.append(r.url)
+            if "kind=compaction" in r.url else None)
+    create_session(page)
+    for n in range(3):
+        send(page, f"turn {n}: " + "the quick brown fox jumps over the lazy dog " * 12)
+    playwright_api.expect(page.locator("#gauge-last-text")).to_contain_text("next prompt")
+    assert len(timeline_reads) == 1, timeline_reads
+    page.click("#compact-button")
+    playwright_api.expect(page.locator("#compact-status")).to_contain_text(
+        "Compaction completed")
+    playwright_api.expect(page.locator("#timeline .timeline-row")).to_have_count(1)
+    assert len(timeline_reads) == 2, timeline_reads

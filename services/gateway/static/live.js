@@ -163,6 +163,7 @@ export function connectEvents(id, { retryMs = RETRY_FIRST_MS, wasDown = false } 
       // the newest stored answer until the next one comes.
       app.lastGeneration = null;
       app.lastReply = null;
+      app.timelineStale = true; // a compaction may have ended meanwhile too
       scheduleRefresh();
     }
     wasDown = false;
@@ -265,6 +266,7 @@ function onCompactionResult(p, ts, correlationId) {
   ui.compactStatus.textContent = text.charAt(0).toUpperCase() + text.slice(1);
   if (status === "completed") {
     app.session = sessionAfterCompaction(app.session, p);
+    app.timelineStale = true;
     renderGauge();
     if (app.busy) app.reloadAfterTurn = true; // the turn's end reloads
     else loadSession();

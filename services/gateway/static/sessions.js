@@ -168,6 +168,7 @@ export function selectSession(id, { updateHash = true } = {}) {
   // this tab sent and did not hear the end of, cut by a reload or a visit
   // elsewhere, is read again.
   app.resumeFor = id;
+  app.timelineStale = true;
   loadSession();
 }
 
@@ -192,7 +193,10 @@ export async function loadSession({ messages = true } = {}) {
     app.resumeFor = null;
     resumeTurn(id);
   }
-  loadTimeline(id);
+  if (app.timelineStale) { // not on every turn's read: only a compaction changes it
+    app.timelineStale = false;
+    loadTimeline(id);
+  }
   if (messages && app.busy) app.reloadAfterTurn = true; // the end of the turn reloads them
   renderSessionFacts(session);
   renderGauge();

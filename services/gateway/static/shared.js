@@ -72,6 +72,7 @@ export const app = {
   loadingOlder: false,
   pending: null, // the answer being waited for, while one is (see pendingAnswer)
   turnKey: null, // { key, retry } of that answer's turn: a Stop names it
+  timelineStale: false, // the compaction timeline is to be read with the session's next read
   resumeFor: null, // the session opened, whose cut turn, if any, is read again once shown
   compactionProgress: null, // the running compaction's last progress event
 };
