@@ -7,10 +7,9 @@ import asyncio
 import contextlib
 import math
 import secrets
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
-import nats
 import structlog
 import uvicorn
 from nats.js.errors import APIError
@@ -29,6 +28,7 @@ from services.gateway.errors import STORAGE_FULL, HttpError, error, nats_away
 from services.gateway.live import LiveFeed
 from services.gateway.replies import ReplyRouter
 from services.gateway.settings import GatewaySettings
+from services.gateway.settings_watch import SettingsWatch
 from services.shared import metrics
 from services.shared.bus import Bus
 from services.shared.history_store import HistoryStore
@@ -119,7 +119,7 @@ class Gateway:
                  replies: ReplyRouter, live: LiveFeed,
                  tuning: LiveSettings[GatewaySettings]) -> None:
         self._settings = settings
-        self._tuning = tuning
+        self._watch = SettingsWatch(tuning)
         self._api = api
         self._replies = replies
         self._live = live
@@ -134,7 +134,7 @@ class Gateway:
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        await self._watch_settings(self._tuning.start)
+        self._watch.restart()
         await self._replies.start()
         await self._live.start()
         self._task = asyncio.create_task(self._server.serve())
@@ -156,27 +156,17 @@ class Gateway:
             await self._task
         await self._replies.stop()
         await self._live.stop()
-        await self._tuning.stop()
+        await self._watch.stop()
 
     def endpoints(self) -> list[Endpoint]:
         return []
-
-    @staticmethod
-    async def _watch_settings(watch: Callable[[], Awaitable[None]]) -> None:
-        """The live settings only mark the gauge here: without them (a users
-        file from before the gateway read them, say) it keeps its start-up
-        threshold rather than refuse to serve."""
-        try:
-            await watch()
-        except (nats.errors.Error, TimeoutError) as err:
-            log.warning("live_settings_unwatched", error=f"{type(err).__name__}: {err}")
 
     async def reconnected(self) -> None:
         # Replies and the live feed are plain subscriptions: nats-py renews them,
         # but what was sent meanwhile is lost.
         self._api.reconnected()
-        await self._replies.recover_missed()  # callers wait on this; the gauge's mark can wait
-        await self._watch_settings(self._tuning.watch_again)
+        await self._replies.recover_missed()
+        self._watch.restart()  # the bucket may be gone with a lost store
 
     def status(self) -> dict[str, Any]:
         return {"http": f"{self._settings.gateway_host}:{self._settings.gateway_port}"}

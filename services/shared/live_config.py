@@ -4,10 +4,12 @@
 within a moment. Only the settings in `LIVE_KEYS` change this way: the others
 are read once, into parts built at start (a provider's timeout, the state
 machine's compaction mode), and half-changing one would leave those parts
-disagreeing. A value that does not validate, or any other known setting, is
-logged and ignored; the service keeps its previous settings. Deleting or
-purging a key (`nats kv del config compaction_threshold`) puts that setting
-back to the value the service started with. A key is the setting's name in
+disagreeing. Any other known setting put there is logged (without its value:
+it may be a secret) and ignored. A value that does not validate is logged and
+taken as no value: the setting goes back to the value the service started
+with, as a service started now would read the bucket, so that every service
+agrees on what is in force. Deleting or purging a key (`nats kv del config
+compaction_threshold`) does the same. A key is the setting's name in
 lower case and nothing else: `COMPACTION_THRESHOLD` is logged and ignored, so
 each setting has one key, and deleting that key always puts it back.
 """
@@ -119,7 +121,7 @@ class LiveSettings(Generic[S]):
         if key != key.lower() and key.lower() in type(self.current).model_fields:
             # Taking it would give the setting two keys, each put and deleted
             # on its own: which value held would depend on which came last.
-            log.warning("live_setting_ignored", key=key, value=shown(raw),
+            log.warning("live_setting_ignored", key=key,
                         error=f"setting names are lower case: use {key.lower()!r}")
             return
         if key not in type(self.current).model_fields:
@@ -140,6 +142,7 @@ class LiveSettings(Generic[S]):
         except ValidationError as err:
             log.error("live_setting_rejected", key=key, value=shown(value),
                       error=err.errors(include_url=False)[0]["msg"])
+            self.restore(key)
             return
         log.info("live_setting_changed", key=key, value=getattr(updated, key))
         self.current = updated
