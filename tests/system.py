@@ -3,11 +3,15 @@ stand-in: what the end-to-end tests drive over HTTP."""
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import httpx
+import nats
 
+from schemas import subjects
 from tests.nats_server import free_port
 from tests.processes import ServiceProcess
 
@@ -98,3 +102,19 @@ def new_session(client: httpx.Client, **body: object) -> str:
 
 def ask(client: httpx.Client, sid: str, content: str) -> httpx.Response:
     return client.post(f"/api/sessions/{sid}/messages", json={"content": content})
+
+
+def put_live_setting(nats_url: str, key: str, value: bytes | None) -> None:
+    """A setting put into the server's `config` bucket (None: deleted), as
+    `nats kv put config <key> <value>` does. In a thread of its own, so that a
+    test whose thread runs an event loop (Playwright's) may call it too."""
+    async def put() -> None:
+        nc = await nats.connect(nats_url)
+        try:
+            kv = await nc.jetstream().key_value(subjects.CONFIG_BUCKET)
+            await (kv.put(key, value) if value is not None else kv.delete(key))
+        finally:
+            await nc.close()
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pool.submit(asyncio.run, put()).result()

@@ -8,8 +8,6 @@ in the page, and saves a screenshot under its temporary directory.
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import contextlib
 import json
 import math
@@ -21,13 +19,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
-import nats
 import pytest
 
-from schemas import subjects
 from tests.events import until
 from tests.stub_server import configure_stub_now, running_stub
-from tests.system import System, ask, new_session, running_system
+from tests.system import System, ask, new_session, put_live_setting, running_system
 
 # CHROMIUM names another binary (a path or a command).
 CHROMIUM = shutil.which(os.environ.get("CHROMIUM") or "chromium") or shutil.which(
@@ -1008,20 +1004,6 @@ def test_a_page_opened_after_a_turn_shows_its_counts_and_the_last_prompt(
         f"{prompt} / 2,048 tokens")
 
 
-def put_setting(nats_url: str, key: str, value: bytes | None) -> None:
-    """A live setting put into the server's `config` bucket (deleted: None).
-    In a thread of its own: Playwright's loop runs in this one."""
-    async def put() -> None:
-        nc = await nats.connect(nats_url)
-        try:
-            kv = await nc.jetstream().key_value(subjects.CONFIG_BUCKET)
-            await (kv.put(key, value) if value is not None else kv.delete(key))
-        finally:
-            await nc.close()
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        pool.submit(asyncio.run, put()).result()
-
-
 def test_the_gauge_marks_where_automatic_compaction_begins(
         watched: Watched, system: System, nats_url: str) -> None:
     page = watched.page
@@ -1029,7 +1011,7 @@ def test_the_gauge_marks_where_automatic_compaction_begins(
     text, mark = page.locator("#gauge-text"), page.locator("#gauge-threshold")
     playwright_api.expect(text).to_contain_text("automatic compaction off")  # threshold 0
     playwright_api.expect(mark).to_be_hidden()
-    put_setting(nats_url, "compaction_threshold", b"0.5")
+    put_live_setting(nats_url, "compaction_threshold", b"0.5")
     try:
         with system.client() as client:
             def read() -> dict[str, object]:
@@ -1041,7 +1023,7 @@ def test_the_gauge_marks_where_automatic_compaction_begins(
         playwright_api.expect(mark).to_be_visible()
         assert session["compacts_at"] == math.ceil(int(str(session["budget"])) / 2)
     finally:
-        put_setting(nats_url, "compaction_threshold", None)
+        put_live_setting(nats_url, "compaction_threshold", None)
         with system.client() as client:  # back to 0 for the module's later tests
             until(lambda: client.get(f"/api/sessions/{sid}").json()["compacts_at"] is None,
                   "the threshold back to its start")

@@ -28,7 +28,7 @@ from scripts.nats_passwords import (
 from services.shared.bus import connect
 from tests.events import Watcher, eventually, server_sent_events, until, watching
 from tests.nats_server import NatsServer, ShippedNats, running_shipped_nats
-from tests.system import System
+from tests.system import System, put_live_setting
 
 ADMIN = "admin"
 EVENTS = (subjects.COMPACTION_RESULT,)
@@ -228,20 +228,11 @@ def test_a_gateway_its_user_may_not_watch_the_settings_serves_all_the_same(
             # The users file mended and read again, the watch takes without a restart.
             (tmp_path / "nats-users.conf").write_text(users)
             server.signal(signal.SIGHUP)
-            put_threshold(ShippedNats(server, passwords).url_for(ADMIN), b"0.25")
+            put_live_setting(ShippedNats(server, passwords).url_for(ADMIN),
+                             "compaction_threshold", b"0.25")
             until(lambda: client.get(f"/api/sessions/{sid}").json()["compacts_at"]
                   == -(-session["budget"] // 4), "the threshold followed", timeout_s=90)
     finally:
         gateway.stop()
         server.stop()
 
-
-def put_threshold(url: str, value: bytes) -> None:
-    async def put() -> None:
-        nc = await nats.connect(url)
-        try:
-            kv = await nc.jetstream().key_value(subjects.CONFIG_BUCKET)
-            await kv.put("compaction_threshold", value)
-        finally:
-            await nc.close()
-    asyncio.run(put())

@@ -42,27 +42,35 @@ async def test_an_illegal_transition_is_raised_and_reported(nc: NATS) -> None:
     assert machine.current("s-illegal").visible.value == "idle"
 
 
+async def settled(live: LiveSettings[DeciderSettings], changed: asyncio.Event,
+                  threshold: float, timeout_s: float = 5.0) -> None:
+    """Until `live` holds `threshold`; `changed` is set on each change. The
+    timeout is a guard against hanging, not a measure."""
+    async with asyncio.timeout(timeout_s):
+        while live.current.compaction_threshold != threshold:
+            changed.clear()
+            await changed.wait()
+
+
 async def test_settings_change_without_a_restart(nc: NATS) -> None:
     changed = asyncio.Event()
     live = LiveSettings(nc.jetstream(), DeciderSettings(compaction_threshold=0.8),
                         on_change=lambda _: changed.set())
-
-    async def settled(threshold: float) -> None:
-        async with asyncio.timeout(5):
-            while live.current.compaction_threshold != threshold:
-                changed.clear()
-                await changed.wait()
-
     await live.start()
     kv = await nc.jetstream().key_value(subjects.CONFIG_BUCKET)
     try:
         await kv.put("compaction_threshold", b"0.5")
         await kv.put("compaction_cooldown_s", b"not a number")  # rejected, logged, ignored
         await kv.put("gateway_port", b"1")  # another service's setting
-        await settled(0.5)
+        await settled(live, changed, 0.5)
         assert live.current.compaction_cooldown_s == 30.0
         await kv.put("compaction_threshold", b"0")
-        await settled(0)
+        await settled(live, changed, 0)
+        # A value refused counts as none, as for a service started now: a
+        # running one kept the last good value where a new one took its
+        # start-up value, and the two disagreed on the threshold in force.
+        await kv.put("compaction_threshold", b"0,6")
+        await settled(live, changed, 0.8)
     finally:  # the bucket is the shared server's: later services would read these
         await live.stop()
         for key in ("compaction_threshold", "compaction_cooldown_s", "gateway_port"):
@@ -78,17 +86,11 @@ async def test_a_setting_the_bucket_no_longer_holds_goes_back_to_its_start(
     live = LiveSettings(nc.jetstream(), DeciderSettings(compaction_threshold=0.8),
                         on_change=lambda _: changed.set())
 
-    async def settled(threshold: float) -> None:
-        async with asyncio.timeout(10):  # a guard against hanging, not a measure
-            while live.current.compaction_threshold != threshold:
-                changed.clear()
-                await changed.wait()
-
     try:
         await live.start()
         await (await nc.jetstream().key_value(subjects.CONFIG_BUCKET)).put(
             "compaction_threshold", b"0.3")
-        await settled(0.3)
+        await settled(live, changed, 0.3, timeout_s=10)
         await live.watch_again()  # NATS back with its store: the bucket still says 0.3
         await (await nc.jetstream().key_value(subjects.CONFIG_BUCKET)).put(
             "compaction_cooldown_s", b"5")  # an event after the watch's start values
@@ -98,7 +100,7 @@ async def test_a_setting_the_bucket_no_longer_holds_goes_back_to_its_start(
         assert live.current.compaction_threshold == 0.3
         await nc.jetstream().delete_key_value(subjects.CONFIG_BUCKET)  # the store lost
         await live.watch_again()
-        await settled(0.8)
+        await settled(live, changed, 0.8, timeout_s=10)
         assert live.current.compaction_cooldown_s == DeciderSettings().compaction_cooldown_s
     finally:
         await live.stop()
@@ -117,31 +119,6 @@ async def test_a_huge_value_refused_is_logged_cut_short(nc: NATS) -> None:
     assert len(refused[0]["value"]) < 300 and "1000000 characters" in refused[0]["value"]
     # Not a live setting's key: its value is not shown at all (it may be a secret).
     assert "value" not in refused[1] and "value" not in refused[2]
-
-
-async def test_a_value_refused_counts_as_none_in_every_service(nc: NATS) -> None:
-    """A running service kept the last good value, one started since took its
-    start-up value: the page marked compaction at 80 % while it began at 50 %."""
-    changed = asyncio.Event()
-    running = LiveSettings(nc.jetstream(), DeciderSettings(compaction_threshold=0.8),
-                           on_change=lambda _: changed.set())
-
-    async def settled(live: LiveSettings[DeciderSettings], threshold: float) -> None:
-        async with asyncio.timeout(5):  # a guard against hanging, not a measure
-            while live.current.compaction_threshold != threshold:
-                changed.clear()
-                await changed.wait()
-
-    await running.start()
-    kv = await nc.jetstream().key_value(subjects.CONFIG_BUCKET)
-    try:
-        await kv.put("compaction_threshold", b"0.5")
-        await settled(running, 0.5)
-        await kv.put("compaction_threshold", b"0,6")  # a typo every service refuses
-        await settled(running, 0.8)  # what a service started now reads: no usable value
-    finally:
-        await running.stop()
-        await kv.delete("compaction_threshold")
 
 
 async def test_a_secret_put_among_the_live_settings_is_not_logged(nc: NATS) -> None:

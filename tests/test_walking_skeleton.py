@@ -24,7 +24,7 @@ from services.shared.bus import round_trip
 from services.shared.sessions import SessionStore
 from tests.events import until
 from tests.nats_server import NatsServer
-from tests.system import System, ask, new_session, running_system
+from tests.system import System, ask, new_session, put_live_setting, running_system
 from tests.test_page import STATIC, PageParser
 
 
@@ -290,20 +290,10 @@ def test_the_session_says_where_it_compacts_by_itself_as_the_threshold_changes(
         assert session["compacts_at"] == math.ceil(0.8 * session["budget"])
         assert client.get(f"/api/sessions/{manual}").json()["compacts_at"] is None
 
-        def put(value: bytes) -> None:
-            async def put_threshold() -> None:
-                nc = await nats.connect(private_nats.url)
-                try:
-                    kv = await nc.jetstream().key_value(subjects.CONFIG_BUCKET)
-                    await kv.put("compaction_threshold", value)
-                finally:
-                    await nc.close()
-            asyncio.run(put_threshold())
-
         def compacts_at() -> object:
             return client.get(f"/api/sessions/{sid}").json()["compacts_at"]
 
-        put(b"0.5")
+        put_live_setting(private_nats.url, "compaction_threshold", b"0.5")
         until(lambda: compacts_at() == math.ceil(0.5 * session["budget"]), "the threshold read")
-        put(b"0")
+        put_live_setting(private_nats.url, "compaction_threshold", b"0")
         until(lambda: compacts_at() is None, "automatic compaction off")
