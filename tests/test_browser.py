@@ -1170,3 +1170,31 @@ def test_the_timeline_is_read_when_a_session_opens_and_a_compaction_ends_only(
         "Compaction completed")
     playwright_api.expect(page.locator("#timeline .timeline-row")).to_have_count(1)
     assert len(timeline_reads) == 2, timeline_reads
+
+
+def test_stop_on_a_message_still_queued_says_so_on_the_message(
+        watched: Watched, stub_url: str) -> None:
+    """Refused (nothing of it is being written), it said so in a notice that
+    the session's next read cleared at once."""
+    page = watched.page
+    watched.ignore("status of 409")  # the stop refused, as the test wants
+    sid = create_session(page)
+    other = page.context.new_page()
+    try:
+        open_session(other, sid)
+        with answer_under_way(other, stub_url, "from the other tab"):
+            playwright_api.expect(page.locator("#state-badge")).to_have_attribute(
+                "data-state", "generating")
+            page.fill("#message-input", "queued behind it")
+            page.click("#send-button")
+            status = page.locator("#messages .msg-pending .msg-status")
+            playwright_api.expect(status).to_contain_text("queued")
+            page.click("#stop-button")
+            playwright_api.expect(status).to_have_text(
+                "not being written yet, so not stopped: Stop works once it is")
+            playwright_api.expect(page.locator("#stop-button")).to_be_enabled()
+        playwright_api.expect(page.locator("#messages .msg-pending")).to_have_count(0)
+        playwright_api.expect(page.locator("#messages .msg-assistant .msg-text").last
+                              ).to_have_text(re.compile(r"^Echo: queued behind it"))
+    finally:
+        other.close()

@@ -367,6 +367,9 @@ function pendingAnswer(again, resumed = false) {
     notStopping() {
       status.textContent = writing ? "writing…" : pendingText(waiting);
     },
+    notYetStoppable() {
+      if (!writing) status.textContent = "not being written yet, so not stopped: Stop works once it is";
+    },
     append(piece) {
       if (!writing) status.textContent = "writing…";
       writing = true;
@@ -588,16 +591,19 @@ export async function stopAnswer() {
   app.pending?.stopping();
   const response = await postStop(id, turn).catch(() => null);
   if (response?.status === 202 || app.sessionId !== id) return;
-  if (response) {
-    const err = await readError(response);
-    showNotice(`Could not stop: ${err.error?.message ?? response.status}`);
-  } else {
-    showNotice("Could not stop: the gateway is unreachable");
-  }
+  const err = response ? await readError(response) : null;
   // The answer goes on: it can still be stopped once it is being written.
   if (app.pending && app.sessionId === id) {
     app.pending.notStopping();
     ui.stopButton.disabled = !app.busy;
+  }
+  if (err?.error?.code === "nothing_running") {
+    // Said on the answer itself: a notice went with the session's next read.
+    app.pending?.notYetStoppable();
+  } else if (response) {
+    showNotice(`Could not stop: ${err.error?.message ?? response.status}`);
+  } else {
+    showNotice("Could not stop: the gateway is unreachable");
   }
 }
 
