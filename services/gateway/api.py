@@ -306,8 +306,8 @@ class Api:
         return prompt_budget(self._num_ctx(record), self._settings.output_headroom)
 
     def _compacts_at(self, record: SessionRecord) -> int | None:
-        """The estimate from which the session is compacted by itself (as the
-        decider's threshold is read); None when it never is."""
+        """The estimate from which automatic compaction may begin (as the
+        decider reads its threshold); None when it never does."""
         threshold = self._settings.compaction_threshold
         if not record.auto_compact or threshold <= 0:
             return None

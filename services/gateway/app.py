@@ -134,7 +134,7 @@ class Gateway:
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        self._watch.restart()
+        await self._watch.restart()
         await self._replies.start()
         await self._live.start()
         self._task = asyncio.create_task(self._server.serve())
@@ -166,7 +166,7 @@ class Gateway:
         # but what was sent meanwhile is lost.
         self._api.reconnected()
         await self._replies.recover_missed()
-        self._watch.restart()  # the bucket may be gone with a lost store
+        await self._watch.restart()  # the bucket may be gone with a lost store
 
     def status(self) -> dict[str, Any]:
         return {"http": f"{self._settings.gateway_host}:{self._settings.gateway_port}"}

@@ -24,10 +24,12 @@ class SettingsWatch:
         self._tuning = tuning
         self._task: asyncio.Task[None] | None = None
 
-    def restart(self) -> None:
-        """Watch the bucket anew, in the background, until the watch takes."""
+    async def restart(self) -> None:
+        """Watch the bucket anew, in the background, until the watch takes.
+        A try still under way ends first: two at once could leave a watch
+        of the first behind, which nothing would stop."""
         if self._task is not None:
-            self._task.cancel()
+            await cancel_until_done(self._task)
         self._task = asyncio.create_task(self._until_watched())
 
     async def stop(self) -> None:
