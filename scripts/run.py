@@ -119,11 +119,12 @@ def main() -> int:
         url = start_services(env, children, passwords)
         page = with_token(url, env["GATEWAY_TOKEN"])
         print(f"\n  Chat is ready: {page}   (Ctrl-C stops everything)\n", flush=True)
-        keep_running(children)
+        keep_running(children, signals)
     except KeyboardInterrupt:
-        return 0
+        pass  # a stop signal while the services started
     finally:
         stop(children, signals)
+    return 0
 
 
 def gateway_token(wanted: str) -> str:

@@ -18,7 +18,6 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NoReturn
 
 # How long a child may take to stop before it is killed; once hurried, one second.
 STOP_WAIT_S = 15.0
@@ -53,13 +52,17 @@ def tied_to_launcher() -> Callable[[], None] | None:
 
 
 class StopSignals:
-    """Ctrl-C, SIGTERM and SIGHUP. The first one stops everything in order: a
-    KeyboardInterrupt out of whatever the launcher was doing. Any signal once
-    the stop is under way hurries it instead of cutting it short, which would
-    leave NATS and the stand-in (in sessions of their own) running for good."""
+    """Ctrl-C, SIGTERM and SIGHUP. The first one stops everything in order:
+    while the services start, a KeyboardInterrupt out of whatever the launcher
+    was doing; once they run, `keep_running` sees it and returns. (Raised
+    there, it could land inside `Popen.poll()` while it held its lock, never
+    to be freed: the stop then waited for that child for good.) Any signal
+    once the stop is under way hurries it instead of cutting it short, which
+    would leave NATS and the stand-in (in sessions of their own) running."""
 
     def __init__(self) -> None:
         self.stopping = False
+        self.interrupts = True  # False while `keep_running` looks after the children
         self.hurried_at: float | None = None
         for stop_signal in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(stop_signal, self._on_signal)
@@ -67,7 +70,9 @@ class StopSignals:
     def _on_signal(self, signum: int, frame: object) -> None:
         if not self.stopping:
             self.stopping = True
-            raise KeyboardInterrupt
+            if self.interrupts:
+                raise KeyboardInterrupt
+            return
         if self.hurried_at is None:
             self.hurried_at = time.monotonic()
             say("hurrying: what has not stopped within a second is killed")
@@ -115,9 +120,10 @@ def pause_before_restart(quick_exits: int) -> float:
     return 0.0 if not quick_exits else min(2.0 ** (quick_exits - 1), MAX_PAUSE_S)
 
 
-def keep_running(children: list[Child]) -> NoReturn:
-    """Look after the children until a stop signal ends the wait."""
-    while True:
+def keep_running(children: list[Child], signals: StopSignals) -> None:
+    """Look after the children until a stop signal comes."""
+    signals.interrupts = False
+    while not signals.stopping:
         now = time.monotonic()
         for child in children:
             child.looked_after(now)
