@@ -294,6 +294,21 @@ def test_a_message_is_sent_on_a_narrow_screen(watched: Watched) -> None:
 LONG_QUESTION = "tell me everything !long 40000"
 
 
+@contextlib.contextmanager
+def another_tab_answering(page: playwright_api.Page, stub_url: str, sid: str) -> Iterator[None]:
+    """Session `sid` answering a message from another tab, its model stopped
+    after the first piece, while `page` (showing `sid`) sees it generating."""
+    other = page.context.new_page()
+    try:
+        open_session(other, sid)
+        with answer_under_way(other, stub_url, "from the other tab"):
+            playwright_api.expect(page.locator("#state-badge")).to_have_attribute(
+                "data-state", "generating")
+            yield
+    finally:
+        other.close()
+
+
 def test_stop_ends_the_answer_keeps_its_text_and_gives_send_back(
         watched: Watched, stub_url: str) -> None:
     page = watched.page
@@ -824,26 +839,18 @@ def test_retry_waits_while_the_session_answers_another_tabs_message(
     open_session(page, sid)
     retry = page.locator("#messages .msg-assistant").last.locator(".retry-button")
     playwright_api.expect(retry).to_be_enabled()
-    other = page.context.new_page()
-    try:
-        open_session(other, sid)
-        with answer_under_way(other, stub_url, "from the other tab"):
-            # Told by the live feed...
-            playwright_api.expect(page.locator("#state-badge")).to_have_attribute(
-                "data-state", "generating")
-            playwright_api.expect(retry).to_be_disabled()
-            # ...and by a read, reloaded mid-answer.
-            page.reload()
-            playwright_api.expect(page.locator("#state-badge")).to_have_attribute(
-                "data-state", "generating")
-            playwright_api.expect(retry).to_be_disabled()
-        answer = page.locator("#messages .msg-assistant").last
-        playwright_api.expect(answer.locator(".msg-text")).to_have_text(
-            re.compile(r"^Echo: from the other tab"))
-        playwright_api.expect(answer.locator(".retry-button")).to_be_enabled()
-        playwright_api.expect(page.locator("#messages .retry-button")).to_have_count(1)
-    finally:
-        other.close()
+    with another_tab_answering(page, stub_url, sid):  # told by the live feed...
+        playwright_api.expect(retry).to_be_disabled()
+        # ...and by a read, reloaded mid-answer.
+        page.reload()
+        playwright_api.expect(page.locator("#state-badge")).to_have_attribute(
+            "data-state", "generating")
+        playwright_api.expect(retry).to_be_disabled()
+    answer = page.locator("#messages .msg-assistant").last
+    playwright_api.expect(answer.locator(".msg-text")).to_have_text(
+        re.compile(r"^Echo: from the other tab"))
+    playwright_api.expect(answer.locator(".retry-button")).to_be_enabled()
+    playwright_api.expect(page.locator("#messages .retry-button")).to_have_count(1)
 
 
 def test_deleting_the_session_shown_leaves_nothing_of_it_behind(
@@ -1179,22 +1186,15 @@ def test_stop_on_a_message_still_queued_says_so_on_the_message(
     page = watched.page
     watched.ignore("status of 409")  # the stop refused, as the test wants
     sid = create_session(page)
-    other = page.context.new_page()
-    try:
-        open_session(other, sid)
-        with answer_under_way(other, stub_url, "from the other tab"):
-            playwright_api.expect(page.locator("#state-badge")).to_have_attribute(
-                "data-state", "generating")
-            page.fill("#message-input", "queued behind it")
-            page.click("#send-button")
-            status = page.locator("#messages .msg-pending .msg-status")
-            playwright_api.expect(status).to_contain_text("queued")
-            page.click("#stop-button")
-            playwright_api.expect(status).to_have_text(
-                "not being written yet, so not stopped: Stop works once it is")
-            playwright_api.expect(page.locator("#stop-button")).to_be_enabled()
-        playwright_api.expect(page.locator("#messages .msg-pending")).to_have_count(0)
-        playwright_api.expect(page.locator("#messages .msg-assistant .msg-text").last
-                              ).to_have_text(re.compile(r"^Echo: queued behind it"))
-    finally:
-        other.close()
+    with another_tab_answering(page, stub_url, sid):
+        page.fill("#message-input", "queued behind it")
+        page.click("#send-button")
+        status = page.locator("#messages .msg-pending .msg-status")
+        playwright_api.expect(status).to_contain_text("queued")
+        page.click("#stop-button")
+        playwright_api.expect(status).to_have_text(
+            "not being written yet, so not stopped: Stop works once it is")
+        playwright_api.expect(page.locator("#stop-button")).to_be_enabled()
+    playwright_api.expect(page.locator("#messages .msg-pending")).to_have_count(0)
+    playwright_api.expect(page.locator("#messages .msg-assistant .msg-text").last
+                          ).to_have_text(re.compile(r"^Echo: queued behind it"))
