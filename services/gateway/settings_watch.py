@@ -12,7 +12,7 @@ import structlog
 
 from services.gateway.settings import GatewaySettings
 from services.shared.live_config import LiveSettings
-from services.shared.reconnects import cancel_until_done
+from services.shared.reconnects import cancel_until_done, until_done
 
 RETRY_FIRST_S = 1.0
 RETRY_MOST_S = 30.0
@@ -38,16 +38,7 @@ class SettingsWatch:
         await self._tuning.stop()
 
     async def _until_watched(self) -> None:
-        delay = RETRY_FIRST_S
-        while True:
-            try:
-                await self._tuning.watch_again()  # a failed try may have left half a watch
-            except Exception as err:  # refused, NATS away again: the mark waits
-                log.warning("live_settings_unwatched", error=f"{type(err).__name__}: {err}",
-                            retry_in_s=delay)
-            else:
-                if delay > RETRY_FIRST_S:
-                    log.info("live_settings_watched")
-                return
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, RETRY_MOST_S)
+        # watch_again, not start: a failed try may have left half a watch.
+        if await until_done(self._tuning.watch_again, "live_settings_unwatched",
+                            RETRY_FIRST_S, RETRY_MOST_S):
+            log.info("live_settings_watched")

@@ -58,16 +58,27 @@ class Reconnects:
         log.info("jetstream_restored")
 
     async def _until_done(self, step: Step) -> None:
-        delay = self._retry_s
-        while True:
-            try:
-                await step()
-                return
-            except Exception as err:  # NATS away again, or still starting up
-                log.warning("jetstream_restore_failed", step=getattr(step, "__qualname__", ""),
-                            error=f"{type(err).__name__}: {err}", retry_in_s=delay)
-            await self._sleep(delay)
-            delay = min(delay * 2, max(MOST_RETRY_S, self._retry_s))
+        await until_done(step, "jetstream_restore_failed", self._retry_s,
+                         max(MOST_RETRY_S, self._retry_s), self._sleep,
+                         step=getattr(step, "__qualname__", ""))
+
+
+async def until_done(attempt: Step, failed: str, first_s: float, most_s: float,
+                     sleep: Sleep = asyncio.sleep, **logged: str) -> int:
+    """`attempt`, tried again after each failure (logged as `failed`), `first_s`
+    later and doubling up to `most_s`: a server that refuses for long is not
+    asked twice a second all that while. Returns how many tries failed."""
+    delay, failures = first_s, 0
+    while True:
+        try:
+            await attempt()
+            return failures
+        except Exception as err:  # NATS away again, still starting up, or refusing
+            log.warning(failed, **logged, error=f"{type(err).__name__}: {err}",
+                        retry_in_s=delay)
+        failures += 1
+        await sleep(delay)
+        delay = min(delay * 2, most_s)
 
 
 async def cancel_until_done(task: asyncio.Task[Any], tries: int = CANCELS,
