@@ -23,15 +23,17 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
+from pydantic import BaseModel, ConfigDict, Field
 
 from schemas.envelope import Timestamp
 from schemas.messages import Reply
 
 # How many superseded retries a conversation remembers (see `Conversation`).
 KEPT_SUPERSEDED = 64
-# A message's fields added after its first version, written only when set.
-UNWRITTEN_WHEN_NONE = ("prompt_tokens", "completion_tokens")
+
+
+def _unset(value: object) -> bool:
+    return value is None
 
 
 class Stored(BaseModel):
@@ -63,18 +65,10 @@ class ChatMessage(Stored):
     # None when the provider gave none, and on answers stored before they were
     # kept. Not checked for sense: a count a model server got wrong must not
     # cost the turn its answer.
-    prompt_tokens: int | None = None
-    completion_tokens: int | None = None
-
-    @model_serializer(mode="wrap")
-    def _counts_only_when_known(self, write: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        # A version before the counts refused any message naming them, so a
-        # question or a tool result is written as it was then.
-        data: dict[str, Any] = write(self)
-        for name in UNWRITTEN_WHEN_NONE:
-            if name in data and data[name] is None:
-                del data[name]
-        return data
+    # Written only when set: a version before them refused any message
+    # naming them, so a question or a tool result is written as it was then.
+    prompt_tokens: int | None = Field(default=None, exclude_if=_unset)
+    completion_tokens: int | None = Field(default=None, exclude_if=_unset)
 
 
 class Snapshot(Stored):

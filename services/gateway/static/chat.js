@@ -3,7 +3,7 @@
 // retry), and a turn cut by a reload or a visit elsewhere, read again.
 
 import { API, newKey, postStop, postTurn, queryIdFor, readError, requestJson } from "./api.js";
-import { app, el, fmt, show, showNotice, ui } from "./shared.js";
+import { app, el, fmt, lastItem, show, showNotice, ui } from "./shared.js";
 import { SseParser } from "./live.js";
 import { renderCompactButton, renderGauge } from "./panel.js";
 import { forgetKeptTurn, leaving, readKeptTurn, saveKeptTurn } from "./kept.js";
@@ -525,10 +525,7 @@ function dropUnsaved() {
 
 // The last question of the transcript shown: the one a retry answers again.
 function lastQuestion() {
-  for (let i = app.items.length - 1; i >= 0; i -= 1) {
-    if (app.items[i].kind === "message" && app.items[i].role === "user") return app.items[i].content;
-  }
-  return null;
+  return lastItem((item) => item.kind === "message" && item.role === "user")?.content ?? null;
 }
 
 // The question of the turn about to be sent, shown until the turn is stored.

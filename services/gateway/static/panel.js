@@ -3,7 +3,7 @@
 // compaction timeline.
 
 import { API, requestJson } from "./api.js";
-import { app, clockTime, el, fmt, percent, show, ui } from "./shared.js";
+import { app, clockTime, el, fmt, lastItem, percent, show, ui } from "./shared.js";
 
 export const STATES = [
   "idle", "receiving", "generating", "dispatching_tool", "waiting_for_tool",
@@ -184,11 +184,7 @@ function renderLastPrompt(s, g) {
 // The newest answer of the transcript shown, which a page opened after its
 // turn reads its counts from: it heard neither that turn's reply nor its report.
 function lastStoredAnswer() {
-  for (let i = app.items.length - 1; i >= 0; i -= 1) {
-    const item = app.items[i];
-    if (item.kind === "message" && item.role === "assistant" && !item.tool_calls?.length) return item;
-  }
-  return null;
+  return lastItem((item) => item.kind === "message" && item.role === "assistant" && !item.tool_calls?.length);
 }
 
 function autoCompaction(s) {

@@ -46,6 +46,14 @@ export function el(tag, { className, text, attrs } = {}, children = []) {
   return node;
 }
 
+// The newest item of the transcript shown that `wanted` accepts, or null.
+export function lastItem(wanted) {
+  for (let i = app.items.length - 1; i >= 0; i -= 1) {
+    if (wanted(app.items[i])) return app.items[i];
+  }
+  return null;
+}
+
 export function show(node, visible) {
   node.hidden = !visible;
 }
