@@ -172,6 +172,32 @@ async def test_a_decider_started_after_a_compaction_drops_the_reports_it_predate
         assert await stored_requests(bus) == []
 
 
+async def test_a_compaction_count_the_later_reports_contradict_does_not_silence_them(
+        private_nats: NatsServer) -> None:
+    """A result claiming a million compactions (or a history deleted and begun
+    again) left every later report out of date: the session was never compacted
+    again. Reports stored past the grace after it are believed instead."""
+    url, sid = private_nats.url, "claimed-too-many"
+    nc = await nats.connect(url)
+    bus = Bus(nc, "compaction-decider")
+    await ensure_layout(bus.js)
+    decider = Decider(bus, DeciderSettings(compaction_cooldown_s=0), stale_report_grace_s=0)
+    await decider.start()
+    try:
+        await bus.js_publish(subjects.COMPACTION_RESULT,
+                             CompactionResult(session_id=sid, tokens_after=900,
+                                              compactions=1_000_000), session_id=sid)
+        await eventually(lambda: decider.status()["tracked_sessions"] >= 1, "the result read")
+        await bus.js_publish(subjects.RESPONSE_GENERATION,
+                             crowded_report(sid).model_copy(update={"compactions": 0}),
+                             session_id=sid)
+        await decider_caught_up(url, decider.status)
+        assert len(await stored_requests(bus)) == 1
+    finally:
+        await decider.stop()
+        await nc.close()
+
+
 async def test_a_restarted_decider_reads_the_results_it_missed_before_the_reports(
         private_nats: NatsServer) -> None:
     """Both kept while it was away: a report measured before a compaction, then

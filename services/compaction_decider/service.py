@@ -30,11 +30,13 @@ from schemas.messages import CompactionRequest, CompactionResult, ErrorReport, G
 from services.compaction_decider.settings import DeciderSettings
 from services.core.context import context_tokens
 from services.core.decision import (
+    STALE_REPORT_GRACE_S,
     Decision,
     Policy,
     SessionMemory,
     decide,
     on_compacted,
+    on_report,
     on_result,
 )
 from services.core.observation import observe, report_calibration
@@ -79,8 +81,10 @@ class Tracked:
 
 class Decider:
     def __init__(self, bus: Bus, settings: DeciderSettings,
-                 max_tracked: int = MAX_TRACKED_SESSIONS) -> None:
+                 max_tracked: int = MAX_TRACKED_SESSIONS,
+                 stale_report_grace_s: float = STALE_REPORT_GRACE_S) -> None:
         self._bus = bus
+        self._stale_report_grace_s = stale_report_grace_s
         self._live = LiveSettings(bus.js, settings)
         self._tracked: Recent[str, Tracked] = Recent(max_tracked)
         self._loop: PullLoop | None = None
@@ -176,16 +180,17 @@ class Decider:
             session_id=env.payload.session_id, correlation_id=env.correlation_id
         ):
             try:
-                await self._consider(env)
+                await self._consider(env, msg.metadata.timestamp.timestamp())
             except ArithmeticError as err:  # counts a schema allows but no sum can use
                 log.warning("report_unusable", error=f"{type(err).__name__}: {err}")
                 await self._bus.publish(subjects.ERROR_SUBJECT, ErrorReport(
                     code="unusable_report", message=f"{type(err).__name__}: {err}",
                     subject=msg.subject), session_id=env.payload.session_id)
 
-    async def _consider(self, env: Envelope[GenerationReport]) -> None:
+    async def _consider(self, env: Envelope[GenerationReport], stored_at: float) -> None:
         report, sid = env.payload, env.payload.session_id
         tracked = self._track(sid)
+        tracked.memory = self._believed(tracked.memory, report, stored_at)
         before = tracked.calibration
         tracked.calibration = calibrate(
             before, report.prompt_tokens, report.sent_chars, report.num_ctx,
@@ -210,7 +215,8 @@ class Decider:
             # Pending only once the request is stored, and only if its result
             # has not already come meanwhile (it clears `awaiting`).
             if tracked.awaiting == correlation_id:  # and any compaction heard of meanwhile
-                tracked.memory = on_compacted(fired, tracked.memory.compactions)
+                tracked.memory = on_compacted(fired, tracked.memory.compactions,
+                                              tracked.memory.compacted_at)
 
     async def _request(self, sid: str, decision: Decision, correlation_id: str) -> bool:
         """Publish the request; False (logged) when it was not confirmed stored."""
@@ -227,6 +233,15 @@ class Decider:
                         request_correlation_id=correlation_id)
             return False
         return True
+
+    def _believed(self, memory: SessionMemory, report: GenerationReport, stored_at: float
+                  ) -> SessionMemory:
+        """The memory after the report, with a count the report proved wrong logged."""
+        after = on_report(memory, report.compactions, stored_at, self._stale_report_grace_s)
+        if after.compactions != memory.compactions:
+            log.warning("compaction_count_corrected", believed=memory.compactions,
+                        reported=report.compactions)
+        return after
 
     def _decide(self, tracked: Tracked, report: GenerationReport
                 ) -> tuple[Decision, SessionMemory]:
@@ -271,7 +286,8 @@ class Decider:
             # is still the line before which a report is stale.
             tracked = self._track(env.payload.session_id)
         if env.payload.status == "completed":
-            tracked.memory = on_compacted(tracked.memory, env.payload.compactions)
+            tracked.memory = on_compacted(tracked.memory, env.payload.compactions,
+                                          msg.metadata.timestamp.timestamp())
         if tracked.awaiting == env.correlation_id:
             tracked.awaiting = None
             tracked.memory = on_result(tracked.memory, env.payload.tokens_after,

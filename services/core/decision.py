@@ -24,6 +24,12 @@ EMERGENCY_FRACTION = 0.95
 # absorbs that, so no prompt's true size exceeds the budget.
 FIT_MARGIN = 1.0 - EMERGENCY_FRACTION
 
+# How long after a compaction's result a report measured before it may still
+# be stored: its turn ended before the compaction took the lock, and its
+# report goes out without waiting, so only a slow publish, or the clocks of a
+# cluster's servers, put it after the result.
+STALE_REPORT_GRACE_S = 5.0
+
 
 class Level(StrEnum):
     gentle = "gentle"
@@ -85,8 +91,10 @@ class SessionMemory:
     # A request is out and unanswered; it was sent at `last_fired_at`.
     pending: bool = False
     last_fired_at: float | None = None
-    # The most compactions a result said the history had been through.
+    # The most compactions a result said the history had been through, and
+    # when that result was stored (stream time, in seconds; None: unknown).
     compactions: int = 0
+    compacted_at: float | None = None
 
 
 @dataclass(frozen=True)
@@ -203,12 +211,29 @@ def on_result(memory: SessionMemory, tokens_after: int | None, now: float) -> Se
     return replace(memory, pending=False, last_fired_at=last)
 
 
-def on_compacted(memory: SessionMemory, compactions: int | None) -> SessionMemory:
+def on_compacted(memory: SessionMemory, compactions: int | None,
+                 stored_at: float | None = None) -> SessionMemory:
     """Any completed compaction's result, whoever asked for it: reports
     measured before it are out of date from now on."""
     if compactions is None or compactions <= memory.compactions:
         return memory
-    return replace(memory, compactions=compactions)
+    return replace(memory, compactions=compactions, compacted_at=stored_at)
+
+
+def on_report(memory: SessionMemory, compactions: int | None, stored_at: float | None,
+              grace_s: float = STALE_REPORT_GRACE_S) -> SessionMemory:
+    """The memory once a report is read. A report measured before the latest
+    compaction is stored moments after its result at most; one stored long
+    after it, with fewer compactions, shows the count is wrong (a history
+    deleted and begun again under the same id, or a result that claimed too
+    many), so that count gives way rather than pass over every report to come."""
+    if compactions is None or compactions >= memory.compactions:
+        return memory
+    if memory.compacted_at is None or stored_at is None:
+        return memory
+    if stored_at < memory.compacted_at + grace_s:
+        return memory
+    return replace(memory, compactions=compactions, compacted_at=None)
 
 
 def check_fit(next_prompt_tokens: int, budget: int, margin: float = FIT_MARGIN) -> Fit:

@@ -18,6 +18,7 @@ from services.core.context import (
 )
 from services.core.decision import (
     FIT_MARGIN,
+    STALE_REPORT_GRACE_S,
     Decision,
     Fit,
     Level,
@@ -30,6 +31,7 @@ from services.core.decision import (
     decide,
     level_for,
     on_compacted,
+    on_report,
     on_result,
 )
 from services.core.prompt import HistoryWeights
@@ -214,6 +216,28 @@ def test_only_a_newer_compaction_count_is_kept() -> None:
     memory = on_compacted(SessionMemory(), 3)
     assert on_compacted(memory, 2) == memory and on_compacted(memory, None) == memory
     assert on_compacted(memory, 4).compactions == 4
+
+
+def test_a_count_the_reports_long_after_its_result_contradict_gives_way() -> None:
+    """A history deleted and begun again under its id, or a result claiming a
+    million compactions, would otherwise have every later report passed over
+    as out of date: no automatic compaction for the session again."""
+    policy = Policy(cooldown_s=0.0)
+    claimed = on_compacted(SessionMemory(), 1_000_000, stored_at=100.0)
+    late = 100.0 + STALE_REPORT_GRACE_S
+    assert on_report(claimed, 0, late - 0.001) == claimed  # may have been measured before it
+    assert on_report(claimed, 0, None) == claimed
+    assert on_report(replace(claimed, compacted_at=None), 0, late) == replace(
+        claimed, compacted_at=None)  # when it was stored unknown: the result is believed
+    assert on_report(claimed, 1_000_000, late) == claimed
+    assert on_report(claimed, None, late) == claimed  # a generator that does not say
+    believed = on_report(claimed, 2, late)
+    assert believed == SessionMemory(compactions=2)
+    decision, _ = decide(Observation(9600, BUDGET, 5000, 1.0, compactions=2), believed, policy)
+    assert decision.fire
+    # A later real compaction is the line again, with its own time.
+    assert on_compacted(believed, 3, stored_at=500.0) == SessionMemory(compactions=3,
+                                                                      compacted_at=500.0)
 
 
 def test_one_crossing_fires_once() -> None:
