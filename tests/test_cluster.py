@@ -207,6 +207,8 @@ async def run_and_check(cluster: NatsCluster, system: System, http: httpx.AsyncC
     await assert_replicated(cluster.url, 3)
 
 
+# Its waits, one after the other, may take longer than the suite's timeout.
+@pytest.mark.timeout(int(2 * REPLY_WAIT_S + 60))
 async def test_a_reply_sent_while_the_gateway_was_away_still_reaches_its_caller() -> None:
     """Replies are core NATS messages: one sent while the gateway's node is
     down is lost. The turn is stored first, so the gateway, back, finds it."""
