@@ -68,6 +68,9 @@ class ErrorCode(StrEnum):
     nats_unavailable = "nats_unavailable"
     # A query that does not match its schema (the message names the fields).
     invalid_message = "invalid_message"
+    # Stopped while it still waited for its turn: never sent to the model,
+    # and nothing of it is stored.
+    withdrawn = "withdrawn"
 
 
 class Reply(Payload):
@@ -92,7 +95,9 @@ class Reply(Payload):
 
 class StopRequest(Payload):
     """Stop the session's answer being written (core NATS request on
-    `chat.stop.<session>`); only the process running that answer replies."""
+    `chat.stop.<session>`); only the process running that answer replies.
+    A named query that no process runs yet is withdrawn by whichever comes
+    to run it: answered `withdrawn`, never sent to the model."""
 
     MESSAGE_TYPE = "chat.stop"
     session_id: SessionId = Field(pattern=SESSION_ID_PATTERN)

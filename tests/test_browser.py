@@ -1179,22 +1179,23 @@ def test_the_timeline_is_read_when_a_session_opens_and_a_compaction_ends_only(
     assert len(timeline_reads) == 2, timeline_reads
 
 
-def test_stop_on_a_message_still_queued_says_so_on_the_message(
-        watched: Watched, stub_url: str) -> None:
-    """Refused (nothing of it is being written), it said so in a notice that
-    the session's next read cleared at once."""
+def test_stop_on_a_message_still_queued_withdraws_it(watched: Watched, stub_url: str) -> None:
+    """Refused before (nothing of it was being written): the message was then
+    answered after the other, though its Stop was pressed."""
     page = watched.page
-    watched.ignore("status of 409")  # the stop refused, as the test wants
+    watched.ignore("status of 409")  # the withdrawn message's own request
     sid = create_session(page)
     with another_tab_answering(page, stub_url, sid):
         page.fill("#message-input", "queued behind it")
         page.click("#send-button")
-        status = page.locator("#messages .msg-pending .msg-status")
+        status = page.locator("#messages .msg-assistant .msg-status").last
         playwright_api.expect(status).to_contain_text("queued")
         page.click("#stop-button")
-        playwright_api.expect(status).to_have_text(
-            "not being written yet, so not stopped: Stop works once it is")
-        playwright_api.expect(page.locator("#stop-button")).to_be_enabled()
-    playwright_api.expect(page.locator("#messages .msg-pending")).to_have_count(0)
-    playwright_api.expect(page.locator("#messages .msg-assistant .msg-text").last
-                          ).to_have_text(re.compile(r"^Echo: queued behind it"))
+        playwright_api.expect(status).to_contain_text("withdrawn before its turn")
+        playwright_api.expect(page.locator("#messages .msg-user.msg-withdrawn")).to_have_text(
+            re.compile("queued behind it"))
+        playwright_api.expect(page.locator("#message-input")).to_have_value("queued behind it")
+        playwright_api.expect(page.locator("#send-button")).to_be_visible()
+    page.reload()
+    playwright_api.expect(page.locator("#messages .msg-assistant")).to_have_count(1)
+    playwright_api.expect(page.locator("#messages")).not_to_contain_text("queued behind it")

@@ -28,6 +28,7 @@ from scripts.nats_passwords import (
 from services.shared.bus import connect
 from tests.events import Watcher, eventually, server_sent_events, until, watching
 from tests.nats_server import NatsServer, ShippedNats, running_shipped_nats
+from tests.stub_server import configure_stub, model_called, stub_stats
 from tests.system import System, put_live_setting
 
 ADMIN = "admin"
@@ -56,7 +57,7 @@ def system(secured: ShippedNats, stub_url: str) -> Iterator[System]:
 
 
 async def test_the_whole_product_works_with_each_service_as_its_own_user(
-        secured: ShippedNats, system: System) -> None:
+        secured: ShippedNats, system: System, stub_url: str) -> None:
     async with system.http() as http, watching(secured.url_for(ADMIN), *EVENTS) as watcher:
         sid = await converse(http)
         assert (await http.post(f"/api/sessions/{sid}/compact")).status_code == 202
@@ -68,6 +69,7 @@ async def test_the_whole_product_works_with_each_service_as_its_own_user(
                 break
         await watcher.wait_until(lambda: completed(watcher, auto) >= 1, 30)
         await every_other_route(http, sid)
+        await withdrawn_while_queued(http, sid, secured, stub_url)
         assert (await http.delete(f"/api/sessions/{sid}")).status_code == 204
         assert (await http.get(f"/api/sessions/{sid}")).status_code == 404
     assert "Violation" not in secured.server.log(), secured.server.log()[-3000:]
@@ -114,6 +116,35 @@ async def every_other_route(http: httpx.AsyncClient, sid: str) -> None:
     assert (await http.post(f"/api/sessions/{sid}/stop")).status_code in (200, 409)
     retried = await http.post(f"/api/sessions/{sid}/retry")
     assert retried.status_code == 200, retried.text
+
+
+async def withdrawn_while_queued(http: httpx.AsyncClient, sid: str, secured: ShippedNats,
+                                 stub_url: str) -> None:
+    """A message stopped while it waits behind another answer: the gateway
+    takes it out of the queue and keeps its error reply."""
+    calls = int((await stub_stats(stub_url))["requests"])
+    await configure_stub(stub_url, held_models=["stub-model"])
+    try:
+        ahead = asyncio.create_task(ask(http, sid, "held a while"))
+        await model_called(stub_url, calls + 1)
+        key = {"Idempotency-Key": "withdrawn-while-queued"}
+        queued = asyncio.create_task(http.post(f"/api/sessions/{sid}/messages",
+                                               json={"content": "never mind"}, headers=key))
+        await eventually(lambda: queries_waiting(secured, 2), "the second message queued")
+        stop = await http.post(f"/api/sessions/{sid}/stop", headers=key)
+        assert stop.status_code == 202 and stop.json()["status"] == "withdrawn", stop.text
+        assert (await queued).json()["error"]["code"] == "withdrawn"
+    finally:
+        await configure_stub(stub_url, held_models=[])
+    await ahead
+
+
+async def queries_waiting(secured: ShippedNats, count: int) -> bool:
+    nc = await nats.connect(secured.url_for(ADMIN))
+    try:
+        return (await nc.jetstream().stream_info(subjects.QUERIES_STREAM)).state.messages >= count
+    finally:
+        await nc.close()
 
 
 def completed(watcher: Watcher, sid: str) -> int:

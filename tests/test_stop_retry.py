@@ -150,11 +150,12 @@ async def test_a_query_queued_behind_the_stopped_one_is_answered_as_usual(
     assert answer.json()["reply"] == "Echo: next one (turn 2)"
 
 
-async def test_a_stop_under_a_queued_messages_key_leaves_the_answer_being_written(
+async def test_a_stop_under_a_queued_messages_key_withdraws_it_and_leaves_the_other_answer(
     http: httpx.AsyncClient, nats_url: str,
 ) -> None:
-    """The page's Stop for its message, queued behind another client's answer,
-    stopped that other answer, and left its own unstoppable."""
+    """The page's Stop for its message, queued behind another client's answer:
+    that other answer goes on, and the queued message is withdrawn at once,
+    never sent to the model and not stored (it was answered after, unstoppable)."""
     sid = await create(http)
     queued = {"Idempotency-Key": "queued-message"}
     later: list[asyncio.Task[httpx.Response]] = []
@@ -165,15 +166,24 @@ async def test_a_stop_under_a_queued_messages_key_leaves_the_answer_being_writte
                 f"/api/sessions/{sid}/messages", json={"content": "next one"}, headers=queued)))
             await queries.wait_until(lambda: len(queries.payloads("chat.query")) == 2)
             stops.append(await http.post(f"/api/sessions/{sid}/stop", headers=queued))
+            withdrawn = await later[0]  # told before the answer ahead of it ends
+            assert withdrawn.status_code == 409, withdrawn.text
+            assert withdrawn.json()["error"]["code"] == "withdrawn"
 
         done, _, stop = await stopped_mid_stream(
             http, sid, before_stop=queue_another_and_stop_it)
-    assert stops[0].status_code == 409, stops[0].text
-    assert stops[0].json()["error"]["code"] == "nothing_running"
+    assert stops[0].status_code == 202, stops[0].text
+    assert stops[0].json()["status"] == "withdrawn"
     assert stop.status_code == 202 and done["stopped"] is True  # stopped by its own caller
-    answer = await later[0]
-    assert answer.status_code == 200, answer.text
-    assert answer.json()["reply"] == "Echo: next one (turn 2)"
+    nxt = await http.post(f"/api/sessions/{sid}/messages", json={"content": "and then"})
+    assert nxt.json()["reply"] == "Echo: and then (turn 2)"
+    contents = [m.get("content") for m in (await http.get(f"/api/sessions/{sid}")).json()[
+        "messages"] if m["role"] == "user"]
+    assert contents == [LONG, "and then"]
+    # Sent again under its key, it is still withdrawn, not answered.
+    again = await http.post(f"/api/sessions/{sid}/messages", json={"content": "next one"},
+                            headers=queued)
+    assert again.status_code == 409 and again.json()["error"]["code"] == "withdrawn"
 
 
 async def test_retry_keeps_both_answers_stored_and_one_in_the_context(

@@ -54,6 +54,7 @@ ERROR_STATUS: dict[str, int] = {
     ErrorCode.storage_full: 507,
     ErrorCode.nats_unavailable: 503,
     ErrorCode.invalid_message: 400,
+    ErrorCode.withdrawn: 409,
 }
 log = structlog.get_logger()
 # What a caller the gateway stopped waiting for may do (`reply_timeout`, not the

@@ -1,9 +1,11 @@
-"""The controls of a running chat: stop the answer being written, and ask
-for a fresh answer to the last message.
+"""The controls of a running chat: stop the answer being written (or
+withdraw a message still waiting for its turn), and ask for a fresh answer
+to the last message.
 
 A stop is a core NATS request on `chat.stop.<session>`: every generator
 hears it, and only the one running the session's answer replies (and stops
-it). No reply in time means nothing runs."""
+it). No reply in time means nothing runs it: a message still queued is then
+withdrawn."""
 
 from __future__ import annotations
 
@@ -11,8 +13,11 @@ import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Protocol, TypeVar
 
+import nats
+import structlog
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
+from nats.js.errors import NotFoundError
 from pydantic import BaseModel, ConfigDict
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -20,7 +25,7 @@ from starlette.routing import Route
 
 from schemas import subjects
 from schemas.history import Conversation
-from schemas.messages import Query, StopAccepted, StopRequest
+from schemas.messages import ErrorCode, Query, Reply, StopAccepted, StopRequest
 from services.core.retry import RetryRefused, retry_verdict
 from services.core.state_machine import Phase
 from services.gateway.bodies import parse_body
@@ -28,11 +33,13 @@ from services.gateway.errors import HttpError, error
 from services.shared.bus import BadMessage, Bus, decode
 from services.shared.history_store import HistoryStore
 from services.shared.jetstream import queued_queries
+from services.shared.query_errors import WITHDRAWN_TEXT, QueryErrors
 
 # How long the process running the answer has to say it is stopping it. A
 # generator answers from its event loop at once; silence means none runs it.
 STOP_ANSWER_S = 1.0
 QUIET_PHASES = (Phase.idle.value, Phase.error.value)
+log = structlog.get_logger()
 T = TypeVar("T")
 # A bound on the queued queries read for one session's retry.
 MAX_QUEUED_READ = 256
@@ -66,6 +73,7 @@ class Controls:
         self._query_id_of = query_id_of
         self._history = history
         self._answers = answers
+        self._errors = QueryErrors(bus.js)
 
     def routes(self) -> list[Route]:
         return [
@@ -86,13 +94,61 @@ class Controls:
                 subjects.stop(sid), StopRequest(session_id=sid, query_id=query_id),
                 timeout_s=STOP_ANSWER_S, session_id=sid)
         except (NatsTimeout, NoRespondersError, TimeoutError):
+            if query_id is not None and await self._withdrawn(sid, query_id):
+                return JSONResponse({"status": "withdrawn", "session_id": sid,
+                                     "query_id": query_id}, status_code=202)
             whose = "this session" if query_id is None else "this message"
             return conflict("nothing_running", f"no answer is being written for {whose} "
-                            "(it may have just finished, or still wait for its turn)")
+                            "(it may have just finished)")
         accepted = decode(msg.data, StopAccepted, msg.subject).payload
         return JSONResponse({"status": "stopping", "session_id": sid,
                              "query_id": accepted.query_id,
                              "generator_id": accepted.generator_id}, status_code=202)
+
+    async def _withdrawn(self, sid: str, query_id: str) -> bool:
+        """Whether the query, which no process is answering, is withdrawn: one
+        still waiting for its turn is now. Every generator heard the stop and
+        withdraws it should it come to run the query; the error reply kept
+        here tells one that did not hear (started since, or reconnected).
+        Its caller is told at once, not once the answers before it end."""
+        waiting = await self._waiting(sid, query_id)
+        if waiting is None or not await self._taken_out(waiting[0]):
+            # Gone from the queue: a generator withdrew it, or answered it.
+            kept = await self._errors.reply_of(query_id)
+            return kept is not None and kept.error_code == ErrorCode.withdrawn
+        reply = Reply(session_id=sid, query_id=query_id, error=WITHDRAWN_TEXT,
+                      error_code=ErrorCode.withdrawn)
+        await self._errors.keep(reply, waiting[1])
+        await self._bus.publish(subjects.reply(sid), reply, session_id=sid)
+        return True
+
+    async def _waiting(self, sid: str, query_id: str) -> tuple[int, str] | None:
+        """The stream sequence and message of the query if it is queued and not
+        answered yet (the work queue drops a query a moment after its
+        acknowledgement)."""
+        async for msg in queued_queries(self._bus.js, sid, self._bus.fresh_reads_direct):
+            with contextlib.suppress(BadMessage):
+                query = decode(msg.data or b"", Query, subjects.query(sid))
+                if query.message_id == query_id:
+                    conversation = (await self._history.read(sid)).conversation
+                    if conversation.answered(sid, query_id) is not None:
+                        return None
+                    return int(msg.seq or 0), query.payload.content
+        return None
+
+    async def _taken_out(self, seq: int) -> bool:
+        """Whether the query is out of the queue: then no generator started
+        since, however long none runs, can take it. False when it had gone
+        already (answered meanwhile). Not taken out (a users file without the
+        right), it is withdrawn all the same: the generators heard the stop,
+        and one started since reads the error reply kept for it."""
+        try:
+            await self._bus.js.delete_msg(subjects.QUERIES_STREAM, seq)
+        except NotFoundError:
+            return False
+        except (nats.errors.Error, TimeoutError) as err:
+            log.warning("withdrawn_query_left_queued", error=f"{type(err).__name__}: {err}")
+        return True
 
     async def retry(self, request: Request) -> Response:
         sid = self._session_id_of(request)

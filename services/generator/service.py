@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import structlog
@@ -79,6 +80,9 @@ ACK_CONFIRM_S = 5.0
 # and their queries handed back; within the runner's budget for stopping.
 SHUTDOWN_GRACE_S = 5.0
 HAND_BACK_S = 2.0
+# The server stamps a query's time, this process its own start of listening:
+# a query stored up to this long after it is still read as maybe unheard.
+STOP_CLOCK_MARGIN = timedelta(seconds=5)
 log = structlog.get_logger()
 
 
@@ -120,6 +124,9 @@ class Generator:
         self._failures = FailedTries(settings.nats_away_patience_s)
         self._following: JetStreamContext.PushSubscription | None = None
         self._stop_requests: Subscription | None = None
+        # Since when this process has heard every stop (it began to listen,
+        # or NATS came back): see `_may_have_missed_a_stop`.
+        self._hearing_stops_since = datetime.now(UTC)
 
     async def start(self) -> None:
         await self._live.start()
@@ -128,6 +135,7 @@ class Generator:
         # session's answer acts and replies.
         self._stop_requests = await self._bus.nc.subscribe(f"{subjects.STOP_PREFIX}.*",
                                                            cb=self._on_stop)
+        self._hearing_stops_since = datetime.now(UTC)
         self._loops = [
             await self._pull(f"{subjects.QUERY_PREFIX}.*", subjects.QUERIES_STREAM,
                              QUERY_CONSUMER, self._spawn_query, self._capacity),
@@ -151,6 +159,7 @@ class Generator:
         """NATS came back, perhaps without its store: make again what lived
         in it (the consumers, the history follower, the settings watch) and
         read sessions afresh rather than trust what was cached of them."""
+        self._hearing_stops_since = datetime.now(UTC)
         self._sessions.forget_all()
         self._following = await self._history.follow_again(self._following)
         await self._live.watch_again()
@@ -365,11 +374,18 @@ class Generator:
         `nats_unavailable`: the turn may have been stored all the same, and
         the history, read under the lock, says whether it was."""
         reply = self._answered.error_reply(msg.metadata.sequence.stream, query_id)
-        if reply is None and msg.metadata.num_delivered > 1:
+        if reply is None and (msg.metadata.num_delivered > 1
+                              or self._may_have_missed_a_stop(msg)):
             reply = await self._errors.reply_of(query_id)
         if reply is not None and reply.error_code == "nats_unavailable":
             return None
         return reply
+
+    def _may_have_missed_a_stop(self, msg: Msg) -> bool:
+        """A query queued before this process heard every stop may have been
+        withdrawn meanwhile: the gateway keeps that as the query's error reply,
+        read then. Later ones need no read: their stops were heard."""
+        return msg.metadata.timestamp < self._hearing_stops_since + STOP_CLOCK_MARGIN
 
     async def _meets_compaction(self, sid: str) -> bool:
         """Blocking mode: a query meeting a compaction waits only so long, then

@@ -7,6 +7,10 @@ stops generating when its client goes away. So do the turn's other waits on
 others' work: its tool calls, the summary of its emergency compaction. The
 turn keeps what was written until then and stores it as its answer, marked
 stopped.
+
+A stop for a query that does not run yet (it waits behind its session's
+earlier answer) is remembered by every process that hears it: whichever
+comes to run that query withdraws it instead, unanswered and unstored.
 """
 
 from __future__ import annotations
@@ -16,7 +20,15 @@ import contextlib
 from collections.abc import Awaitable, Iterator
 from typing import Any, TypeVar
 
+from services.shared.recent import Recent
+
 T = TypeVar("T")
+# The stops kept for queries still to run: far more than can wait at once.
+MAX_WITHDRAWN = 4096
+
+
+class Withdrawn(Exception):
+    """The query was stopped before its turn began."""
 
 
 class StopSwitch:
@@ -63,9 +75,15 @@ class Stops:
 
     def __init__(self) -> None:
         self._running: dict[str, StopSwitch] = {}
+        self._withdrawn: Recent[str, bool] = Recent(MAX_WITHDRAWN)
 
     @contextlib.contextmanager
     def running(self, sid: str, switch: StopSwitch) -> Iterator[StopSwitch]:
+        """The switch, registered for the turn; `Withdrawn` when a stop came
+        for its query before. Checked and registered in one step, with no wait
+        between: a stop heard meanwhile would be neither acted on nor kept."""
+        if switch.query_id in self._withdrawn:
+            raise Withdrawn(switch.query_id)
         self._running[sid] = switch
         try:
             yield switch
@@ -75,9 +93,12 @@ class Stops:
 
     def stop(self, sid: str, query_id: str | None = None) -> StopSwitch | None:
         """Throw the session's switch (only if it is `query_id`'s, when given);
-        None when no such turn runs here."""
+        None when no such turn runs here, and the query is then withdrawn
+        should it come to run here later."""
         switch = self._running.get(sid)
         if switch is None or query_id not in (None, switch.query_id):
+            if query_id is not None:
+                self._withdrawn.put(query_id, True)
             return None
         switch.throw()  # thrown again: the same stop, asked twice
         return switch

@@ -62,7 +62,7 @@ from services.generator.provider import (
 from services.generator.session_lock import Lease
 from services.generator.settings import GeneratorSettings
 from services.generator.states import SessionStates
-from services.generator.stops import Stops, StopSwitch
+from services.generator.stops import Stops, StopSwitch, Withdrawn
 from services.generator.token_stream import TokenStream
 from services.generator.toolbox import Toolbox, ToolRun
 from services.generator.turn import Messages, Turn, TurnError, WindowExceeded
@@ -71,6 +71,7 @@ from services.shared.history_store import HistoryStore, HistoryView
 from services.shared.jetstream import NO_ROOM, no_room
 from services.shared.live_config import LiveSettings
 from services.shared.nats_away import NATS_AWAY
+from services.shared.query_errors import WITHDRAWN_TEXT
 from services.shared.sessions import SessionNotFound, SessionStore
 
 log = structlog.get_logger()
@@ -172,12 +173,7 @@ class TurnRunner:
         record = await self._with_window(record)
         turn, supersedes = self._new_turn(env, record, view)
         started = time.monotonic()
-        await self._states.apply(sid, Action.start_generation, env.correlation_id)
-        kept = self._kept(head, turn)
-        if kept is not None:
-            turn.switch = kept.switch
-        with self.stops.running(sid, turn.switch):
-            result, tools = await self._tool_loop(turn, kept)
+        result, tools = await self._stoppable(turn, self._kept(head, turn))
         answer = ChatMessage(role="assistant", content=result.content, query_id=query_id,
                              stopped=result.stopped, prompt_tokens=result.prompt_tokens,
                              completion_tokens=result.completion_tokens)
@@ -197,6 +193,20 @@ class TurnRunner:
             await self._report(turn, result, tools, started)
 
         return reply, follow_up
+
+    async def _stoppable(self, turn: Turn, kept: HeadStart | None
+                         ) -> tuple[ChatResult, Messages]:
+        """The turn's model calls, stoppable from their start; a query stopped
+        before it is withdrawn instead."""
+        if kept is not None:
+            turn.switch = kept.switch
+        try:
+            with self.stops.running(turn.sid, turn.switch):
+                await self._states.apply(turn.sid, Action.start_generation,
+                                         turn.env.correlation_id)
+                return await self._tool_loop(turn, kept)
+        except Withdrawn as err:
+            raise TurnError(ErrorCode.withdrawn, WITHDRAWN_TEXT) from err
 
     async def _store(self, turn: Turn, answer: ChatMessage, supersedes: str | None) -> None:
         """Append the turn. A server without room, or NATS not answering for

@@ -314,6 +314,11 @@ const UNKNOWN_OUTCOME = [
   "http_502", "http_503", "http_504",
 ];
 
+// Stop on a message still waiting for its turn withdraws it (the gateway
+// answers the message so).
+const WITHDRAWN_NOTE = "withdrawn before its turn: never sent to the model, nor kept; "
+  + "the message is back in the box";
+
 // The assistant answer being streamed into the list.
 // `again` sends the request again, offered after a failure of unknown outcome.
 // `resumed`: the turn ran before this page read it again (after a reload or a
@@ -402,8 +407,12 @@ function pendingAnswer(again, resumed = false) {
       show();
       failure = error ?? { code: "error" };
       item.classList.remove("msg-pending");
-      item.classList.add("msg-failed");
       item.removeAttribute("aria-busy");
+      if (failure.code === "withdrawn") {
+        status.textContent = WITHDRAWN_NOTE;
+        return;
+      }
+      item.classList.add("msg-failed");
       status.remove();
       const box = el("div", { className: "msg-error", attrs: { role: "alert" } }, [
         el("strong", { text: "Error " }),
@@ -659,6 +668,9 @@ function endTurn(answer, body, succeeded) {
   setBusy(false);
   if (succeeded) unsaved = [];
   else if (body && !offersSendAgain(answer.failure)) giveBack(body.content);
+  if (answer.failure?.code === "withdrawn") {
+    for (const node of unsaved) node.classList.add("msg-withdrawn");
+  }
   // On success the stored history (with tool calls) replaces the streamed bubble;
   // after an error the inline error stays and only the gauge and facts refresh
   // (unless a compaction rewrote the history meanwhile).
