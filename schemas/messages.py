@@ -107,12 +107,16 @@ class StopRequest(Payload):
 
 
 class StopAccepted(Payload):
-    """The reply to a `StopRequest` from the process that is stopping the answer."""
+    """The reply to a `StopRequest` from the process that runs or holds the query."""
 
     MESSAGE_TYPE = "chat.stop.accepted"
     session_id: SessionId
     query_id: str
     generator_id: str
+    # `stopping`: the answer being written ends now. `withdrawing`: the query
+    # waits for its turn in this process, and will be answered `withdrawn`.
+    # `finishing`: its answer is written and being stored; nothing is stopped.
+    status: Literal["stopping", "withdrawing", "finishing"] = "stopping"
 
 
 class Token(Payload):

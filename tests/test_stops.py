@@ -5,8 +5,16 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from services.generator.provider import ChatResult
-from services.generator.stops import Stops, StopSwitch
+from services.generator.stops import (
+    WITHDRAWN_FOR_S,
+    StopOutcome,
+    Stops,
+    StopSwitch,
+    Withdrawn,
+)
 
 
 async def answer_after(started: asyncio.Event, finish: asyncio.Event,
@@ -69,6 +77,54 @@ def test_a_stop_finds_only_the_turn_running_for_its_session() -> None:
     assert stops.stop("s1") is None
     with stops.running("s1", switch):
         assert stops.stop("s2") is None
-        assert stops.stop("s1") is switch and switch.thrown
-        assert stops.stop("s1") is switch  # asked twice: the same stop
+        assert stops.stop("s1") is StopOutcome.stopping and switch.thrown
+        assert stops.stop("s1") is StopOutcome.stopping  # asked twice: the same stop
     assert stops.stop("s1") is None
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_stop_for_a_query_held_but_not_begun_withdraws_it() -> None:
+    stops = Stops()
+    with stops.holding("q2"):
+        assert stops.stop("s1", "q2") is StopOutcome.withdrawing
+        with pytest.raises(Withdrawn), stops.running("s1", StopSwitch("q2")):
+            pass
+    assert stops.stop("s1") is None  # nothing registered by the withdrawn turn
+
+
+def test_a_stop_for_a_query_not_held_here_is_kept_for_when_it_comes() -> None:
+    clock = Clock()
+    stops = Stops(now=clock)
+    assert stops.stop("s1", "q3") is None  # another process may hold it: no word from here
+    clock.now = WITHDRAWN_FOR_S - 1
+    assert stops.withdrawn("q3")
+    with pytest.raises(Withdrawn), stops.running("s1", StopSwitch("q3")):
+        pass
+    clock.now = WITHDRAWN_FOR_S  # a resend under the same id after the window is a new try
+    assert not stops.withdrawn("q3")
+    with stops.running("s1", StopSwitch("q3")) as switch:
+        assert not switch.thrown
+
+
+def test_a_stop_once_the_answer_is_written_is_too_late() -> None:
+    stops = Stops()
+    with stops.holding("q1"):
+        with stops.running("s1", StopSwitch("q1")):
+            assert stops.stop("s1", "q1") is StopOutcome.stopping
+        assert stops.stop("s1", "q1") is StopOutcome.finishing  # being stored
+        assert not stops.withdrawn("q1")
+    assert stops.stop("s1", "q1") is None
+
+
+def test_a_stop_of_another_query_leaves_the_running_answer_alone() -> None:
+    stops, switch = Stops(), StopSwitch("q1")
+    with stops.holding("q1"), stops.holding("q2"), stops.running("s1", switch):
+        assert stops.stop("s1", "q2") is StopOutcome.withdrawing
+        assert not switch.thrown

@@ -18,14 +18,15 @@ from services.shared.jetstream import ensure_layout
 from services.shared.query_errors import WITHDRAWN_TEXT, QueryErrors
 from tests.events import eventually
 from tests.nats_server import NatsServer
-from tests.stub_server import configure_stub, model_called, running_stub
+from tests.stub_server import configure_stub, model_called, running_stub, stub_stats
 from tests.system import System
 from tests.test_generator_order import SID, ask, generator_on
 
 
-async def test_a_generator_withdraws_a_query_it_heard_stopped_before_its_turn(
+async def test_a_generator_holding_a_query_withdraws_it_when_asked_to_stop_it(
         private_nats: NatsServer) -> None:
-    """No gateway here: only the stop heard, not any kept reply, withdraws it."""
+    """No gateway here: the generator's own word, and its keeping to it. The
+    withdrawn query's turn never calls the model, not even ahead of its lock."""
     with running_stub() as stub:
         await configure_stub(stub, held_models=["stub-model"])
         settings = GeneratorSettings(ollama_host=stub, model="stub-model")
@@ -33,19 +34,33 @@ async def test_a_generator_withdraws_a_query_it_heard_stopped_before_its_turn(
             first = await ask(bus, "one")
             await model_called(stub)
             second = await ask(bus, "two")
-            await bus.publish(subjects.stop(SID), StopRequest(session_id=SID, query_id=second),
-                              session_id=SID)
-            # Stops are heard in order: once the first's is taken, so was the second's.
-            accepted = await bus.request(subjects.stop(SID), StopRequest(
-                session_id=SID, query_id=first), timeout_s=10, session_id=SID)
-            assert decode(accepted.data, StopAccepted, accepted.subject).payload.query_id == first
+            said: list[str] = []
+
+            async def holding_says_withdrawing() -> bool:
+                said.append(await _stop(bus, second))
+                return said[-1] == "withdrawing"
+            # Until it holds the query: a stop before is kept all the same, unanswered.
+            await eventually(holding_says_withdrawing, "the second query held")
+            assert await _stop(bus, first) == "stopping"
             await replies.wait_for(second)
             view = await HistoryStore(bus.js).read(SID)
+        calls = (await stub_stats(stub))["requests"]
     [withdrawn] = [r for r in replies.got if r.query_id == second]
     assert withdrawn.error_code == "withdrawn"
     [stopped] = [r for r in replies.got if r.query_id == first]
     assert stopped.stopped
     assert [m.query_id for m in view.conversation.messages if m.role == "user"] == [first]
+    assert calls == 1
+
+
+async def _stop(bus: Bus, query_id: str) -> str:
+    """The status the generator answers a stop of the query with; "" for none."""
+    try:
+        msg = await bus.request(subjects.stop(SID), StopRequest(
+            session_id=SID, query_id=query_id), timeout_s=0.5, session_id=SID)
+    except (nats.errors.TimeoutError, nats.errors.NoRespondersError, TimeoutError):
+        return ""
+    return decode(msg.data, StopAccepted, msg.subject).payload.status
 
 
 async def test_a_message_stopped_while_no_generator_runs_is_taken_out_of_the_queue(

@@ -89,38 +89,57 @@ class Controls:
         body = await parse_body(request, StopBody, optional=True)
         query_id = self._query_id_of(request, sid, body.retry)
         await self._answers.require_fresh(sid)
+        accepted = await self._ask_to_stop(sid, query_id)
+        if accepted is not None and accepted.status == "stopping":
+            return JSONResponse({"status": "stopping", "session_id": sid,
+                                 "query_id": accepted.query_id,
+                                 "generator_id": accepted.generator_id}, status_code=202)
+        may_wait = accepted is None or accepted.status == "withdrawing"
+        if query_id is not None and may_wait and await self._withdraw(
+                sid, query_id, held=accepted is not None):
+            return JSONResponse({"status": "withdrawn", "session_id": sid,
+                                 "query_id": query_id}, status_code=202)
+        whose = "this session" if query_id is None else "this message"
+        return conflict("nothing_running", f"no answer is being written for {whose} "
+                        "(it may have just been written)")
+
+    async def _ask_to_stop(self, sid: str, query_id: str | None) -> StopAccepted | None:
+        """What the generator running or holding the query says; None when
+        none answers in time (none holds it)."""
         try:
             msg = await self._bus.request(
                 subjects.stop(sid), StopRequest(session_id=sid, query_id=query_id),
                 timeout_s=STOP_ANSWER_S, session_id=sid)
         except (NatsTimeout, NoRespondersError, TimeoutError):
-            if query_id is not None and await self._withdrawn(sid, query_id):
-                return JSONResponse({"status": "withdrawn", "session_id": sid,
-                                     "query_id": query_id}, status_code=202)
-            whose = "this session" if query_id is None else "this message"
-            return conflict("nothing_running", f"no answer is being written for {whose} "
-                            "(it may have just finished)")
-        accepted = decode(msg.data, StopAccepted, msg.subject).payload
-        return JSONResponse({"status": "stopping", "session_id": sid,
-                             "query_id": accepted.query_id,
-                             "generator_id": accepted.generator_id}, status_code=202)
+            return None
+        return decode(msg.data, StopAccepted, msg.subject).payload
 
-    async def _withdrawn(self, sid: str, query_id: str) -> bool:
+    async def _withdraw(self, sid: str, query_id: str, held: bool) -> bool:
         """Whether the query, which no process is answering, is withdrawn: one
-        still waiting for its turn is now. Every generator heard the stop and
-        withdraws it should it come to run the query; the error reply kept
-        here tells one that did not hear (started since, or reconnected).
-        Its caller is told at once, not once the answers before it end."""
+        still waiting for its turn is now, and its caller told at once, not
+        once the answers before it end. Every generator heard the stop: one
+        holding the query (`held`) withdraws it when its turn comes, as would
+        any other it comes to. One that may have missed the stop (started
+        since) reads the error reply kept here, and one started later cannot
+        take it: it is out of the queue."""
         waiting = await self._waiting(sid, query_id)
-        if waiting is None or not await self._taken_out(waiting[0]):
-            # Gone from the queue: a generator withdrew it, or answered it.
-            kept = await self._errors.reply_of(query_id)
-            return kept is not None and kept.error_code == ErrorCode.withdrawn
+        if waiting is None:  # a generator withdrew it, or answered it
+            return await self._kept_withdrawn(query_id)
+        seq, question = waiting
         reply = Reply(session_id=sid, query_id=query_id, error=WITHDRAWN_TEXT,
                       error_code=ErrorCode.withdrawn)
-        await self._errors.keep(reply, waiting[1])
+        await self._errors.keep(reply, question)  # before it leaves the queue
+        if not held and not await self._taken_out(seq):
+            # Settled meanwhile: answered after all, or withdrawn by a generator.
+            conversation = (await self._history.read(sid)).conversation
+            return (conversation.answered(sid, query_id) is None
+                    and await self._kept_withdrawn(query_id))
         await self._bus.publish(subjects.reply(sid), reply, session_id=sid)
         return True
+
+    async def _kept_withdrawn(self, query_id: str) -> bool:
+        kept = await self._errors.reply_of(query_id)
+        return kept is not None and kept.error_code == ErrorCode.withdrawn
 
     async def _waiting(self, sid: str, query_id: str) -> tuple[int, str] | None:
         """The stream sequence and message of the query if it is queued and not

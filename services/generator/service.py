@@ -198,16 +198,17 @@ class Generator:
         env = await self._bus.decode_or_refuse(msg, StopRequest)
         if env is None:
             return
-        sid = env.payload.session_id
-        switch = self._turns.stops.stop(sid, env.payload.query_id)
-        if switch is None or not msg.reply:
-            return  # not running here: the process that runs it answers
-        log.info("stop_requested", session_id=sid, query_id=switch.query_id,
+        sid, query_id = env.payload.session_id, env.payload.query_id
+        outcome = self._turns.stops.stop(sid, query_id)
+        if outcome is None or not msg.reply:
+            return  # neither running nor held here: the process that holds it answers
+        query_id = query_id or self._turns.stops.running_query(sid)
+        log.info("stop_requested", session_id=sid, query_id=query_id, outcome=outcome.value,
                  correlation_id=env.correlation_id)
         with contextlib.suppress(Exception):
             await self._bus.respond(msg, StopAccepted(
-                session_id=sid, query_id=switch.query_id,
-                generator_id=self._settings.generator_id),
+                session_id=sid, query_id=query_id or "",
+                generator_id=self._settings.generator_id, status=outcome.value),
                 correlation_id=env.correlation_id, session_id=sid)
 
     def endpoints(self) -> list[Endpoint]:
@@ -309,6 +310,11 @@ class Generator:
         task = asyncio.current_task()
         if self._slots.holds(task) and self._slots.join(task, sid):
             self._room_freed()  # queued behind the session's own query: no slot of its own
+        # Held from here to its reply: a stop meanwhile withdraws it, or is too late.
+        with self._turns.stops.holding(env.message_id):
+            await self._settle(msg, env, sid)
+
+    async def _settle(self, msg: Msg, env: Envelope[Query], sid: str) -> None:
         async with self._working_on(msg, sid, env.correlation_id,
                                     query_id=env.message_id) as delivery:
             async with self._arrival.turn(sid):
@@ -345,7 +351,8 @@ class Generator:
         wait = self._settings.blocking_query_wait_s if blocked else None
         # The model call starts now, unless this is a redelivery (the answer
         # may be stored already) or the session is to wait for a compaction.
-        early = not blocked and msg.metadata.num_delivered == 1
+        early = (not blocked and msg.metadata.num_delivered == 1
+                 and not self._turns.stops.withdrawn(env.message_id))
         head = await self._turns.head_start(env) if early else None
         asked = metrics.Timer()
         try:

@@ -17,14 +17,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Iterator
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from enum import StrEnum
 from typing import Any, TypeVar
 
+from services.shared.jetstream import DUPLICATE_WINDOW_S
 from services.shared.recent import Recent
 
 T = TypeVar("T")
-# The stops kept for queries still to run: far more than can wait at once.
+# The stops kept for queries still to run: far more than can wait at once,
+# each for the QUERIES stream's duplicate window (a resend under the same id
+# after it is a new try).
 MAX_WITHDRAWN = 4096
+WITHDRAWN_FOR_S = DUPLICATE_WINDOW_S
+
+
+class StopOutcome(StrEnum):
+    stopping = "stopping"  # the answer being written ends now
+    withdrawing = "withdrawing"  # held here, not begun: it never will be
+    finishing = "finishing"  # written already, being stored: not stopped
 
 
 class Withdrawn(Exception):
@@ -71,19 +83,35 @@ class StopSwitch:
 
 
 class Stops:
-    """The switches of the turns this process runs, by session."""
+    """The switches of the turns this process runs, by session, and the
+    queries it holds: taken from the queue, and waiting for their turn or
+    being finished."""
 
-    def __init__(self) -> None:
+    def __init__(self, now: Callable[[], float] = time.monotonic) -> None:
         self._running: dict[str, StopSwitch] = {}
-        self._withdrawn: Recent[str, bool] = Recent(MAX_WITHDRAWN)
+        # Held queries: whether each has begun its turn.
+        self._held: dict[str, bool] = {}
+        # The stops heard for queries not running here, and when.
+        self._withdrawn: Recent[str, float] = Recent(MAX_WITHDRAWN)
+        self._now = now
+
+    @contextlib.contextmanager
+    def holding(self, query_id: str) -> Iterator[None]:
+        self._held[query_id] = False
+        try:
+            yield
+        finally:
+            self._held.pop(query_id, None)
 
     @contextlib.contextmanager
     def running(self, sid: str, switch: StopSwitch) -> Iterator[StopSwitch]:
         """The switch, registered for the turn; `Withdrawn` when a stop came
         for its query before. Checked and registered in one step, with no wait
         between: a stop heard meanwhile would be neither acted on nor kept."""
-        if switch.query_id in self._withdrawn:
+        if self.withdrawn(switch.query_id):
             raise Withdrawn(switch.query_id)
+        if switch.query_id in self._held:
+            self._held[switch.query_id] = True
         self._running[sid] = switch
         try:
             yield switch
@@ -91,14 +119,26 @@ class Stops:
             if self._running.get(sid) is switch:
                 del self._running[sid]
 
-    def stop(self, sid: str, query_id: str | None = None) -> StopSwitch | None:
-        """Throw the session's switch (only if it is `query_id`'s, when given);
-        None when no such turn runs here, and the query is then withdrawn
-        should it come to run here later."""
+    def running_query(self, sid: str) -> str | None:
         switch = self._running.get(sid)
-        if switch is None or query_id not in (None, switch.query_id):
-            if query_id is not None:
-                self._withdrawn.put(query_id, True)
+        return switch.query_id if switch is not None else None
+
+    def withdrawn(self, query_id: str) -> bool:
+        heard = self._withdrawn.get(query_id)
+        return heard is not None and self._now() - heard < WITHDRAWN_FOR_S
+
+    def stop(self, sid: str, query_id: str | None = None) -> StopOutcome | None:
+        """Throw the session's switch (only if it is `query_id`'s, when given).
+        A named query that has not begun is withdrawn when it comes to run
+        here; None when this process does not hold it (nor runs the session's
+        answer, unnamed)."""
+        switch = self._running.get(sid)
+        if switch is not None and query_id in (None, switch.query_id):
+            switch.throw()  # thrown again: the same stop, asked twice
+            return StopOutcome.stopping
+        if query_id is None:
             return None
-        switch.throw()  # thrown again: the same stop, asked twice
-        return switch
+        if self._held.get(query_id):
+            return StopOutcome.finishing  # its answer is being stored: too late
+        self._withdrawn.put(query_id, self._now())
+        return StopOutcome.withdrawing if query_id in self._held else None

@@ -23,8 +23,8 @@ from services.shared.jetstream import query_errors_bucket
 
 log = structlog.get_logger()
 # The error of a query stopped while it waited for its turn.
-WITHDRAWN_TEXT = ("withdrawn: stopped while it waited for its turn, so it was never sent to "
-                  "the model and nothing of it is stored")
+WITHDRAWN_TEXT = ("withdrawn: stopped while it waited for its turn, so it was not answered "
+                  "and nothing of it is stored")
 
 
 # A KV key's alphabet, with dots only between tokens: narrower than a message

@@ -315,9 +315,8 @@ const UNKNOWN_OUTCOME = [
 ];
 
 // Stop on a message still waiting for its turn withdraws it (the gateway
-// answers the message so).
-const WITHDRAWN_NOTE = "withdrawn before its turn: never sent to the model, nor kept; "
-  + "the message is back in the box";
+// answers the message so); the message goes back into the composer.
+const WITHDRAWN_NOTE = "withdrawn before its turn: not answered, and nothing of it kept";
 
 // The assistant answer being streamed into the list.
 // `again` sends the request again, offered after a failure of unknown outcome.
