@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import httpx
 import nats
@@ -104,6 +105,25 @@ def ask(client: httpx.Client, sid: str, content: str) -> httpx.Response:
     return client.post(f"/api/sessions/{sid}/messages", json={"content": content})
 
 
+def publish_now(nats_url: str, subject: str, data: bytes) -> None:
+    """A core NATS message, as `nats pub` sends it; from any thread (see
+    `put_live_setting`)."""
+    async def publish() -> None:
+        nc = await nats.connect(nats_url)
+        try:
+            await nc.publish(subject, data)
+            await nc.flush()
+        finally:
+            await nc.close()
+
+    _in_a_thread(publish())
+
+
+def _in_a_thread(work: Coroutine[Any, Any, None]) -> None:
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pool.submit(asyncio.run, work).result()
+
+
 def put_live_setting(nats_url: str, key: str, value: bytes | None) -> None:
     """A setting put into the server's `config` bucket (None: deleted), as
     `nats kv put config <key> <value>` does. In a thread of its own, so that a
@@ -116,5 +136,4 @@ def put_live_setting(nats_url: str, key: str, value: bytes | None) -> None:
         finally:
             await nc.close()
 
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        pool.submit(asyncio.run, put()).result()
+    _in_a_thread(put())

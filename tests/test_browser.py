@@ -16,14 +16,25 @@ import re
 import shutil
 import time
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 from pathlib import Path
 
 import httpx
 import pytest
 
+from schemas import subjects
+from schemas.envelope import Envelope, utc_now
+from schemas.messages import StateChange
 from tests.events import until
 from tests.stub_server import configure_stub_now, running_stub
-from tests.system import System, ask, new_session, put_live_setting, running_system
+from tests.system import (
+    System,
+    ask,
+    new_session,
+    publish_now,
+    put_live_setting,
+    running_system,
+)
 
 # CHROMIUM names another binary (a path or a command).
 CHROMIUM = shutil.which(os.environ.get("CHROMIUM") or "chromium") or shutil.which(
@@ -1177,6 +1188,27 @@ def test_the_timeline_is_read_when_a_session_opens_and_a_compaction_ends_only(
         "Compaction completed")
     playwright_api.expect(page.locator("#timeline .timeline-row")).to_have_count(1)
     assert len(timeline_reads) == 2, timeline_reads
+
+
+def test_a_state_change_the_feed_brings_late_is_passed_over(
+        watched: Watched, nats_url: str) -> None:
+    """The live feed may bring a turn's last changes after the read that saw
+    it end: "generating" then stood for the session's state, and Retry was
+    off until the next change, a click on it lost."""
+    page = watched.page
+    sid = create_session(page)
+    send(page, "first")
+    badge = page.locator("#state-badge")
+    playwright_api.expect(badge).to_have_attribute("data-state", "idle")
+    late = Envelope[StateChange](
+        message_type=StateChange.MESSAGE_TYPE, subject=subjects.state(sid),
+        sender_id="generator", session_id=sid, timestamp=utc_now() - timedelta(minutes=1),
+        payload=StateChange(session_id=sid, from_state="receiving", to_state="generating",
+                            action="start_generation", generator_id="g"))
+    publish_now(nats_url, subjects.state(sid), late.model_dump_json().encode())
+    playwright_api.expect(page.locator("#log")).to_contain_text("late, passed over")
+    playwright_api.expect(badge).to_have_attribute("data-state", "idle")
+    playwright_api.expect(page.locator("#messages .retry-button")).to_be_enabled()
 
 
 def test_stop_on_a_message_still_queued_withdraws_it(watched: Watched, stub_url: str) -> None:

@@ -270,8 +270,18 @@ const echoes = [live.compactingAfter(null, "compaction.event", "c9", "progress",
 // Two reads that both brought the newest answer show it once.
 const newer = chat.withNewer([{ position: "1" }, { position: "2" }],
                              [{ position: "2" }, { position: "3" }]).map((i) => i.position);
+// A live state change older than the newest state known is late; one not a time is not.
+const late = [["2026-01-02T14:02:30.500000Z", "2026-01-02T14:02:30.100000Z"],
+              ["2026-01-02T14:02:30.500000Z", "2026-01-02T14:02:31.000000Z"],
+              [null, "2026-01-02T14:02:30.100000Z"],
+              ["2026-01-02T14:02:30.500000Z", "not a time"]]
+  .map(([newest, at]) => live.staleState(newest, at));
+const newest = [["2026-01-02T14:02:30.500000Z", "2026-01-02T14:02:30.100000Z"],
+                ["2026-01-02T14:02:30.500000Z", "2026-01-02T14:02:31.000000Z"],
+                [null, "2026-01-02T14:02:30.100000Z"], ["2026-01-02T14:02:30.500000Z", null]]
+  .map(([current, at]) => live.newerStamp(current, at));
 console.log(JSON.stringify({
-  progress, waits, lateProgress, echoes, newer,
+  progress, waits, lateProgress, echoes, newer, late, newest,
   events: out, levels, levelsFrom600, fmt: shared.fmt(1234567), pct: shared.percent(1234, 3584),
   types: live.LIVE_EVENT_TYPES, banner, reload, gauge,
   shown: [["idle", false], ["generating", true], ["idle", true], ["compacting", false]]
@@ -359,3 +369,6 @@ def test_sse_parser_and_helpers_under_node(tmp_path: Path) -> None:
     assert result["lateProgress"] == "c9"
     assert result["echoes"] == [None, "c9", "c10"]
     assert result["newer"] == ["1", "2", "3"]
+    assert result["late"] == [True, False, False, False]
+    assert result["newest"] == ["2026-01-02T14:02:30.500000Z", "2026-01-02T14:02:31.000000Z",
+                                "2026-01-02T14:02:30.100000Z", "2026-01-02T14:02:30.500000Z"]

@@ -6,6 +6,7 @@ in the context while the stored turns keep both."""
 from __future__ import annotations
 
 import asyncio
+from datetime import UTC, datetime
 from typing import Any
 
 import httpx
@@ -88,6 +89,8 @@ async def test_a_stop_mid_stream_ends_the_call_and_stores_the_partial_answer(
     assert answer["role"] == "assistant" and answer["stopped"] is True
     assert answer["content"] == done["reply"]
     assert session["state"] == "idle"
+    # When it went idle: the page passes over live changes older than that.
+    assert datetime.fromisoformat(session["state_at"]) <= datetime.now(UTC)
     # The session goes on as usual, its lock free.
     nxt = await http.post(f"/api/sessions/{sid}/messages", json={"content": "and now?"})
     assert nxt.status_code == 200, nxt.text

@@ -258,29 +258,35 @@ class Api:
         """The session's state, and the phase of its turn (what the state hides
         while a compaction runs). Read from the two records every generator
         writes to, not from whichever process published last."""
-        phase, compacting = await asyncio.gather(self._phase(sid), self._compacting(sid))
+        (phase, at), compacting = await asyncio.gather(self._phase(sid), self._compacting(sid))
+        # When the phase was entered: the page passes over live state events
+        # older than it (the feed may bring a turn's last ones after its end).
+        since = {"state_at": at} if at else {}
         if phase is None:  # a record we cannot read
             return {"state": "compacting" if compacting else "unknown", "phase": "unknown"}
-        return {"state": session_state(phase, compacting).value, "phase": phase.value}
+        return {"state": session_state(phase, compacting).value, "phase": phase.value, **since}
 
-    async def _phase(self, sid: str) -> Phase | None:
+    async def _phase(self, sid: str) -> tuple[Phase | None, str | None]:
+        """The phase of the session's last transition, and its time."""
         try:
             msg = await self._bus.js.get_last_msg(subjects.STATE_STREAM, subjects.state(sid),
                                                   direct=True)
         except NotFoundError:
-            return Phase.idle
+            return Phase.idle, None
         except NoRespondersError:
             # The stream is in memory: after a NATS restart it is missing
             # until a service makes it again, and then empty until the
             # session's next transition. Either way nothing is going on.
             if not await missing(self._bus.js, subjects.STATE_STREAM):
                 raise
-            return Phase.idle
+            return Phase.idle, None
         try:
-            change = StateChange.model_validate(parse_json(msg.data or b"{}")["payload"])
-            return Phase(change.to_state)
-        except (ValueError, KeyError, TypeError, ValidationError):
-            return None
+            envelope = parse_json(msg.data or b"{}")
+            change = StateChange.model_validate(envelope["payload"])
+            at = envelope.get("timestamp")
+            return Phase(change.to_state), at if isinstance(at, str) else None
+        except (ValueError, KeyError, TypeError, AttributeError, ValidationError):
+            return None, None
 
     async def _compacting(self, sid: str) -> bool:
         try:

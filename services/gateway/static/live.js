@@ -69,6 +69,22 @@ export function parseSseBlock(block) {
   return { event, data: data.join("\n") };
 }
 
+// Whether a live state change stamped `at` is older than the newest state
+// this page knows (`newest`, from a read or an earlier event): the feed may
+// bring a turn's last changes after a read that saw the turn end, and they
+// would stand for the session's state until the next.
+export function staleState(newest, at) {
+  const known = Date.parse(newest ?? "");
+  const stamp = Date.parse(at ?? "");
+  return Number.isFinite(known) && Number.isFinite(stamp) && stamp < known;
+}
+
+// The newer of two stamps; one that is no time keeps the other.
+export function newerStamp(current, at) {
+  if (!Number.isFinite(Date.parse(at ?? "")) || staleState(current, at)) return current;
+  return at;
+}
+
 // The compaction the "compacting" banner stands for (its correlation id), after
 // a live event. Only that compaction's own result ends it: a second request,
 // skipped because one already runs, must not hide the banner. One known only
@@ -212,13 +228,18 @@ const LIVE_HANDLERS = new Map([
 ]);
 
 function onStateChange(p, ts) {
+  const change = `${p.from_state ?? "?"} → ${p.to_state ?? "?"}${p.action ? ` (${p.action})` : ""}`;
+  if (staleState(app.stateAt, ts)) {
+    logLine("generator.state", `${change}: late, passed over`, ts);
+    return;
+  }
+  app.stateAt = newerStamp(app.stateAt, ts);
   app.phase = p.to_state ?? "unknown";
   app.pending?.stateChanged(p.action, p.to_state);
   renderState(p.action ? `after ${p.action}` : "");
   renderCompacting();
   renderRetry();
-  logLine("generator.state",
-    `${p.from_state ?? "?"} → ${p.to_state ?? "?"}${p.action ? ` (${p.action})` : ""}`, ts);
+  logLine("generator.state", change, ts);
 }
 
 function onGeneration(p, ts) {

@@ -4,7 +4,7 @@
 
 import { API, listSessions, requestJson } from "./api.js";
 import { app, el, isValidSessionId, show, showNotice, ui } from "./shared.js";
-import { compactingAfterRead, connectEvents, disconnectEvents } from "./live.js";
+import { compactingAfterRead, connectEvents, disconnectEvents, newerStamp, staleState } from "./live.js";
 import { abandonAnswer, clearTranscript, loadNewer, renderRetry, resumeTurn, setComposerEnabled } from "./chat.js";
 import { forgetKeptTurn } from "./kept.js";
 import {
@@ -133,6 +133,7 @@ function leaveSession() {
   app.lastReply = null;
   app.compacting = null;
   app.phase = "unknown";
+  app.stateAt = null;
   app.items = [];
   app.older = null;
   clearTranscript();
@@ -220,8 +221,11 @@ function renderPhase(session, seq) {
   const wasCompacting = app.compacting;
   app.compacting = compactingAfterRead(app.compacting, session.state, seq,
     app.compactingSeenAt, app.compactionEndSeenAt);
-  // During a turn its phase follows the live events, which a read may trail.
-  if (session.state && !app.busy) {
+  // During a turn its phase follows the live events, which a read may trail,
+  // as it may any event newer than itself.
+  const trailing = staleState(app.stateAt, session.state_at);
+  app.stateAt = newerStamp(app.stateAt, session.state_at);
+  if (session.state && !app.busy && !trailing) {
     app.phase = session.phase ?? session.state;
     renderState();
     renderRetry();
