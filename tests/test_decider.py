@@ -188,10 +188,11 @@ async def test_a_compaction_count_the_later_reports_contradict_does_not_silence_
                              CompactionResult(session_id=sid, tokens_after=900,
                                               compactions=1_000_000), session_id=sid)
         await eventually(lambda: decider.status()["tracked_sessions"] >= 1, "the result read")
-        await bus.js_publish(subjects.RESPONSE_GENERATION,
-                             crowded_report(sid).model_copy(update={"compactions": 0}),
-                             session_id=sid)
-        await decider_caught_up(url, decider.status)
+        for _ in range(2):  # one alone may have been held up on its way
+            await bus.js_publish(subjects.RESPONSE_GENERATION,
+                                 crowded_report(sid).model_copy(update={"compactions": 0}),
+                                 session_id=sid)
+            await decider_caught_up(url, decider.status)
         assert len(await stored_requests(bus)) == 1
     finally:
         await decider.stop()

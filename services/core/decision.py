@@ -29,6 +29,7 @@ FIT_MARGIN = 1.0 - EMERGENCY_FRACTION
 # report goes out without waiting, so only a slow publish, or the clocks of a
 # cluster's servers, put it after the result.
 STALE_REPORT_GRACE_S = 5.0
+CONTRADICTIONS_BELIEVED = 2
 
 
 class Level(StrEnum):
@@ -95,6 +96,8 @@ class SessionMemory:
     # when that result was stored (stream time, in seconds; None: unknown).
     compactions: int = 0
     compacted_at: float | None = None
+    # Reports in a row, stored past the grace, that said fewer compactions.
+    contradictions: int = 0
 
 
 @dataclass(frozen=True)
@@ -217,23 +220,27 @@ def on_compacted(memory: SessionMemory, compactions: int | None,
     measured before it are out of date from now on."""
     if compactions is None or compactions <= memory.compactions:
         return memory
-    return replace(memory, compactions=compactions, compacted_at=stored_at)
+    return replace(memory, compactions=compactions, compacted_at=stored_at, contradictions=0)
 
 
 def on_report(memory: SessionMemory, compactions: int | None, stored_at: float | None,
               grace_s: float = STALE_REPORT_GRACE_S) -> SessionMemory:
     """The memory once a report is read. A report measured before the latest
-    compaction is stored moments after its result at most; one stored long
-    after it, with fewer compactions, shows the count is wrong (a history
+    compaction is stored moments after its result at most; reports stored
+    long after it, with fewer compactions, show the count is wrong (a history
     deleted and begun again under the same id, or a result that claimed too
-    many), so that count gives way rather than pass over every report to come."""
+    many), so that count gives way rather than pass over every report to come.
+    Two in a row: one measured before, held up on its way (a publisher cut
+    off from NATS sends it once it is back), is no proof."""
     if compactions is None or compactions >= memory.compactions:
-        return memory
+        return replace(memory, contradictions=0) if memory.contradictions else memory
     if memory.compacted_at is None or stored_at is None:
         return memory
     if stored_at < memory.compacted_at + grace_s:
         return memory
-    return replace(memory, compactions=compactions, compacted_at=None)
+    if memory.contradictions + 1 < CONTRADICTIONS_BELIEVED:
+        return replace(memory, contradictions=memory.contradictions + 1)
+    return replace(memory, compactions=compactions, compacted_at=stored_at, contradictions=0)
 
 
 def check_fit(next_prompt_tokens: int, budget: int, margin: float = FIT_MARGIN) -> Fit:

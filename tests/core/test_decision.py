@@ -231,10 +231,17 @@ def test_a_count_the_reports_long_after_its_result_contradict_gives_way() -> Non
         claimed, compacted_at=None)  # when it was stored unknown: the result is believed
     assert on_report(claimed, 1_000_000, late) == claimed
     assert on_report(claimed, None, late) == claimed  # a generator that does not say
-    believed = on_report(claimed, 2, late)
-    assert believed == SessionMemory(compactions=2)
+    # One such report may be one measured before, held up on its way: two in a row are proof.
+    once = on_report(claimed, 2, late)
+    assert once.compactions == 1_000_000 and once.contradictions == 1
+    assert on_report(once, 1_000_000, late + 1) == claimed  # the count holds after all
+    believed = on_report(once, 2, late + 1)
+    assert believed == SessionMemory(compactions=2, compacted_at=late + 1)
     decision, _ = decide(Observation(9600, BUDGET, 5000, 1.0, compactions=2), believed, policy)
     assert decision.fire
+    # Begun again once more (deleted again under its id): the same way out.
+    again = on_report(on_report(believed, 0, late + 10), 0, late + 11)
+    assert again == SessionMemory(compactions=0, compacted_at=late + 11)
     # A later real compaction is the line again, with its own time.
     assert on_compacted(believed, 3, stored_at=500.0) == SessionMemory(compactions=3,
                                                                       compacted_at=500.0)
