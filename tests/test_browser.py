@@ -1190,6 +1190,19 @@ def test_the_timeline_is_read_when_a_session_opens_and_a_compaction_ends_only(
     assert len(timeline_reads) == 2, timeline_reads
 
 
+def test_a_session_deleted_elsewhere_is_closed_before_a_message_goes_into_it(
+        watched: Watched, system: System) -> None:
+    page = watched.page
+    watched.ignore("status of 404")  # the read that finds it gone
+    sid = create_session(page)
+    playwright_api.expect(page.locator("#live-status")).to_have_attribute("data-live", "connected")
+    with system.client() as client:
+        assert client.delete(f"/api/sessions/{sid}").status_code == 204
+    playwright_api.expect(page.locator("#notice")).to_contain_text("does not exist (any more)")
+    playwright_api.expect(page.locator("#message-input")).to_be_disabled()
+    playwright_api.expect(page.locator("#log")).to_contain_text("the session was deleted")
+
+
 def test_a_state_change_the_feed_brings_late_is_passed_over(
         watched: Watched, nats_url: str) -> None:
     """The live feed may bring a turn's last changes after the read that saw

@@ -15,6 +15,7 @@ from starlette.types import Message
 
 from schemas import subjects
 from services.gateway.live import EventStream, ListenerLimit, LiveFeed
+from services.shared.jetstream import ensure_layout
 from tests.events import eventually
 
 
@@ -136,4 +137,25 @@ async def test_a_stream_that_started_is_closed_when_its_client_goes(nc: NATS) ->
     await respond(EventStream(stream, release))
     # Closed at once, not whenever the collector finds the generator.
     await eventually(lambda: not feed.subscribed, "the feed unsubscribed")
+    await feed.stop()
+
+
+async def test_a_session_deleted_is_told_and_a_record_written_is_not(nc: NATS) -> None:
+    """Its record's removal, by whichever gateway: each page showing it is told."""
+    js = nc.jetstream()
+    await ensure_layout(js)
+    records = await js.key_value(subjects.SESSIONS_BUCKET)
+    feed = LiveFeed(nc)
+    stream = feed.stream("gone")
+    await anext(stream)
+    await records.put("gone", b"{}")  # written (created, its rates stored): nothing to tell
+    await state_change(nc, "gone")
+    await records.purge("gone")
+    told = await asyncio.wait_for(anext(stream), 5)
+    assert told.startswith("event: generator.state\n")  # nothing for the write before it
+    event = await asyncio.wait_for(anext(stream), 5)
+    name, data = event.removesuffix("\n\n").split("\n")
+    assert name == "event: session.deleted"
+    assert json.loads(data.removeprefix("data: "))["session_id"] == "gone"
+    await stream.aclose()
     await feed.stop()

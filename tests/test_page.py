@@ -21,6 +21,7 @@ LIVE_EVENT_TYPES = (
     "compaction.request",
     "compaction.event",
     "compaction.result",
+    "session.deleted",
 )
 STATES = (
     "idle", "receiving", "generating", "dispatching_tool", "waiting_for_tool",

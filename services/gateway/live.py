@@ -1,5 +1,6 @@
-"""The page's live view: generator states, compaction events and generation
-reports, fanned out from NATS to every open `/api/events` stream.
+"""The page's live view: generator states, compaction events, generation
+reports and sessions deleted, fanned out from NATS to every open
+`/api/events` stream.
 
 The gateway subscribes only while at least one page listens: otherwise every
 turn's state transitions would cross into this process for nobody. When the
@@ -21,6 +22,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from schemas import subjects
+from schemas.envelope import utc_now
 from schemas.messages import (
     CompactionEvent,
     CompactionRequest,
@@ -40,6 +42,12 @@ WATCHED = {
     subjects.COMPACTION_RESULT: CompactionResult.MESSAGE_TYPE,
     subjects.COMPACTION_EVENT: CompactionEvent.MESSAGE_TYPE,
 }
+# A session's record in the `sessions` bucket, written or removed: a removal
+# (by any gateway, for any client) tells each page showing the session that
+# it is gone, before it sends into it.
+SESSION_RECORDS = f"$KV.{subjects.SESSIONS_BUCKET}.*"
+SESSION_DELETED = "session.deleted"
+REMOVALS = ("DEL", "PURGE")
 KEEPALIVE_S = 15.0
 # A page that stops reading misses the newest events rather than growing our memory.
 QUEUE_LIMIT = 1000
@@ -80,6 +88,8 @@ class LiveFeed:
             if not self._subs:
                 self._subs = [await self._nc.subscribe(subject, cb=self._passing_on(name))
                               for subject, name in WATCHED.items()]
+                self._subs.append(await self._nc.subscribe(SESSION_RECORDS,
+                                                           cb=self._on_session_record))
                 await round_trip(self._nc)  # events from here on reach the listener
 
     async def _unsubscribe(self) -> None:
@@ -97,12 +107,22 @@ class LiveFeed:
                 envelope = parse_json(msg.data)
             except ValueError:
                 return  # malformed events are reported by the services that consume them
-            if not isinstance(envelope, dict):
-                return
-            for queue in self._listeners:
-                if queue.qsize() < QUEUE_LIMIT:
-                    queue.put_nowait((name, msg.subject, envelope))
+            if isinstance(envelope, dict):
+                self._fan_out(name, msg.subject, envelope)
         return on_message
+
+    async def _on_session_record(self, msg: Msg) -> None:
+        if (msg.headers or {}).get("KV-Operation") not in REMOVALS:
+            return  # a record written: the pages read it when they need it
+        sid = msg.subject.rsplit(".", 1)[-1]
+        if subjects.is_valid_session_id(sid):
+            self._fan_out(SESSION_DELETED, msg.subject,
+                          {"session_id": sid, "timestamp": utc_now().isoformat()})
+
+    def _fan_out(self, name: str, subject: str, envelope: dict[str, object]) -> None:
+        for queue in self._listeners:
+            if queue.qsize() < QUEUE_LIMIT:
+                queue.put_nowait((name, subject, envelope))
 
     async def stream(self, session_id: str | None) -> AsyncGenerator[str, None]:
         queue: Listener = asyncio.Queue()

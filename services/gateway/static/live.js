@@ -20,6 +20,7 @@ export const LIVE_EVENT_TYPES = [
   "compaction.request",
   "compaction.event",
   "compaction.result",
+  "session.deleted",
 ];
 
 // Parses a text/event-stream incrementally: push() decoded text as it arrives and get
@@ -225,7 +226,15 @@ const LIVE_HANDLERS = new Map([
   ["compaction.request", onCompactionRequest],
   ["compaction.event", onCompactionEvent],
   ["compaction.result", onCompactionResult],
+  ["session.deleted", onSessionDeleted],
 ]);
+
+// Deleted elsewhere (another tab, another client): the read that follows
+// finds it gone, says so and closes it here, before a message is sent into it.
+function onSessionDeleted(p, ts) {
+  logLine("session.deleted", "the session was deleted", ts);
+  loadSession();
+}
 
 function onStateChange(p, ts) {
   const change = `${p.from_state ?? "?"} → ${p.to_state ?? "?"}${p.action ? ` (${p.action})` : ""}`;
