@@ -234,6 +234,13 @@ class StateChange(Payload):
     generator_id: str
 
 
+class SessionDeleted(Payload):
+    """A session is gone: its record, transcript, summary and queued messages."""
+
+    MESSAGE_TYPE = "session.deleted"
+    session_id: SessionId
+
+
 class ToolInvocation(Payload):
     MESSAGE_TYPE = "tool.call"
     name: str

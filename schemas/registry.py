@@ -22,6 +22,7 @@ PAYLOADS: tuple[type[m.Payload], ...] = (
     m.CompactionResult,
     m.CompactionEvent,
     m.StateChange,
+    m.SessionDeleted,
     m.ToolInvocation,
     m.ToolOutcome,
     m.ToolListRequest,

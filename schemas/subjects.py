@@ -34,12 +34,14 @@ TOOL_PREFIX = "tool.call"
 TOOL_LIST = "tool.list"
 # Each process answers `<service>.status` (`service_status`) with what it is doing.
 STATUS_SUFFIX = "status"
+# A session was deleted (by a gateway): the pages showing it close it.
+SESSION_DELETED_PREFIX = "session.deleted"
 # Malformed input on event subjects is reported here (requests get a reply).
 ERROR_SUBJECT = "system.error"
 # All of the above, as few wildcards as cover them: what a tail of the bus
 # (scripts/watch.py) listens to. Not the streams' own `history.*` writes.
 SYSTEM_SUBJECTS = ("chat.>", f"{STATE_PREFIX}.>", RESPONSE_GENERATION, "compaction.>",
-                   "tool.>", ERROR_SUBJECT)
+                   "tool.>", f"{SESSION_DELETED_PREFIX}.>", ERROR_SUBJECT)
 
 # JetStream streams.
 QUERIES_STREAM = "QUERIES"
@@ -86,7 +88,7 @@ def is_valid_session_id(value: str) -> bool:
 
 # Subjects whose last token is a session id.
 PER_SESSION_PREFIXES = (QUERY_PREFIX, REPLY_PREFIX, TOKEN_PREFIX, STOP_PREFIX, STATE_PREFIX,
-                        HISTORY_PREFIX)
+                        HISTORY_PREFIX, SESSION_DELETED_PREFIX)
 
 
 def session_in(subject: str) -> str | None:
@@ -113,6 +115,10 @@ def stop(sid: str) -> str:
 
 def state(sid: str) -> str:
     return f"{STATE_PREFIX}.{session_id(sid)}"
+
+
+def session_deleted(sid: str) -> str:
+    return f"{SESSION_DELETED_PREFIX}.{session_id(sid)}"
 
 
 def history(sid: str) -> str:

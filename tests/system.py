@@ -13,6 +13,7 @@ import httpx
 import nats
 
 from schemas import subjects
+from services.shared.bus import round_trip
 from tests.nats_server import free_port
 from tests.processes import ServiceProcess
 
@@ -112,7 +113,7 @@ def publish_now(nats_url: str, subject: str, data: bytes) -> None:
         nc = await nats.connect(nats_url)
         try:
             await nc.publish(subject, data)
-            await nc.flush()
+            await round_trip(nc)
         finally:
             await nc.close()
 

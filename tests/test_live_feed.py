@@ -15,7 +15,6 @@ from starlette.types import Message
 
 from schemas import subjects
 from services.gateway.live import EventStream, ListenerLimit, LiveFeed
-from services.shared.jetstream import ensure_layout
 from tests.events import eventually
 
 
@@ -140,19 +139,13 @@ async def test_a_stream_that_started_is_closed_when_its_client_goes(nc: NATS) ->
     await feed.stop()
 
 
-async def test_a_session_deleted_is_told_and_a_record_written_is_not(nc: NATS) -> None:
-    """Its record's removal, by whichever gateway: each page showing it is told."""
-    js = nc.jetstream()
-    await ensure_layout(js)
-    records = await js.key_value(subjects.SESSIONS_BUCKET)
+async def test_a_session_deleted_is_told_to_the_pages_showing_it(nc: NATS) -> None:
     feed = LiveFeed(nc)
     stream = feed.stream("gone")
     await anext(stream)
-    await records.put("gone", b"{}")  # written (created, its rates stored): nothing to tell
-    await state_change(nc, "gone")
-    await records.purge("gone")
-    told = await asyncio.wait_for(anext(stream), 5)
-    assert told.startswith("event: generator.state\n")  # nothing for the write before it
+    body = {"message_type": "session.deleted", "session_id": "gone",
+            "payload": {"session_id": "gone"}}
+    await nc.publish(subjects.session_deleted("gone"), json.dumps(body).encode())
     event = await asyncio.wait_for(anext(stream), 5)
     name, data = event.removesuffix("\n\n").split("\n")
     assert name == "event: session.deleted"

@@ -22,12 +22,12 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from schemas import subjects
-from schemas.envelope import utc_now
 from schemas.messages import (
     CompactionEvent,
     CompactionRequest,
     CompactionResult,
     GenerationReport,
+    SessionDeleted,
     StateChange,
 )
 from services.shared.bus import parse_json, round_trip
@@ -41,13 +41,8 @@ WATCHED = {
     subjects.COMPACTION_REQUEST: CompactionRequest.MESSAGE_TYPE,
     subjects.COMPACTION_RESULT: CompactionResult.MESSAGE_TYPE,
     subjects.COMPACTION_EVENT: CompactionEvent.MESSAGE_TYPE,
+    f"{subjects.SESSION_DELETED_PREFIX}.*": SessionDeleted.MESSAGE_TYPE,
 }
-# A session's record in the `sessions` bucket, written or removed: a removal
-# (by any gateway, for any client) tells each page showing the session that
-# it is gone, before it sends into it.
-SESSION_RECORDS = f"$KV.{subjects.SESSIONS_BUCKET}.*"
-SESSION_DELETED = "session.deleted"
-REMOVALS = ("DEL", "PURGE")
 KEEPALIVE_S = 15.0
 # A page that stops reading misses the newest events rather than growing our memory.
 QUEUE_LIMIT = 1000
@@ -88,8 +83,6 @@ class LiveFeed:
             if not self._subs:
                 self._subs = [await self._nc.subscribe(subject, cb=self._passing_on(name))
                               for subject, name in WATCHED.items()]
-                self._subs.append(await self._nc.subscribe(SESSION_RECORDS,
-                                                           cb=self._on_session_record))
                 await round_trip(self._nc)  # events from here on reach the listener
 
     async def _unsubscribe(self) -> None:
@@ -110,14 +103,6 @@ class LiveFeed:
             if isinstance(envelope, dict):
                 self._fan_out(name, msg.subject, envelope)
         return on_message
-
-    async def _on_session_record(self, msg: Msg) -> None:
-        if (msg.headers or {}).get("KV-Operation") not in REMOVALS:
-            return  # a record written: the pages read it when they need it
-        sid = msg.subject.rsplit(".", 1)[-1]
-        if subjects.is_valid_session_id(sid):
-            self._fan_out(SESSION_DELETED, msg.subject,
-                          {"session_id": sid, "timestamp": utc_now().isoformat()})
 
     def _fan_out(self, name: str, subject: str, envelope: dict[str, object]) -> None:
         for queue in self._listeners:

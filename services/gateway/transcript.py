@@ -20,12 +20,13 @@ from starlette.routing import Route
 
 from schemas import subjects
 from schemas.envelope import Envelope
-from schemas.messages import ErrorCode, Query, Reply
+from schemas.messages import ErrorCode, Query, Reply, SessionDeleted
 from services.core.transcript import InvalidCursor, Position, page_limit
 from services.gateway.errors import HttpError, error
 from services.shared.bus import Bus, decode
 from services.shared.history_store import HistoryStore
 from services.shared.jetstream import queued_queries
+from services.shared.nats_away import NATS_AWAY
 from services.shared.sessions import SessionStore
 from services.shared.transcript import json_export, markdown_export, page, page_before
 
@@ -114,6 +115,10 @@ class TranscriptRoutes:
                 await kv.purge(sid)
         self._history.forget(sid)
         log.info("session_deleted", session_id=sid)
+        # Told, not kept: a page that misses it finds the session gone on its next read.
+        with contextlib.suppress(*NATS_AWAY):
+            await self._bus.publish(subjects.session_deleted(sid), SessionDeleted(session_id=sid),
+                                    session_id=sid)
         return Response(status_code=204)
 
     async def _left_behind(self, sid: str) -> bool:
