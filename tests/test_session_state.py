@@ -15,7 +15,7 @@ import pytest
 
 from schemas import subjects
 from services.generator.service import QUERY_CONSUMER
-from tests.events import Watcher, watching
+from tests.events import Watcher, eventually, watching
 from tests.nats_server import NatsServer
 from tests.stub_server import configure_stub, running_stub
 from tests.system import System
@@ -129,3 +129,32 @@ async def test_a_session_reads_as_not_compacting_when_the_record_of_compactions_
         finally:
             await nc.close()
         assert await state_of(http, sid) == ("idle", "idle")
+
+
+async def test_a_compaction_running_across_a_nats_restart_is_still_the_state(
+    private_nats: NatsServer, stub: str, system: System
+) -> None:
+    """The record of compactions running lives in memory: after a restart of
+    NATS the session read idle until the compaction ended."""
+    system.add("generator", "services.generator").start()
+    async with system.http(timeout=60) as http:
+        sid = (await http.post("/api/sessions", json={})).json()["session_id"]
+        for n in range(3):
+            answer = await http.post(f"/api/sessions/{sid}/messages",
+                                     json={"content": f"question {n} !long 100"})
+            assert answer.status_code == 200, answer.text
+        await configure_stub(stub, held_models=[SUMMARISER])
+        async with watching(private_nats.url, *EVENTS) as watcher:
+            await http.post(f"/api/sessions/{sid}/compact")
+            await watcher.wait_until(lambda: bool(of_session(watcher, sid, "compaction.event")))
+        private_nats.restart()
+
+        async def compacting() -> bool:
+            response = await http.get(f"/api/sessions/{sid}")
+            return response.status_code == 200 and response.json()["state"] == "compacting"
+        await eventually(compacting, "the compaction recorded again", timeout_s=30)
+        await configure_stub(stub, held_models=[])
+
+        async def idle() -> bool:
+            return await state_of(http, sid) == ("idle", "idle")
+        await eventually(idle, "the compaction's end recorded", timeout_s=30)

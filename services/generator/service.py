@@ -157,10 +157,12 @@ class Generator:
 
     async def reconnected(self) -> None:
         """NATS came back, perhaps without its store: make again what lived
-        in it (the consumers, the history follower, the settings watch) and
-        read sessions afresh rather than trust what was cached of them."""
+        in it (the consumers, the history follower, the settings watch, the
+        record of the compactions running here) and read sessions afresh
+        rather than trust what was cached of them."""
         self._hearing_stops_since = datetime.now(UTC)
         self._sessions.forget_all()
+        await self._states.record_running_again()
         self._following = await self._history.follow_again(self._following)
         await self._live.watch_again()
         for (stream, config), loop in zip(self._consumers, self._loops, strict=True):

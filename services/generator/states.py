@@ -60,6 +60,8 @@ class SessionStates:
         self._owed_ends: set[tuple[str, str]] = set()
         self._started_while_owed: set[tuple[str, str]] = set()
         self._settling: asyncio.Task[None] | None = None
+        # The compactions running here, by session and correlation id.
+        self._compacting: set[tuple[str, str]] = set()
 
     def current(self, sid: str) -> SessionState:
         return self._states.get(sid, INITIAL)
@@ -103,15 +105,25 @@ class SessionStates:
         if (sid, correlation_id) in self._owed_ends:
             self._owed_ends.discard((sid, correlation_id))
             self._started_while_owed.add((sid, correlation_id))
+        self._compacting.add((sid, correlation_id))
         await self._record(sid, correlation_id, self._starting(correlation_id))
 
     async def compaction_ended(self, sid: str, correlation_id: str) -> None:
         """Recorded now if NATS takes it, else tried again in the background
         until it does: the result is not held back meanwhile."""
+        self._compacting.discard((sid, correlation_id))
         if not await self._record(sid, correlation_id, _ending(correlation_id)):
             self._owed_ends.add((sid, correlation_id))
             if self._settling is None or self._settling.done():
                 self._settling = asyncio.create_task(self._settle_owed_ends())
+
+    async def record_running_again(self) -> None:
+        """NATS came back: its bucket, kept in memory, may have come back
+        empty, and the sessions compacting here would read idle until their
+        compactions ended."""
+        self._running = None  # the bucket made again: not the handle to the old one
+        for sid, correlation_id in sorted(self._compacting):
+            await self._record(sid, correlation_id, self._starting(correlation_id))
 
     async def stop(self) -> None:
         if self._settling is not None:
