@@ -99,6 +99,18 @@ def test_a_stop_for_a_query_held_but_not_begun_withdraws_it() -> None:
     assert stops.stop("s1") is None  # nothing registered by the withdrawn turn
 
 
+def test_a_withdrawal_promised_holds_however_long_the_answer_ahead_takes() -> None:
+    """Told `withdrawing`, the caller was told withdrawn: an answer ahead
+    running past the duplicate window must not let the query run after all."""
+    clock = Clock()
+    stops = Stops(now=clock)
+    with stops.holding("q2"):
+        assert stops.stop("s1", "q2") is StopOutcome.withdrawing
+        clock.now = 10 * WITHDRAWN_FOR_S
+        with pytest.raises(Withdrawn), stops.running("s1", StopSwitch("q2")):
+            pass
+
+
 def test_a_stop_for_a_query_not_held_here_is_kept_for_when_it_comes() -> None:
     clock = Clock()
     stops = Stops(now=clock)

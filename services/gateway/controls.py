@@ -3,9 +3,9 @@ withdraw a message still waiting for its turn), and ask for a fresh answer
 to the last message.
 
 A stop is a core NATS request on `chat.stop.<session>`: every generator
-hears it, and only the one running the session's answer replies (and stops
-it). No reply in time means nothing runs it: a message still queued is then
-withdrawn."""
+hears it, and only the one running the session's answer, or holding the
+named query, replies (and stops it, or promises to withdraw it). No reply in
+time means none holds it: a message still queued is then withdrawn here."""
 
 from __future__ import annotations
 
@@ -118,18 +118,19 @@ class Controls:
         """Whether the query, which no process is answering, is withdrawn: one
         still waiting for its turn is now, and its caller told at once, not
         once the answers before it end. Every generator heard the stop: one
-        holding the query (`held`) withdraws it when its turn comes, as would
-        any other it comes to. One that may have missed the stop (started
-        since) reads the error reply kept here, and one started later cannot
-        take it: it is out of the queue."""
+        holding the query (`held`) has promised to withdraw it, as would any
+        other it came to. One that may have missed the stop (started since)
+        reads the error reply kept here; and the query leaves the queue, so
+        that none started later, or after the holder died, can take it."""
         waiting = await self._waiting(sid, query_id)
         if waiting is None:  # a generator withdrew it, or answered it
             return await self._kept_withdrawn(query_id)
         seq, question = waiting
         reply = Reply(session_id=sid, query_id=query_id, error=WITHDRAWN_TEXT,
                       error_code=ErrorCode.withdrawn)
-        await self._errors.keep(reply, question)  # before it leaves the queue
-        if not held and not await self._taken_out(seq):
+        if not await self._errors.keep(reply, question, first=True):
+            return await self._kept_withdrawn(query_id)  # it failed with an error of its own
+        if not await self._taken_out(seq) and not held:
             # Settled meanwhile: answered after all, or withdrawn by a generator.
             conversation = (await self._history.read(sid)).conversation
             return (conversation.answered(sid, query_id) is None

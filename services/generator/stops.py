@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from enum import StrEnum
+from enum import Enum, StrEnum
 from typing import Any, TypeVar
 
 from services.shared.jetstream import DUPLICATE_WINDOW_S
@@ -37,6 +37,12 @@ class StopOutcome(StrEnum):
     stopping = "stopping"  # the answer being written ends now
     withdrawing = "withdrawing"  # held here, not begun: it never will be
     finishing = "finishing"  # written already, being stored: not stopped
+
+
+class Held(Enum):
+    waiting = "waiting"  # for its turn
+    withdrawn = "withdrawn"  # a stop came while it waited
+    begun = "begun"
 
 
 class Withdrawn(Exception):
@@ -89,15 +95,14 @@ class Stops:
 
     def __init__(self, now: Callable[[], float] = time.monotonic) -> None:
         self._running: dict[str, StopSwitch] = {}
-        # Held queries: whether each has begun its turn.
-        self._held: dict[str, bool] = {}
-        # The stops heard for queries not running here, and when.
+        self._held: dict[str, Held] = {}
+        # The stops heard for queries not held here, and when.
         self._withdrawn: Recent[str, float] = Recent(MAX_WITHDRAWN)
         self._now = now
 
     @contextlib.contextmanager
     def holding(self, query_id: str) -> Iterator[None]:
-        self._held[query_id] = False
+        self._held[query_id] = Held.waiting
         try:
             yield
         finally:
@@ -111,7 +116,7 @@ class Stops:
         if self.withdrawn(switch.query_id):
             raise Withdrawn(switch.query_id)
         if switch.query_id in self._held:
-            self._held[switch.query_id] = True
+            self._held[switch.query_id] = Held.begun
         self._running[sid] = switch
         try:
             yield switch
@@ -124,6 +129,11 @@ class Stops:
         return switch.query_id if switch is not None else None
 
     def withdrawn(self, query_id: str) -> bool:
+        """Whether a stop came for the query before it began: for as long as
+        it is held here (a withdrawal promised holds however long the answer
+        ahead of it takes), else for the duplicate window."""
+        if self._held.get(query_id) is Held.withdrawn:
+            return True
         heard = self._withdrawn.get(query_id)
         return heard is not None and self._now() - heard < WITHDRAWN_FOR_S
 
@@ -138,7 +148,11 @@ class Stops:
             return StopOutcome.stopping
         if query_id is None:
             return None
-        if self._held.get(query_id):
+        held = self._held.get(query_id)
+        if held is Held.begun:
             return StopOutcome.finishing  # its answer is being stored: too late
         self._withdrawn.put(query_id, self._now())
-        return StopOutcome.withdrawing if query_id in self._held else None
+        if held is None:
+            return None
+        self._held[query_id] = Held.withdrawn
+        return StopOutcome.withdrawing

@@ -14,7 +14,7 @@ import re
 
 import structlog
 from nats.js import JetStreamContext
-from nats.js.errors import KeyNotFoundError
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 from pydantic import BaseModel, ValidationError
 
@@ -60,16 +60,24 @@ class QueryErrors:
         self._js = js
         self._kv: KeyValue | None = None
 
-    async def keep(self, reply: Reply, question: str) -> None:
+    async def keep(self, reply: Reply, question: str, first: bool = False) -> bool:
         """Best effort: a reply NATS will not take is still sent (or not) on its
-        own, and a resend then meets the key's other outcomes."""
+        own, and a resend then meets the key's other outcomes. `first`: only
+        if no error is kept for the query yet; False when one is."""
         kept = KeptError(reply=reply, question_digest=digest(question))
+        value = kept.model_dump_json().encode()
         try:
-            await (await self._bucket()).put(key_of(reply.query_id),
-                                             kept.model_dump_json().encode())
+            bucket = await self._bucket()
+            if first:
+                await bucket.create(key_of(reply.query_id), value)
+            else:
+                await bucket.put(key_of(reply.query_id), value)
+        except KeyWrongLastSequenceError:
+            return False
         except Exception as err:
             log.warning("error_reply_not_kept", query_id=reply.query_id,
                         error=f"{type(err).__name__}: {err}")
+        return True
 
     async def of(self, query_id: str) -> KeptError | None:
         """The error reply this query got within the window, if it got one."""
