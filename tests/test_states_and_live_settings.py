@@ -16,9 +16,9 @@ from services.compaction_decider.settings import DeciderSettings
 from services.core.state_machine import Action, CompactionMode, IllegalTransition
 from services.gateway.settings import GatewaySettings
 from services.generator.settings import GeneratorSettings
-from services.generator.states import SessionStates
+from services.generator.states import RecordNotTaken, SessionStates
 from services.shared.bus import Bus
-from services.shared.jetstream import config_bucket
+from services.shared.jetstream import config_bucket, ensure_layout
 from services.shared.live_config import LiveSettings
 from tests.nats_server import NatsServer
 from tests.processes import ServiceProcess
@@ -40,6 +40,31 @@ async def test_an_illegal_transition_is_raised_and_reported(nc: NATS) -> None:
         "idle", "receiving", "gen-test")
     await machine.recover("s-illegal")
     assert machine.current("s-illegal").visible.value == "idle"
+
+
+async def test_the_compactions_running_here_are_recorded_again_in_a_bucket_made_anew(
+        private_nats: NatsServer) -> None:
+    """The bucket lives in memory: NATS back after a restart holds it empty."""
+    nc = await nats.connect(private_nats.url)
+    try:
+        js = nc.jetstream()
+        await ensure_layout(js)
+        machine = SessionStates(Bus(nc, "generator"), "gen-test", CompactionMode.background)
+        await machine.compaction_started("s1", "c1")
+        await machine.compaction_started("s2", "c2")
+        await machine.compaction_ended("s2", "c2")
+        await js.delete_key_value(subjects.COMPACTIONS_RUNNING_BUCKET)
+        with pytest.raises(RecordNotTaken):  # no bucket yet: the reconnect tries again
+            await machine.record_running_again()
+        await ensure_layout(js)
+        await machine.record_running_again()
+        assert await machine.compaction_recorded("s1", "c1")
+        assert not await machine.compaction_recorded("s2", "c2")
+        await machine.compaction_ended("s1", "c1")
+        await machine.record_running_again()
+        assert not await machine.compaction_recorded("s1", "c1")
+    finally:
+        await nc.close()
 
 
 async def settled(live: LiveSettings[DeciderSettings], changed: asyncio.Event,

@@ -48,6 +48,10 @@ RECORD_ATTEMPTS = 5
 Change = Callable[[Mapping[str, str]], dict[str, str]]
 
 
+class RecordNotTaken(Exception):
+    """NATS did not take a write to the `compactions_running` bucket."""
+
+
 class SessionStates:
     def __init__(self, bus: Bus, generator_id: str, mode: CompactionMode) -> None:
         self._bus = bus
@@ -123,7 +127,13 @@ class SessionStates:
         compactions ended."""
         self._running = None  # the bucket made again: not the handle to the old one
         for sid, correlation_id in sorted(self._compacting):
-            await self._record(sid, correlation_id, self._starting(correlation_id))
+            if (sid, correlation_id) not in self._compacting:
+                continue  # ended meanwhile
+            if not await self._record(sid, correlation_id, self._starting(correlation_id)):
+                raise RecordNotTaken(sid)  # the reconnect's steps are tried again
+            if (sid, correlation_id) not in self._compacting:
+                # Its end, while this start was written, may have found nothing to remove.
+                await self.compaction_ended(sid, correlation_id)
 
     async def stop(self) -> None:
         if self._settling is not None:
