@@ -1204,7 +1204,7 @@ def test_a_session_deleted_elsewhere_is_closed_before_a_message_goes_into_it(
 
 
 def test_a_state_change_the_feed_brings_late_is_passed_over(
-        watched: Watched, nats_url: str) -> None:
+        watched: Watched, nats_url: str, system: System) -> None:
     """The live feed may bring a turn's last changes after the read that saw
     it end: "generating" then stood for the session's state, and Retry was
     off until the next change, a click on it lost."""
@@ -1213,11 +1213,13 @@ def test_a_state_change_the_feed_brings_late_is_passed_over(
     send(page, "first")
     badge = page.locator("#state-badge")
     playwright_api.expect(badge).to_have_attribute("data-state", "idle")
+    with system.client() as client:
+        generator = client.get(f"/api/sessions/{sid}").json()["state_by"]
     late = Envelope[StateChange](
         message_type=StateChange.MESSAGE_TYPE, subject=subjects.state(sid),
         sender_id="generator", session_id=sid, timestamp=utc_now() - timedelta(minutes=1),
         payload=StateChange(session_id=sid, from_state="receiving", to_state="generating",
-                            action="start_generation", generator_id="g"))
+                            action="start_generation", generator_id=generator))
     publish_now(nats_url, subjects.state(sid), late.model_dump_json().encode())
     playwright_api.expect(page.locator("#log")).to_contain_text("late, passed over")
     playwright_api.expect(badge).to_have_attribute("data-state", "idle")

@@ -271,18 +271,18 @@ const echoes = [live.compactingAfter(null, "compaction.event", "c9", "progress",
 // Two reads that both brought the newest answer show it once.
 const newer = chat.withNewer([{ position: "1" }, { position: "2" }],
                              [{ position: "2" }, { position: "3" }]).map((i) => i.position);
-// A live state change older than the newest state known is late; one not a time is not.
-const late = [["2026-01-02T14:02:30.500000Z", "2026-01-02T14:02:30.100000Z"],
-              ["2026-01-02T14:02:30.500000Z", "2026-01-02T14:02:31.000000Z"],
-              [null, "2026-01-02T14:02:30.100000Z"],
-              ["2026-01-02T14:02:30.500000Z", "not a time"]]
-  .map(([newest, at]) => live.staleState(newest, at));
-const newest = [["2026-01-02T14:02:30.500000Z", "2026-01-02T14:02:30.100000Z"],
-                ["2026-01-02T14:02:30.500000Z", "2026-01-02T14:02:31.000000Z"],
-                [null, "2026-01-02T14:02:30.100000Z"], ["2026-01-02T14:02:30.500000Z", null]]
-  .map(([current, at]) => live.newerStamp(current, at));
+// A live state change older than the newest state known is late, from the same
+// generator only (two clocks may disagree); one that is no time is not.
+const seen = { at: "2026-01-02T14:02:30.500000Z", by: "g1" };
+const late = [["2026-01-02T14:02:30.100000Z", "g1"], ["2026-01-02T14:02:31.000000Z", "g1"],
+              ["2026-01-02T14:02:30.100000Z", "g2"], ["not a time", "g1"]]
+  .map(([at, by]) => live.staleState(seen, at, by));
+const firstLate = live.staleState(null, "2026-01-02T14:02:30.100000Z", "g1");
+const newest = [["2026-01-02T14:02:30.100000Z", "g1"], ["2026-01-02T14:02:31.000000Z", "g1"],
+                ["2026-01-02T14:02:30.100000Z", "g2"], [null, "g1"]]
+  .map(([at, by]) => live.newestSeen(seen, at, by));
 console.log(JSON.stringify({
-  progress, waits, lateProgress, echoes, newer, late, newest,
+  progress, waits, lateProgress, echoes, newer, late, firstLate, newest,
   events: out, levels, levelsFrom600, fmt: shared.fmt(1234567), pct: shared.percent(1234, 3584),
   types: live.LIVE_EVENT_TYPES, banner, reload, gauge,
   shown: [["idle", false], ["generating", true], ["idle", true], ["compacting", false]]
@@ -370,6 +370,7 @@ def test_sse_parser_and_helpers_under_node(tmp_path: Path) -> None:
     assert result["lateProgress"] == "c9"
     assert result["echoes"] == [None, "c9", "c10"]
     assert result["newer"] == ["1", "2", "3"]
-    assert result["late"] == [True, False, False, False]
-    assert result["newest"] == ["2026-01-02T14:02:30.500000Z", "2026-01-02T14:02:31.000000Z",
-                                "2026-01-02T14:02:30.100000Z", "2026-01-02T14:02:30.500000Z"]
+    assert result["late"] == [True, False, False, False] and result["firstLate"] is False
+    seen = {"at": "2026-01-02T14:02:30.500000Z", "by": "g1"}
+    assert result["newest"] == [seen, {"at": "2026-01-02T14:02:31.000000Z", "by": "g1"},
+                                {"at": "2026-01-02T14:02:30.100000Z", "by": "g2"}, seen]

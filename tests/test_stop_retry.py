@@ -91,6 +91,7 @@ async def test_a_stop_mid_stream_ends_the_call_and_stores_the_partial_answer(
     assert session["state"] == "idle"
     # When it went idle: the page passes over live changes older than that.
     assert datetime.fromisoformat(session["state_at"]) <= datetime.now(UTC)
+    assert session["state_by"]  # which generator's clock says so
     # The session goes on as usual, its lock free.
     nxt = await http.post(f"/api/sessions/{sid}/messages", json={"content": "and now?"})
     assert nxt.status_code == 200, nxt.text

@@ -258,35 +258,37 @@ class Api:
         """The session's state, and the phase of its turn (what the state hides
         while a compaction runs). Read from the two records every generator
         writes to, not from whichever process published last."""
-        (phase, at), compacting = await asyncio.gather(self._phase(sid), self._compacting(sid))
-        # When the phase was entered: the page passes over live state events
-        # older than it (the feed may bring a turn's last ones after its end).
-        since = {"state_at": at} if at else {}
+        (phase, since), compacting = await asyncio.gather(self._phase(sid),
+                                                          self._compacting(sid))
         if phase is None:  # a record we cannot read
             return {"state": "compacting" if compacting else "unknown", "phase": "unknown"}
         return {"state": session_state(phase, compacting).value, "phase": phase.value, **since}
 
-    async def _phase(self, sid: str) -> tuple[Phase | None, str | None]:
-        """The phase of the session's last transition, and its time."""
+    async def _phase(self, sid: str) -> tuple[Phase | None, dict[str, str]]:
+        """The phase of the session's last transition, and when and by which
+        generator it was entered (`state_at`, `state_by`): the page passes
+        over live changes from that generator older than it, which the feed
+        may bring after a read that saw the turn end."""
         try:
             msg = await self._bus.js.get_last_msg(subjects.STATE_STREAM, subjects.state(sid),
                                                   direct=True)
         except NotFoundError:
-            return Phase.idle, None
+            return Phase.idle, {}
         except NoRespondersError:
             # The stream is in memory: after a NATS restart it is missing
             # until a service makes it again, and then empty until the
             # session's next transition. Either way nothing is going on.
             if not await missing(self._bus.js, subjects.STATE_STREAM):
                 raise
-            return Phase.idle, None
+            return Phase.idle, {}
         try:
             envelope = parse_json(msg.data or b"{}")
             change = StateChange.model_validate(envelope["payload"])
             at = envelope.get("timestamp")
-            return Phase(change.to_state), at if isinstance(at, str) else None
+            since = {"state_at": at, "state_by": change.generator_id} if isinstance(at, str) else {}
+            return Phase(change.to_state), since
         except (ValueError, KeyError, TypeError, AttributeError, ValidationError):
-            return None, None
+            return None, {}
 
     async def _compacting(self, sid: str) -> bool:
         try:

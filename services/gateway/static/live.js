@@ -70,20 +70,23 @@ export function parseSseBlock(block) {
   return { event, data: data.join("\n") };
 }
 
-// Whether a live state change stamped `at` is older than the newest state
-// this page knows (`newest`, from a read or an earlier event): the feed may
-// bring a turn's last changes after a read that saw the turn end, and they
-// would stand for the session's state until the next.
-export function staleState(newest, at) {
-  const known = Date.parse(newest ?? "");
+// Whether a live state change, stamped `at` by generator `by`, is older than
+// the newest state this page knows (`seen`: { at, by }, from a read or an
+// earlier event): the feed may bring a turn's last changes after a read that
+// saw the turn end, and they would stand for the session's state until the
+// next. Only one generator's stamps are compared: two clocks may disagree.
+export function staleState(seen, at, by) {
+  if (!seen || seen.by !== by) return false;
+  const known = Date.parse(seen.at ?? "");
   const stamp = Date.parse(at ?? "");
   return Number.isFinite(known) && Number.isFinite(stamp) && stamp < known;
 }
 
-// The newer of two stamps; one that is no time keeps the other.
-export function newerStamp(current, at) {
-  if (!Number.isFinite(Date.parse(at ?? "")) || staleState(current, at)) return current;
-  return at;
+// The newest state known once a change (or a read) stamped `at` by `by` is
+// taken in; one with no time leaves it as it was.
+export function newestSeen(seen, at, by) {
+  if (!Number.isFinite(Date.parse(at ?? "")) || staleState(seen, at, by)) return seen;
+  return { at, by };
 }
 
 // The compaction the "compacting" banner stands for (its correlation id), after
@@ -238,11 +241,11 @@ function onSessionDeleted(p, ts) {
 
 function onStateChange(p, ts) {
   const change = `${p.from_state ?? "?"} → ${p.to_state ?? "?"}${p.action ? ` (${p.action})` : ""}`;
-  if (staleState(app.stateAt, ts)) {
+  if (staleState(app.stateSeen, ts, p.generator_id)) {
     logLine("generator.state", `${change}: late, passed over`, ts);
     return;
   }
-  app.stateAt = newerStamp(app.stateAt, ts);
+  app.stateSeen = newestSeen(app.stateSeen, ts, p.generator_id);
   app.phase = p.to_state ?? "unknown";
   app.pending?.stateChanged(p.action, p.to_state);
   renderState(p.action ? `after ${p.action}` : "");

@@ -4,7 +4,7 @@
 
 import { API, listSessions, requestJson } from "./api.js";
 import { app, el, isValidSessionId, show, showNotice, ui } from "./shared.js";
-import { compactingAfterRead, connectEvents, disconnectEvents, newerStamp, staleState } from "./live.js";
+import { compactingAfterRead, connectEvents, disconnectEvents, newestSeen, staleState } from "./live.js";
 import { abandonAnswer, clearTranscript, loadNewer, renderRetry, resumeTurn, setComposerEnabled } from "./chat.js";
 import { forgetKeptTurn } from "./kept.js";
 import {
@@ -133,7 +133,7 @@ function leaveSession() {
   app.lastReply = null;
   app.compacting = null;
   app.phase = "unknown";
-  app.stateAt = null;
+  app.stateSeen = null;
   app.items = [];
   app.older = null;
   clearTranscript();
@@ -223,8 +223,8 @@ function renderPhase(session, seq) {
     app.compactingSeenAt, app.compactionEndSeenAt);
   // During a turn its phase follows the live events, which a read may trail,
   // as it may any event newer than itself.
-  const trailing = staleState(app.stateAt, session.state_at);
-  app.stateAt = newerStamp(app.stateAt, session.state_at);
+  const trailing = staleState(app.stateSeen, session.state_at, session.state_by);
+  app.stateSeen = newestSeen(app.stateSeen, session.state_at, session.state_by);
   if (session.state && !app.busy && !trailing) {
     app.phase = session.phase ?? session.state;
     renderState();

@@ -71,7 +71,7 @@ export const app = {
   loadSeq: 0,
   refreshTimer: null,
   phase: "unknown", // the turn's phase, from generator.state events and reads
-  stateAt: null, // when the newest of those was entered (see staleState)
+  stateSeen: null, // { at, by }: when, and by which generator, the newest of those was entered
   compacting: null, // correlation id of the compaction running, if one is
   compactingSeenAt: 0, // loadSeq when that compaction's start arrived
   compactionEndSeenAt: 0, // loadSeq when the last compaction result arrived
