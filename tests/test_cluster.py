@@ -207,6 +207,14 @@ async def run_and_check(cluster: NatsCluster, system: System, http: httpx.AsyncC
     await assert_replicated(cluster.url, 3)
 
 
+def diagnosis(system: System, cluster: NatsCluster) -> str:
+    """What the services and the nodes logged last: a stall across a node's
+    death is seldom seen, and these say where it was."""
+    nodes = "\n".join(f"--- node {name}\n{node.log()[-4000:]}"
+                      for name, node in cluster.nodes.items())
+    return f"{system.logs()}\n{nodes}"
+
+
 # Its waits, one after the other, may take longer than the suite's timeout.
 @pytest.mark.timeout(int(2 * REPLY_WAIT_S + 60))
 async def test_a_reply_sent_while_the_gateway_was_away_still_reaches_its_caller() -> None:
@@ -243,6 +251,9 @@ async def test_a_reply_sent_while_the_gateway_was_away_still_reaches_its_caller(
                                            timeout_s=REPLY_WAIT_S)
                     cluster.restart("n1")
                     answer = await asyncio.wait_for(asking, REPLY_WAIT_S + 30)
+            except BaseException:
+                print(diagnosis(system, cluster))  # shown with the failure
+                raise
             finally:
                 system.stop()
     assert answer.status_code == 200, answer.text
