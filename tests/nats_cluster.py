@@ -33,6 +33,8 @@ class NatsCluster:
                                for other in self.names if other != name)
             self.nodes[name] = NatsServer(str(store), extra_config=(
                 f"server_name: {name}\n"
+                # Read by `NatsServer.log` when a test needs to say what went on.
+                f'log_file: "{store / "server.log"}"\n'
                 f"cluster {{ name: chat, listen: 127.0.0.1:{route_ports[name]},"
                 f" routes: [{routes}], no_advertise: {str(not advertise).lower()} }}\n"))
 

@@ -73,7 +73,8 @@ class NatsServer:
                 "-m", "0", "-l", str(self.log_path), *self.shipped_arguments]
 
     def log(self) -> str:
-        """What a server on the shipped configuration logged."""
+        """What the server logged, if it logs to its file (on the shipped
+        configuration, or as a node of `tests.nats_cluster`)."""
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
     def _write_config(self) -> Path:

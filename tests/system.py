@@ -81,8 +81,8 @@ class System:
     def http(self, timeout: float = 30.0) -> httpx.AsyncClient:
         return gateway_client(self.base_url, timeout)
 
-    def logs(self) -> str:
-        return "\n".join(f"--- {n}\n{p.log()[-3000:]}" for n, p in self.processes.items())
+    def logs(self, tail: int = 3000) -> str:
+        return "\n".join(f"--- {n}\n{p.log()[-tail:]}" for n, p in self.processes.items())
 
 
 @contextmanager

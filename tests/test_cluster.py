@@ -210,9 +210,9 @@ async def run_and_check(cluster: NatsCluster, system: System, http: httpx.AsyncC
 def diagnosis(system: System, cluster: NatsCluster) -> str:
     """What the services and the nodes logged last: a stall across a node's
     death is seldom seen, and these say where it was."""
-    nodes = "\n".join(f"--- node {name}\n{node.log()[-4000:]}"
+    nodes = "\n".join(f"--- node {name}\n{node.log()[-8000:]}"
                       for name, node in cluster.nodes.items())
-    return f"{system.logs()}\n{nodes}"
+    return f"{system.logs(tail=12000)}\n{nodes}"
 
 
 # Its waits, one after the other, may take longer than the suite's timeout.

@@ -27,10 +27,11 @@ from schemas import subjects
 from schemas.history import ChatMessage, Snapshot
 from schemas.messages import Query, Reply
 from schemas.session import SessionRecord
+from services.core.decision import Policy
 from services.core.failed_tries import MAX_CRASHES
 from services.generator.models import ModelFacts
 from services.generator.provider import ChatRequest, ChatResult, OnToken, ProviderError
-from services.generator.service import QUERY_CONSUMER, Generator, work_queue_consumer
+from services.generator.service import QUERY_CONSUMER, Generator, raised_in, work_queue_consumer
 from services.generator.session_lock import SessionLocks
 from services.generator.settings import GeneratorSettings
 from services.shared.bus import Bus, decode
@@ -366,3 +367,13 @@ async def test_an_answer_nats_does_not_take_at_once_is_stored_without_asking_aga
 
 def tried_again(logs: list[MutableMapping[str, Any]]) -> int:
     return sum(entry["event"] == "history_write_tried_again" for entry in logs)
+
+
+def test_a_failure_logged_names_the_function_of_ours_it_came_from() -> None:
+    """`query_met_nats_away error=TimeoutError` alone could not say which of a
+    turn's NATS calls went unanswered."""
+    try:
+        Policy(threshold=2.0)
+    except ValueError as err:
+        assert raised_in(err) == "decision.__post_init__"
+    assert raised_in(ValueError("raised nowhere")) == "?"

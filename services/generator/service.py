@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -500,7 +503,8 @@ class Generator:
         if failure is Failure.crash:
             log.exception("query_crashed", error=str(err))
         else:
-            log.warning(f"query_met_{failure.value}", error=type(err).__name__)
+            log.warning(f"query_met_{failure.value}", error=type(err).__name__,
+                        where=raised_in(err))
         sid = env.payload.session_id
         with contextlib.suppress(Exception):
             await self._states.recover(sid, env.correlation_id)
@@ -534,6 +538,14 @@ class Generator:
                     seq, (oldest.headers or {}).get(MSG_ID_HEADER)):
                 return seq
         return None
+
+def raised_in(err: BaseException) -> str:
+    """The last of our functions the error passed through: which of a turn's
+    NATS calls did not answer, where the error's type alone cannot say."""
+    ours = [frame for frame in traceback.extract_tb(err.__traceback__)
+            if f"{os.sep}services{os.sep}" in frame.filename]
+    return f"{Path(ours[-1].filename).stem}.{ours[-1].name}" if ours else "?"
+
 
 def work_queue_consumer(durable: str, subject: str, ack_wait_s: float) -> ConsumerConfig:
     """The durable consumer every generator process shares on a work queue."""
