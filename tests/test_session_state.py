@@ -71,19 +71,25 @@ async def state_of(http: httpx.AsyncClient, sid: str) -> tuple[str, str]:
     return body["state"], body["phase"]
 
 
+async def turns_to_fold(http: httpx.AsyncClient, stub: str) -> str:
+    """A new session with three long turns; a summary of them stays under way
+    until the test lets it go."""
+    sid = str((await http.post("/api/sessions", json={})).json()["session_id"])
+    for n in range(3):
+        answer = await http.post(f"/api/sessions/{sid}/messages",
+                                 json={"content": f"question {n} !long 100"})
+        assert answer.status_code == 200, answer.text
+    await configure_stub(stub, held_models=[SUMMARISER])
+    return sid
+
+
 async def test_a_compaction_on_one_generator_stays_the_state_while_another_answers(
     private_nats: NatsServer, stub: str, system: System
 ) -> None:
     compacting = system.add("generator-a", "services.generator", {"GENERATOR_ID": "gen-a"})
     compacting.start()
     async with system.http(timeout=60) as http:
-        sid = (await http.post("/api/sessions", json={})).json()["session_id"]
-        for n in range(3):
-            answer = await http.post(f"/api/sessions/{sid}/messages",
-                                     json={"content": f"question {n} !long 100"})
-            assert answer.status_code == 200, answer.text
-        # The summary stays under way until the test lets it go.
-        await configure_stub(stub, held_models=[SUMMARISER])
+        sid = await turns_to_fold(http, stub)
         async with watching(private_nats.url, *EVENTS) as watcher:
             await http.post(f"/api/sessions/{sid}/compact")
             await watcher.wait_until(lambda: bool(of_session(watcher, sid, "compaction.event")))
@@ -138,12 +144,7 @@ async def test_a_compaction_running_across_a_nats_restart_is_still_the_state(
     NATS the session read idle until the compaction ended."""
     system.add("generator", "services.generator").start()
     async with system.http(timeout=60) as http:
-        sid = (await http.post("/api/sessions", json={})).json()["session_id"]
-        for n in range(3):
-            answer = await http.post(f"/api/sessions/{sid}/messages",
-                                     json={"content": f"question {n} !long 100"})
-            assert answer.status_code == 200, answer.text
-        await configure_stub(stub, held_models=[SUMMARISER])
+        sid = await turns_to_fold(http, stub)
         async with watching(private_nats.url, *EVENTS) as watcher:
             await http.post(f"/api/sessions/{sid}/compact")
             await watcher.wait_until(lambda: bool(of_session(watcher, sid, "compaction.event")))
