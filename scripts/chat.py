@@ -143,11 +143,15 @@ class Chat:
         self.out.print()
         response = self.client.post(f"/api/sessions/{self.sid}/stop", json={},
                                     headers={"Idempotency-Key": key})
+        if response.status_code == 202 and response.json().get("status") == "withdrawn":
+            self.unsure = None  # never answered, nothing kept: sent again, it is a new message
+            self.out.print(Text("withdrawn before its turn: not answered, and nothing of it "
+                                "kept", style="yellow"))
+            return
         if response.status_code == 202:
             said = "stopping: the answer is kept as far as it was written"
         elif response.status_code == 409:
-            said = ("no answer was being written yet: the message stays queued and is "
-                    "answered into the history")
+            said = "nothing was being written for it: its answer may have just been written"
         else:
             said = f"could not stop: {failure(response)}"
         self.out.print(Text(f"{said}; /again shows what became of it", style="yellow"))

@@ -4,6 +4,7 @@ session, streamed answers with a context line, /compact, /state,
 
 from __future__ import annotations
 
+import asyncio
 import os
 import queue
 import re
@@ -16,8 +17,10 @@ from pathlib import Path
 from typing import IO
 
 import httpx
+import nats
 import pytest
 
+from schemas.subjects import QUERIES_STREAM
 from scripts.chat import UNKNOWN_OUTCOME, auth_headers, failure
 from tests.events import until
 from tests.nats_server import NatsServer
@@ -136,10 +139,10 @@ def test_again_sends_a_late_message_once_more_and_it_is_answered_once(
     assert [m["role"] for m in stored] == ["user", "assistant"]
 
 
-def chat_client(system: System) -> tuple[subprocess.Popen[str], Printed]:
+def chat_client(system: System, *args: str) -> tuple[subprocess.Popen[str], Printed]:
     """The client, fed line by line, and what it prints as it prints it."""
     client = subprocess.Popen(
-        [sys.executable, "-m", "scripts.chat", "--url", system.base_url],
+        [sys.executable, "-m", "scripts.chat", "--url", system.base_url, *args],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         cwd=REPO_ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert client.stdout is not None
@@ -201,6 +204,57 @@ def test_ctrl_c_while_it_answers_stops_that_answer_and_the_chat_goes_on(
             if client.poll() is None:
                 client.kill()
     assert "assistant: Echo: and now briefly (turn 2)" in out, out
+
+
+def test_ctrl_c_while_its_message_waits_for_its_turn_withdraws_it(
+        private_nats: NatsServer) -> None:
+    """Another client's answer of the session runs: the message is withdrawn,
+    not answered after it."""
+    with running_stub() as stub, \
+            running_system(private_nats.url, stub, {}, services=("generator", "gateway")) \
+            as system, system.client(timeout_s=60) as http:
+        sid = new_session(http)
+        configure_stub_now(stub, held_models=["stub-model"])  # answers once let go
+        ahead = threading.Thread(target=lambda: ask(system, sid, "from another client"))
+        ahead.start()
+        until(lambda: http.get(f"/api/sessions/{sid}").json()["phase"] == "generating",
+              "the other answer under way")
+        client, printed = chat_client(system, "--session", sid)
+        assert client.stdin is not None
+        try:
+            client.stdin.write("never mind\n")
+            client.stdin.flush()
+            until(lambda: queued_here(private_nats.url) == 2, "the message queued")
+            client.send_signal(signal.SIGINT)  # what Ctrl-C does in a terminal
+            assert "withdrawn before its turn" in printed.next_with("withdrawn")
+            configure_stub_now(stub, held_models=[])
+            client.stdin.write("/quit\n")
+            client.stdin.close()
+            assert client.wait(timeout=60) == 0
+        finally:
+            if client.poll() is None:
+                client.kill()
+            configure_stub_now(stub, held_models=[])
+            ahead.join(timeout=60)
+        users = [m["content"] for m in http.get(f"/api/sessions/{sid}").json()["messages"]
+                 if m["role"] == "user"]
+    assert users == ["from another client"]
+
+
+def ask(system: System, sid: str, content: str) -> None:
+    with system.client(timeout_s=60) as http:
+        http.post(f"/api/sessions/{sid}/messages", json={"content": content})
+
+
+def queued_here(nats_url: str) -> int:
+    """The queries in the QUERIES stream of the test's own server."""
+    async def count() -> int:
+        nc = await nats.connect(nats_url)
+        try:
+            return int((await nc.jetstream().stream_info(QUERIES_STREAM)).state.messages)
+        finally:
+            await nc.close()
+    return asyncio.run(count())
 
 
 def test_the_terminal_chat_and_the_page_send_again_after_the_same_failures() -> None:
