@@ -196,9 +196,7 @@ def test_ctrl_c_while_it_answers_stops_that_answer_and_the_chat_goes_on(
                 client.send_signal(signal.SIGINT)  # what Ctrl-C does in a terminal
                 assert "stopping" in printed.next_with("/again")
             configure_stub_now(stub, paused_models=[])
-            client.stdin.write("and now briefly\n/quit\n")
-            client.stdin.close()
-            assert client.wait(timeout=60) == 0
+            ended(client, "and now briefly\n/quit\n")
             out = printed.rest()
         finally:
             if client.poll() is None:
@@ -228,9 +226,7 @@ def test_ctrl_c_while_its_message_waits_for_its_turn_withdraws_it(
             client.send_signal(signal.SIGINT)  # what Ctrl-C does in a terminal
             assert "withdrawn before its turn" in printed.next_with("withdrawn")
             configure_stub_now(stub, held_models=[])
-            client.stdin.write("/quit\n")
-            client.stdin.close()
-            assert client.wait(timeout=60) == 0
+            ended(client, "/quit\n")
         finally:
             if client.poll() is None:
                 client.kill()
@@ -239,6 +235,14 @@ def test_ctrl_c_while_its_message_waits_for_its_turn_withdraws_it(
         users = [m["content"] for m in http.get(f"/api/sessions/{sid}").json()["messages"]
                  if m["role"] == "user"]
     assert users == ["from another client"]
+
+
+def ended(client: subprocess.Popen[str], last_lines: str) -> None:
+    """The client given its last lines, and gone with no error."""
+    assert client.stdin is not None
+    client.stdin.write(last_lines)
+    client.stdin.close()
+    assert client.wait(timeout=60) == 0
 
 
 def ask(system: System, sid: str, content: str) -> None:
