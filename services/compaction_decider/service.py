@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -214,9 +214,9 @@ class Decider:
             metrics.decider().requests.labels(decision.level.value).inc()
             # Pending only once the request is stored, and only if its result
             # has not already come meanwhile (it clears `awaiting`).
-            if tracked.awaiting == correlation_id:  # and any compaction heard of meanwhile
-                tracked.memory = on_compacted(fired, tracked.memory.compactions,
-                                              tracked.memory.compacted_at)
+            if tracked.awaiting == correlation_id:  # onto what was heard of meanwhile
+                tracked.memory = replace(tracked.memory, pending=fired.pending,
+                                         last_fired_at=fired.last_fired_at)
 
     async def _request(self, sid: str, decision: Decision, correlation_id: str) -> bool:
         """Publish the request; False (logged) when it was not confirmed stored."""

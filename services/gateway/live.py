@@ -100,14 +100,12 @@ class LiveFeed:
                 envelope = parse_json(msg.data)
             except ValueError:
                 return  # malformed events are reported by the services that consume them
-            if isinstance(envelope, dict):
-                self._fan_out(name, msg.subject, envelope)
+            if not isinstance(envelope, dict):
+                return
+            for queue in self._listeners:
+                if queue.qsize() < QUEUE_LIMIT:
+                    queue.put_nowait((name, msg.subject, envelope))
         return on_message
-
-    def _fan_out(self, name: str, subject: str, envelope: dict[str, object]) -> None:
-        for queue in self._listeners:
-            if queue.qsize() < QUEUE_LIMIT:
-                queue.put_nowait((name, subject, envelope))
 
     async def stream(self, session_id: str | None) -> AsyncGenerator[str, None]:
         queue: Listener = asyncio.Queue()
