@@ -16,6 +16,9 @@ from nats.js.errors import NotFoundError
 
 from schemas import subjects
 from schemas.history import HistoryEntry
+from schemas.messages import Query, Reply
+from services.shared.bus import Bus
+from services.shared.query_errors import QueryErrors
 from tests import slow_answers
 from tests.events import (
     Watcher,
@@ -316,3 +319,34 @@ async def test_a_stop_while_a_tool_call_waits_ends_the_answer_there(
     assert ("waiting_for_tool", "generating", "stop") in transitions(states, sid)
     assert [m["role"] for m in messages] == ["user", "assistant"]
     assert messages[-1]["stopped"] is True and messages[-1]["content"] == "Looking"
+
+
+async def test_a_retry_is_not_refused_for_a_failed_query_still_in_the_queue(
+        private_nats: NatsServer, stub: str) -> None:
+    """The work queue drops a query a moment after its acknowledgement: one
+    that failed, its error reply sent and kept, read as a message still
+    waiting, and a retry right after the failure was refused `turn_running`."""
+    system = System(private_nats.url, stub, {"REPLY_TIMEOUT_S": "1"},
+                    services=("generator", "gateway")).start()
+    try:
+        async with system.http() as http:
+            sid = await create(http)
+            first = await http.post(f"/api/sessions/{sid}/messages", json={"content": "first"})
+            assert first.status_code == 200, first.text
+            system["generator"].stop()  # nothing takes the queue from here on
+            nc = await nats.connect(private_nats.url)
+            try:
+                bus = Bus(nc, "generator")
+                failed, _ = await bus.js_publish(subjects.query(sid), Query(
+                    session_id=sid, content="failed"), session_id=sid)
+                await QueryErrors(bus.js).keep(Reply(
+                    session_id=sid, query_id=failed.message_id, error="the model failed",
+                    error_code="provider_error"), "failed")
+            finally:
+                await nc.close()
+            retry = await http.post(f"/api/sessions/{sid}/retry")
+    finally:
+        system.stop()
+    # Taken and queued (no generator runs to answer it), not refused.
+    assert retry.status_code == 504, retry.text
+    assert retry.json()["error"]["code"] == "reply_timeout"

@@ -198,14 +198,18 @@ class Controls:
         when this retry, sent before under its key, is queued (its resend
         waits for that answer, whatever was sent after it). The work queue
         drops a query a moment after its acknowledgement: one whose answer is
-        stored already is done."""
+        stored already, or whose error reply is kept (a failure, a
+        withdrawal), is done."""
         queued = await self._queued(sid)
         if ours is not None and ours in queued:
             return False
         if (await self._answers.state(sid))["phase"] not in QUIET_PHASES:
             return True
         answered = {m.query_id for m in conversation.messages}
-        return any(query_id not in answered for query_id in queued)
+        for query_id in queued:
+            if query_id not in answered and await self._errors.reply_of(query_id) is None:
+                return True
+        return False
 
     async def _queued(self, sid: str) -> list[str]:
         """The ids of the session's queries in the queue, oldest first (a
