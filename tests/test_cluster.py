@@ -21,7 +21,12 @@ from pydantic import ValidationError
 
 from schemas import subjects
 from services.generator.session_lock import free_marker_of
-from services.shared.jetstream import ReplicasMismatch, bucket_keys, ensure_layout
+from services.shared.jetstream import (
+    ReplicasMismatch,
+    bucket_keys,
+    ensure_layout,
+    locks_bucket,
+)
 from services.shared.settings import ServiceSettings, nats_servers
 from tests.events import eventually, watching
 from tests.nats_cluster import NatsCluster, running_cluster
@@ -272,6 +277,29 @@ async def test_a_layout_made_with_one_replica_is_moved_to_three(cluster: NatsClu
     finally:
         await nc.close()
     await assert_replicated(cluster.url, 3)
+
+
+async def test_a_layout_is_made_with_its_replicas_from_the_first(cluster: NatsCluster) -> None:
+    """Not made with one copy and moved to three: a bucket moved so just
+    before a node dies can be left without a leader for minutes."""
+    nc = await nats.connect(cluster.url.split(","))
+    try:
+        await ensure_layout(nc.jetstream(), replicas=3)  # as a service not the owner does
+    finally:
+        await nc.close()
+    await assert_replicated(cluster.url, 3)
+
+
+async def test_more_replicas_than_the_servers_is_reported_when_made(
+        private_nats: NatsServer) -> None:
+    nc = await nats.connect(private_nats.url)
+    try:
+        with pytest.raises(ReplicasMismatch, match=r"stream .* cannot be made"):
+            await ensure_layout(nc.jetstream(), replicas=3)
+        with pytest.raises(ReplicasMismatch, match=r"bucket .* cannot be made"):
+            await locks_bucket(nc.jetstream(), None, replicas=3)
+    finally:
+        await nc.close()
 
 
 async def test_more_replicas_than_the_servers_is_reported_by_stream(

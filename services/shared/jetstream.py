@@ -29,7 +29,7 @@ from nats.js.api import (
     StreamConfig,
     StreamInfo,
 )
-from nats.js.errors import APIError, BadRequestError, NotFoundError
+from nats.js.errors import APIError, NotFoundError
 from nats.js.errors import Error as JetStreamError
 from nats.js.kv import KeyValue
 
@@ -143,11 +143,14 @@ async def ensure_layout(js: JetStreamContext, lock_lease_s: float | None = None,
             found[name] = await js.stream_info(name)
         except NotFoundError:
             await _add_stream(js, config, replicas or 1)
-    await sessions_bucket(js)
-    await locks_bucket(js, lock_lease_s)
-    await compactions_running_bucket(js)
-    await config_bucket(js)
-    await query_errors_bucket(js)
+    # Made with their copies from the first: a bucket made with one and moved
+    # to three just after can be left without a leader when a node goes then.
+    copies = replicas or 1
+    await sessions_bucket(js, copies)
+    await locks_bucket(js, lock_lease_s, copies)
+    await compactions_running_bucket(js, copies)
+    await config_bucket(js, copies)
+    await query_errors_bucket(js, copies)
     if move_replicas:
         history = found.get(s.HISTORY_STREAM)
         if history is not None:  # one made just now is as it should be
@@ -167,7 +170,7 @@ async def refuse_rollups(js: JetStreamContext, info: StreamInfo) -> None:
 async def _add_stream(js: JetStreamContext, config: StreamConfig, replicas: int) -> None:
     try:
         await js.add_stream(config, num_replicas=replicas)
-    except BadRequestError as err:
+    except APIError as err:
         if err.err_code == NAME_IN_USE:  # another service made it meanwhile
             return
         raise ReplicasMismatch(
@@ -245,32 +248,34 @@ async def bucket_keys(js: JetStreamContext, bucket: str) -> list[str]:
     return [subject.removeprefix(prefix) for subject in subjects]
 
 
-async def sessions_bucket(js: JetStreamContext) -> KeyValue:
+async def sessions_bucket(js: JetStreamContext, replicas: int = 1) -> KeyValue:
     return await _bucket(js, KeyValueConfig(bucket=s.SESSIONS_BUCKET, history=1,
-                                            storage=StorageType.FILE))
+                                            storage=StorageType.FILE, replicas=replicas))
 
 
-async def compactions_running_bucket(js: JetStreamContext) -> KeyValue:
+async def compactions_running_bucket(js: JetStreamContext, replicas: int = 1) -> KeyValue:
     # Memory, as the states: worthless after a restart, written twice a compaction.
     return await _bucket(js, KeyValueConfig(bucket=s.COMPACTIONS_RUNNING_BUCKET, history=1,
-                                            storage=StorageType.MEMORY))
+                                            storage=StorageType.MEMORY, replicas=replicas))
 
 
-async def config_bucket(js: JetStreamContext) -> KeyValue:
+async def config_bucket(js: JetStreamContext, replicas: int = 1) -> KeyValue:
     """The settings changed live (`services.shared.live_config`), with a few
     earlier values of each kept."""
     return await _bucket(js, KeyValueConfig(bucket=s.CONFIG_BUCKET, history=5,
-                                            storage=StorageType.FILE))
+                                            storage=StorageType.FILE, replicas=replicas))
 
 
-async def query_errors_bucket(js: JetStreamContext) -> KeyValue:
+async def query_errors_bucket(js: JetStreamContext, replicas: int = 1) -> KeyValue:
     """Error replies (`services.shared.query_errors`), each kept as long as the
     QUERIES stream drops a resend of its query."""
     return await _bucket(js, KeyValueConfig(bucket=s.QUERY_ERRORS_BUCKET, history=1,
-                                            ttl=DUPLICATE_WINDOW_S, storage=StorageType.FILE))
+                                            ttl=DUPLICATE_WINDOW_S, storage=StorageType.FILE,
+                                            replicas=replicas))
 
 
-async def locks_bucket(js: JetStreamContext, lease_s: float | None) -> KeyValue:
+async def locks_bucket(js: JetStreamContext, lease_s: float | None,
+                       replicas: int = 1) -> KeyValue:
     """The lock bucket, its TTL set to `lease_s` when given (else, if it is
     new, to the default lease)."""
     # A bucket-wide TTL with history=1: every renewal (an update) restarts the
@@ -278,7 +283,7 @@ async def locks_bucket(js: JetStreamContext, lease_s: float | None) -> KeyValue:
     # within one lease. (A per-message TTL would be lost by the first update.)
     kv = await _bucket(js, KeyValueConfig(bucket=s.LOCKS_BUCKET, history=1,
                                           ttl=lease_s or DEFAULT_LOCK_LEASE_S,
-                                          storage=StorageType.FILE))
+                                          storage=StorageType.FILE, replicas=replicas))
     if lease_s is None:
         return kv
     info = await js.stream_info(f"KV_{s.LOCKS_BUCKET}")
@@ -296,10 +301,14 @@ async def _bucket(js: JetStreamContext, config: KeyValueConfig) -> KeyValue:
         pass
     try:
         return await js.create_key_value(config)
-    except BadRequestError as err:
-        if err.err_code != NAME_IN_USE:
-            raise
-        return await js.key_value(config.bucket)  # another service made it meanwhile
+    except APIError as err:
+        if err.err_code == NAME_IN_USE:  # another service made it meanwhile
+            return await js.key_value(config.bucket)
+        if config.replicas > 1:
+            raise ReplicasMismatch(
+                f"bucket {config.bucket} with {config.replicas} replicas cannot be made: {err}"
+                " (JETSTREAM_REPLICAS may not exceed the cluster's JetStream servers)") from err
+        raise
 
 
 async def queued_queries(js: JetStreamContext, sid: str, direct: bool,
