@@ -280,8 +280,8 @@ async def test_a_layout_made_with_one_replica_is_moved_to_three(cluster: NatsClu
 
 
 async def test_a_layout_is_made_with_its_replicas_from_the_first(cluster: NatsCluster) -> None:
-    """Not made with one copy and moved to three: a bucket moved so just
-    before a node dies can be left without a leader for minutes."""
+    """Not made with one copy and moved to three: a bucket moved so takes no
+    writes for about 5 s, the first turns' locks among them."""
     nc = await nats.connect(cluster.url.split(","))
     try:
         await ensure_layout(nc.jetstream(), replicas=3)  # as a service not the owner does

@@ -144,7 +144,7 @@ async def ensure_layout(js: JetStreamContext, lock_lease_s: float | None = None,
         except NotFoundError:
             await _add_stream(js, config, replicas or 1)
     # Made with their copies from the first: a bucket made with one and moved
-    # to three just after can be left without a leader when a node goes then.
+    # to three takes no writes for about 5 s while its new copies join.
     copies = replicas or 1
     await sessions_bucket(js, copies)
     await locks_bucket(js, lock_lease_s, copies)
