@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from services.core.prompt import MESSAGE_OVERHEAD_CHARS, compact_json, tools_chars
+from services.core.prompt import MESSAGE_OVERHEAD_CHARS, compact_json
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,8 @@ def tools_size(tools: Sequence[Mapping[str, Any]]) -> Size:
     """The offered tools (no messages of their own)."""
     if not tools:
         return Size()
-    return Size(tools_chars(tools), extra_bytes(compact_json(list(tools))), 0)
+    text = compact_json(list(tools))  # as `prompt.tools_chars` counts them
+    return Size(len(text), extra_bytes(text), 0)
 
 
 def prompt_size(messages: Sequence[Mapping[str, Any]],
