@@ -18,7 +18,14 @@ from schemas.subjects import SESSION_ID_PATTERN
 SessionId = str
 MAX_CONTENT_CHARS = 1_000_000
 
-Level = Literal["gentle", "tighter", "emergency"]
+
+class Level(StrEnum):
+    """How hard a compaction squeezes: the harder, the fewer of the latest
+    turns it keeps whole."""
+
+    gentle = "gentle"
+    tighter = "tighter"
+    emergency = "emergency"
 
 
 class Payload(BaseModel):
@@ -182,7 +189,7 @@ class CompactionRequest(Payload):
     session_id: SessionId = Field(pattern=SESSION_ID_PATTERN)
     auto: bool
     reason: str = Field(default="", max_length=2000)
-    level: Level = "gentle"
+    level: Level = Level.gentle
     instructions: str | None = Field(default=None, max_length=4000)
 
 
@@ -200,7 +207,7 @@ class CompactionResult(Payload):
     error: str | None = None
     status: CompactionStatus = "completed"
     auto: bool = False
-    level: Level = "gentle"
+    level: Level = Level.gentle
     # "elision": no summary could be written, old tool output was cut instead.
     method: Literal["summary", "elision"] | None = None
     note: str | None = None

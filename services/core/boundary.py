@@ -10,7 +10,7 @@ import re
 from collections.abc import Sequence
 
 from schemas.history import ChatMessage
-from services.core.decision import Level
+from schemas.messages import Level
 
 _ELIDED = re.compile(r"\n\[… \d+ characters of tool output elided\]\Z")
 

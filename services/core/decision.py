@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from enum import StrEnum
+
+from schemas.messages import Level
 
 # At or above this share of the budget the level is emergency, whatever the
 # threshold: the next call would leave almost no slack.
@@ -30,12 +31,6 @@ FIT_MARGIN = 1.0 - EMERGENCY_FRACTION
 # cluster's servers, put it after the result.
 STALE_REPORT_GRACE_S = 5.0
 CONTRADICTIONS_BELIEVED = 2
-
-
-class Level(StrEnum):
-    gentle = "gentle"
-    tighter = "tighter"
-    emergency = "emergency"
 
 
 @dataclass(frozen=True)

@@ -53,5 +53,5 @@ def _freeable(report: GenerationReport, whole: Size, upcoming: int, limit: int,
     freeable = whole.chars if report.compactable_chars is None else report.compactable_chars
     level = level_for(upcoming, limit, policy)
     if level is not None:
-        freeable = report.compactable_chars_by_level.get(level.value, freeable)
+        freeable = report.compactable_chars_by_level.get(level, freeable)
     return freeable

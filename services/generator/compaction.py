@@ -39,7 +39,6 @@ from schemas.session import SessionRecord
 from services.core.boundary import tail_turns_for
 from services.core.context import next_prompt_tokens
 from services.core.decision import EMERGENCY_FRACTION
-from services.core.decision import Level as CoreLevel
 from services.core.overflow import relief_plan
 from services.core.pieces import (
     NothingFits,
@@ -304,7 +303,7 @@ class Compactor:
                                                   self._settings.output_headroom)
         if job.auto or tokens < line:
             return self._plan(conversation, job.level)
-        level_tail = tail_turns_for(CoreLevel(job.level), self._settings.compaction_tail_turns)
+        level_tail = tail_turns_for(job.level, self._settings.compaction_tail_turns)
         plan = relief_plan(conversation, (level_tail, 1, 0),
                            lambda least: self.tokens(record, least) < line)
         if plan is None:
@@ -313,7 +312,7 @@ class Compactor:
 
     def _plan(self, conversation: Conversation, level: Level,
               tail_turns: int | None = None) -> CompactionPlan:
-        tail = (tail_turns_for(CoreLevel(level), self._settings.compaction_tail_turns)
+        tail = (tail_turns_for(level, self._settings.compaction_tail_turns)
                 if tail_turns is None else tail_turns)
         plan = plan_compaction(conversation, tail)
         if plan is None:
@@ -534,7 +533,7 @@ class Compactor:
 
 def _emergency(sid: str, correlation_id: str) -> Job:
     """A turn's own compaction: under the query's correlation id, with no request."""
-    return Job(sid, "emergency", True, "the next prompt would not fit", None, correlation_id)
+    return Job(sid, Level.emergency, True, "the next prompt would not fit", None, correlation_id)
 
 
 def _counted_longer(window: SummaryWindow, piece: Piece, err: ProviderError) -> SummaryWindow:

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 import structlog
 
 from schemas.history import ChatMessage
-from schemas.messages import ErrorCode
+from schemas.messages import ErrorCode, Level
 from schemas.session import SessionRecord
 from services.core.boundary import tail_turns_for
-from services.core.decision import Level, check_fit
+from services.core.decision import check_fit
 from services.core.overflow import FitsShare, best_case_prompt, cut_tool_output
 from services.core.prompt import render_messages
 from services.core.tokens import estimate_prompt, stored_calibration

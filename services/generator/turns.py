@@ -28,11 +28,11 @@ from nats.js.errors import APIError
 from schemas import subjects
 from schemas.envelope import Envelope
 from schemas.history import ChatMessage, Conversation
-from schemas.messages import ErrorCode, GenerationReport, Query, Reply
+from schemas.messages import ErrorCode, GenerationReport, Level, Query, Reply
 from schemas.session import SessionRecord
 from services.core.boundary import choose_boundary, tail_turns_for
 from services.core.context import next_prompt_size
-from services.core.decision import Level, answer_room
+from services.core.decision import answer_room
 from services.core.prompt import HistoryWeights, render_messages
 from services.core.retry import RetryRefused, retry_verdict
 from services.core.state_machine import Action
@@ -393,7 +393,7 @@ class TurnRunner:
                       started: float) -> None:
         conversation, sent = turn.view.conversation, turn.sent
         weights = HistoryWeights.of(turn.record.system, conversation)
-        compactable = {level.value: weights.compactable(self._boundary(conversation, level))
+        compactable = {level: weights.compactable(self._boundary(conversation, level))
                        for level in Level}
         upcoming = next_prompt_size(turn.record.system, conversation, tools)
         report = GenerationReport(
@@ -409,7 +409,7 @@ class TurnRunner:
             next_prompt_chars=upcoming.chars,
             next_prompt_messages=upcoming.messages,
             next_prompt_extra_bytes=upcoming.extra_bytes,
-            compactable_chars=compactable[Level.gentle.value],
+            compactable_chars=compactable[Level.gentle],
             compactable_chars_by_level=compactable,
             summary_chars=weights.summary,
             # As stored in the session's record: the ratio the gateway counts with.

@@ -39,11 +39,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from schemas.history import ChatMessage, Conversation, Role, Snapshot, ToolCall
+from schemas.messages import Level
 from services.core.boundary import choose_boundary, tail_turns_for
 from services.core.context import part_tokens, summary_allowance
 from services.core.decision import (
     EMERGENCY_FRACTION,
-    Level,
     Observation,
     Policy,
     SessionMemory,

@@ -5,13 +5,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from schemas.history import ChatMessage, ToolCall
+from schemas.messages import Level
 from services.core.boundary import (
     choose_boundary,
     elide_tool_output,
     elision_marker,
     tail_turns_for,
 )
-from services.core.decision import Level
 from tests.core import histories
 
 

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from schemas.history import ChatMessage, Conversation
+from schemas.messages import Level
 from services.core.boundary import choose_boundary, tail_turns_for
 from services.core.context import (
     context_tokens,
@@ -21,7 +22,6 @@ from services.core.decision import (
     STALE_REPORT_GRACE_S,
     Decision,
     Fit,
-    Level,
     Observation,
     Policy,
     SessionMemory,

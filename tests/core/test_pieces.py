@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from schemas.history import ChatMessage, Conversation
+from schemas.messages import Level
 from services.core.boundary import tail_turns_for
-from services.core.decision import Level
 from services.core.pieces import NothingFits, SummaryWindow, Zone, count_pieces, next_piece
 from services.core.splice import first_user_request, plan_compaction
 from services.core.summary_prompt import FIRST_REQUEST_REFERENCE, summary_messages
