@@ -41,8 +41,10 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy services schemas
 
+# The contract's files, both made from schemas/: run after changing a message.
 schemas: $(STAMP)
 	$(BIN)/python scripts/export_schemas.py
+	$(BIN)/python scripts/export_asyncapi.py
 
 # The NATS passwords for compose, made once (mode 0600, never committed). Run
 # again, it keeps those made and adds any a newer version needs.
