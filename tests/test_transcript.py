@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import httpx
@@ -20,16 +20,28 @@ from nats.js.errors import KeyNotFoundError
 from schemas import subjects
 from services.shared.bus import round_trip
 from services.tools.recall import run_recall
+from tests.compaction.rig import (
+    EVENTS,
+    compaction_stub,
+    create,
+    next_result,
+    publish_request,
+    session,
+)
 from tests.events import watching
 from tests.nats_server import NatsServer
 from tests.stub_server import configure_stub
 from tests.system import System
-from tests.test_compaction import EVENTS, create, next_result, publish_request, session
-from tests.test_compaction import stub as stub  # the summariser takes 1.5 s
 
 # A window large enough that no compaction happens unless asked for.
 ROOMY = {"NUM_CTX": "16384", "COMPACTION_TAIL_TURNS": "2", "COMPACTION_MODEL": "summariser"}
 Start = Callable[..., tuple[System, httpx.AsyncClient]]
+
+
+@pytest.fixture
+def stub() -> Iterator[str]:
+    with compaction_stub() as url:  # its summariser takes 1.5 s
+        yield url
 
 
 @pytest.fixture

@@ -8,16 +8,14 @@ from collections.abc import AsyncIterator, Callable, Iterator
 import httpx
 import pytest
 
-from tests.compaction.rig import SMALL_WINDOW, SMALL_WRITER_WINDOW
+from tests.compaction.rig import SMALL_WINDOW, compaction_stub
 from tests.nats_server import NatsServer
-from tests.stub_server import running_stub
 from tests.system import System
 
 
 @pytest.fixture
 def stub() -> Iterator[str]:
-    with running_stub("--model-latency", "summariser=1500",
-                      "--context-length", f"small-writer={SMALL_WRITER_WINDOW}") as url:
+    with compaction_stub() as url:
         yield url
 
 

@@ -4,6 +4,7 @@ the requests and waits the tests make."""
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from typing import Any
 
 import httpx
@@ -11,9 +12,10 @@ import nats
 from nats.aio.msg import Msg
 
 from schemas import subjects
-from schemas.messages import ToolOutcome
+from schemas.messages import CompactionRequest, Level, ToolOutcome
 from services.shared.bus import Bus, round_trip
 from tests.events import Watcher
+from tests.stub_server import running_stub
 from tests.tools_offered import offer_tools
 
 NUM_CTX = 2048
@@ -66,3 +68,22 @@ async def serve_a_verbose_tool(nats_url: str, output: str = "line of output\n" *
     await nc.subscribe(subjects.tool("dump"), cb=dump)
     await round_trip(nc)
     return nc
+
+
+async def publish_request(nats_url: str, sid: str, level: str) -> None:
+    """A compaction request at a given level, as the decider sends one."""
+    nc = await nats.connect(nats_url)
+    try:
+        await Bus(nc, "compaction-decider").js_publish(
+            subjects.COMPACTION_REQUEST,
+            CompactionRequest(session_id=sid, auto=True, level=Level(level),
+                              reason="test"), session_id=sid)
+    finally:
+        await nc.drain()
+
+
+def compaction_stub() -> AbstractContextManager[str]:
+    """The stand-in the compaction tests talk to: its `summariser` takes 1.5 s
+    a summary, and `small-writer` has a window smaller than NUM_CTX."""
+    return running_stub("--model-latency", "summariser=1500",
+                        "--context-length", f"small-writer={SMALL_WRITER_WINDOW}")

@@ -9,12 +9,9 @@ from collections.abc import Callable
 from typing import Any
 
 import httpx
-import nats
 import pytest
 
 from schemas import subjects
-from schemas.messages import CompactionRequest
-from services.shared.bus import Bus
 from tests.compaction.rig import (
     EVENTS,
     NUM_CTX,
@@ -24,6 +21,7 @@ from tests.compaction.rig import (
     chat,
     create,
     next_result,
+    publish_request,
     results,
     serve_a_verbose_tool,
     session,
@@ -286,18 +284,6 @@ async def test_a_summary_that_takes_too_long_is_abandoned(
     assert result["status"] == "failed"
     assert result["error"].startswith("summariser failed: no summary within 0.5 s")
     assert (await session(http, sid))["messages"] == before["messages"]
-
-
-async def publish_request(nats_url: str, sid: str, level: str) -> None:
-    """A compaction request at a given level, as the decider sends one."""
-    nc = await nats.connect(nats_url)
-    try:
-        await Bus(nc, "compaction-decider").js_publish(
-            subjects.COMPACTION_REQUEST,
-            CompactionRequest(session_id=sid, auto=True, level=level,  # type: ignore[arg-type]
-                              reason="test"), session_id=sid)
-    finally:
-        await nc.drain()
 
 
 @pytest.mark.parametrize("level", ["gentle", "tighter", "emergency"])
