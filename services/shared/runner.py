@@ -31,7 +31,7 @@ from pydantic import ValidationError
 
 from schemas import subjects
 from services.shared import metrics
-from services.shared.bus import Bus, connect
+from services.shared.bus import Bus, connect, round_trip
 from services.shared.jetstream import ensure_layout
 from services.shared.logging import configure_logging
 from services.shared.reconnects import Reconnects, cancel_until_done
@@ -108,12 +108,22 @@ async def serve(
     reconnects.add(component.reconnected)
     micro = await _register(nc, name, description, component)
     metrics.serve_on(settings.metrics_port, settings.metrics_host)
+    await _subscriptions_reached_the_server(nc)
     _log_started(settings)
     await stop.wait()
     log.info("service_stopping")
     await reconnects.stop()
     await _stop(component, micro, nc)
     log.info("service_stopped")
+
+
+async def _subscriptions_reached_the_server(nc: NATS) -> None:
+    """`service_started` then means a request sent on any connection finds
+    this service: subscribing only queues the command, and a request that
+    reached the server first met "no responders". NATS gone meanwhile: the
+    subscriptions are sent again on reconnection anyway."""
+    with contextlib.suppress(Exception):
+        await round_trip(nc)
 
 
 def _log_started(settings: ServiceSettings) -> None:
