@@ -108,8 +108,7 @@ async def serve(
     reconnects.add(component.reconnected)
     micro = await _register(nc, name, description, component)
     metrics.serve_on(settings.metrics_port, settings.metrics_host)
-    await _subscriptions_reached_the_server(nc)
-    _log_started(settings)
+    await _log_started(nc, settings)
     await stop.wait()
     log.info("service_stopping")
     await reconnects.stop()
@@ -117,16 +116,13 @@ async def serve(
     log.info("service_stopped")
 
 
-async def _subscriptions_reached_the_server(nc: NATS) -> None:
-    """`service_started` then means a request sent on any connection finds
-    this service: subscribing only queues the command, and a request that
-    reached the server first met "no responders". NATS gone meanwhile: the
-    subscriptions are sent again on reconnection anyway."""
+async def _log_started(nc: NATS, settings: ServiceSettings) -> None:
+    """Once its subscriptions have reached the server, so that a request sent
+    on any connection after the line finds the service (subscribing only
+    queues the command: a request that got there first met "no responders").
+    NATS gone meanwhile: they are sent again on reconnection anyway."""
     with contextlib.suppress(Exception):
         await round_trip(nc)
-
-
-def _log_started(settings: ServiceSettings) -> None:
     log.info("service_started", nats_url=shown_url(settings.nats_url),
              metrics_port=settings.metrics_port)
 
