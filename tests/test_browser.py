@@ -1047,6 +1047,31 @@ def test_the_gauge_marks_where_automatic_compaction_begins(
                   "the threshold back to its start")
 
 
+def test_a_next_prompt_over_the_budget_says_what_the_next_message_meets(
+        watched: Watched, system: System, nats_url: str) -> None:
+    """A long answer may use the window's room past the budget: the gauge
+    then read only a percentage over 100, as if the window had overflowed."""
+    page = watched.page
+    sid = create_session(page)
+    send(page, LONG_QUESTION)
+    text = page.locator("#gauge-text")
+    # Automatic compaction is off in this module: the next message would be refused.
+    playwright_api.expect(text).to_contain_text("over the budget: compact before the next message")
+    put_live_setting(nats_url, "compaction_threshold", b"0.5")
+    try:
+        with system.client() as client:
+            until(lambda: client.get(f"/api/sessions/{sid}").json()["compacts_at"] is not None,
+                  "the threshold read")
+        page.reload()
+        playwright_api.expect(text).to_contain_text(
+            "over the budget: the next message compacts first")
+    finally:
+        put_live_setting(nats_url, "compaction_threshold", None)
+        with system.client() as client:  # back to 0 for the module's later tests
+            until(lambda: client.get(f"/api/sessions/{sid}").json()["compacts_at"] is None,
+                  "the threshold back to its start")
+
+
 def test_a_resumed_answer_goes_on_streaming(watched: Watched, stub_url: str) -> None:
     """Tokens went only to the request first sent: a reloaded page saw nothing
     more of the answer until it was whole, for minutes with a long one."""

@@ -140,8 +140,9 @@ function renderNextPrompt(s) {
     markAt(ui.gaugeThreshold, compactsAt, s.num_ctx);
     const compaction = compactsAt === null ? "automatic compaction off"
       : `compacts from ${fmt(compactsAt)}`;
+    const over = s.token_count > s.budget ? ` · ${overBudget(compactsAt)}` : "";
     ui.gaugeText.textContent =
-      `${fmt(s.token_count)} / ${fmt(s.budget)} tokens (${percent(s.token_count, s.budget)}%) · window ${fmt(s.num_ctx)} · ${compaction}`;
+      `${fmt(s.token_count)} / ${fmt(s.budget)} tokens (${percent(s.token_count, s.budget)}%) · window ${fmt(s.num_ctx)} · ${compaction}${over}`;
     ui.gauge.setAttribute("aria-valuetext", ui.gaugeText.textContent);
   } else {
     fillBar(ui.gauge, ui.gaugeFill, 0, "ok");
@@ -149,6 +150,13 @@ function renderNextPrompt(s) {
     markAt(ui.gaugeThreshold, null);
     ui.gaugeText.textContent = "—";
   }
+}
+
+// An answer may use the window's room beyond the budget, so the next prompt
+// can be over it: say what the next message meets, not only a figure past 100 %.
+function overBudget(compactsAt) {
+  return compactsAt === null ? "over the budget: compact before the next message"
+    : "over the budget: the next message compacts first";
 }
 
 // The last prompt as the model counted it: from its report (`g`), this page's
