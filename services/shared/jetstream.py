@@ -173,9 +173,7 @@ async def _add_stream(js: JetStreamContext, config: StreamConfig, replicas: int)
     except APIError as err:
         if err.err_code == NAME_IN_USE:  # another service made it meanwhile
             return
-        raise ReplicasMismatch(
-            f"stream {config.name} with {replicas} replicas cannot be made: {err}"
-            " (JETSTREAM_REPLICAS may not exceed the cluster's JetStream servers)") from err
+        raise _cannot_make(f"stream {config.name}", replicas, err) from err
 
 
 def layout_stream_names() -> set[str]:
@@ -305,10 +303,14 @@ async def _bucket(js: JetStreamContext, config: KeyValueConfig) -> KeyValue:
         if err.err_code == NAME_IN_USE:  # another service made it meanwhile
             return await js.key_value(config.bucket)
         if config.replicas > 1:
-            raise ReplicasMismatch(
-                f"bucket {config.bucket} with {config.replicas} replicas cannot be made: {err}"
-                " (JETSTREAM_REPLICAS may not exceed the cluster's JetStream servers)") from err
+            raise _cannot_make(f"bucket {config.bucket}", config.replicas, err) from err
         raise
+
+
+def _cannot_make(what: str, replicas: int, err: APIError) -> ReplicasMismatch:
+    return ReplicasMismatch(
+        f"{what} with {replicas} replicas cannot be made: {err}"
+        " (JETSTREAM_REPLICAS may not exceed the cluster's JetStream servers)")
 
 
 async def queued_queries(js: JetStreamContext, sid: str, direct: bool,
