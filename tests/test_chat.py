@@ -262,7 +262,7 @@ def queued_here(nats_url: str) -> int:
 
 
 def test_the_terminal_chat_and_the_page_send_again_after_the_same_failures() -> None:
-    page = (REPO_ROOT / "services/gateway/static/chat.js").read_text()
+    page = (REPO_ROOT / "services/gateway/static/answer.js").read_text()
     listed = re.search(r"const UNKNOWN_OUTCOME = \[(.*?)\];", page, re.S)
     assert listed is not None
     assert set(re.findall(r'"([a-z_0-9]+)"', listed.group(1))) == set(UNKNOWN_OUTCOME)

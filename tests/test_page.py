@@ -80,7 +80,7 @@ def page(html: str) -> PageParser:
     return parser
 
 
-MODULES = ("api", "shared", "kept", "live", "chat", "panel", "sessions", "app")
+MODULES = ("api", "shared", "sse", "kept", "answer", "live", "chat", "panel", "sessions", "app")
 
 
 @pytest.fixture(scope="module")
@@ -196,9 +196,9 @@ def test_script_knows_every_state(js: str) -> None:
 
 def test_script_finds_only_elements_the_page_has(js: str, page: PageParser) -> None:
     wanted = set(re.findall(r'byId\("([^"]+)"\)', js))
-    # bindUi() maps names to ids as `name: "id",`; every such id must exist too.
-    bind = re.search(r"function bindUi\(\) \{(.*?)\n\}", js, re.DOTALL)
-    assert bind, "bindUi() not found"
+    # UI_IDS maps names to ids as `name: "id",`; every such id must exist too.
+    bind = re.search(r"const UI_IDS = \{(.*?)\n\};", js, re.DOTALL)
+    assert bind, "UI_IDS not found"
     wanted |= set(re.findall(r':\s*"([a-z0-9-]+)"', bind.group(1)))
     assert wanted
     missing = wanted - set(page.ids)
@@ -211,9 +211,9 @@ NODE = shutil.which("node")
 
 NODE_CHECK = r"""
 const load = (name) => import(`${process.argv[1]}/${name}.js`);
-const [live, shared, chat, panel] = await Promise.all(
-  ["live", "shared", "chat", "panel"].map(load));
-const p = new live.SseParser();
+const [live, shared, chat, panel, answer, sse] = await Promise.all(
+  ["live", "shared", "chat", "panel", "answer", "sse"].map(load));
+const p = new sse.SseParser();
 const out = [];
 // Frames split at awkward places, a comment, CRLF line ends and a multi-line data field.
 for (const chunk of [": connected\n\nevent: tok", "en\ndata: {\"text\": \"Hi\", \"index\": 0}\n",
@@ -259,8 +259,8 @@ const waits = [];
 let pending = { queued: true, started: false };
 for (const [action, to] of [["start_generation", "generating"], ["reset", "idle"],
                             ["receive", "receiving"]]) {
-  pending = chat.pendingAfter(pending, action, to);
-  waits.push(chat.pendingText(pending));
+  pending = answer.pendingAfter(pending, action, to);
+  waits.push(answer.pendingText(pending));
 }
 const lateProgress = live.compactingAfter(null, "compaction.event", "c9", "progress");
 // Progress arriving after its own result is an echo; a start under that id is

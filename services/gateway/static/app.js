@@ -1,11 +1,12 @@
 // The gateway's single page: chat on the left, the live generator panel on the right.
 //
 // Plain ES2020 modules, no dependencies, no build step: this one binds the page's
-// elements and wires the others (api, shared, kept, live, chat, panel, sessions). Every
-// piece of data that comes from the user, the model, a tool or the server is put into
+// elements and wires the others. They stand in layers, each importing only those
+// below it: shared, api, sse and kept; panel and answer; chat; live; sessions.
+// Every piece of data that comes from the user, the model, a tool or the server is put into
 // the page as text (textContent / createTextNode), never parsed as markup.
 
-import { app, byId, isValidSessionId, ui } from "./shared.js";
+import { app, byId, isValidSessionId, ui, whenAnnounced } from "./shared.js";
 import { loadOlder, onComposerKey, sendMessage, setComposerEnabled, stopAnswer } from "./chat.js";
 import { followVisibility } from "./live.js";
 import { renderGauge, requestCompaction } from "./panel.js";
@@ -13,72 +14,85 @@ import {
   STORE_CURRENT,
   createSession,
   deleteSession,
+  labelOf,
+  loadSession,
   mergeServerSessions,
   openNewSessionDialog,
   openSessionById,
+  rememberSession,
   renderSessionPicker,
+  scheduleRefresh,
   selectSession,
   sessionFromHash,
 } from "./sessions.js";
 
+// The page's elements by the names the modules use for them (`ui.<name>`).
+const UI_IDS = {
+  sessionSelect: "session-select",
+  newSessionButton: "new-session-button",
+  newSessionDialog: "new-session-dialog",
+  newSessionForm: "new-session-form",
+  newSessionCancel: "new-session-cancel",
+  newSessionCreate: "new-session-create",
+  newSessionError: "new-session-error",
+  newSystem: "new-system",
+  newModel: "new-model",
+  newAutoCompact: "new-auto-compact",
+  openSessionForm: "open-session-form",
+  openSessionId: "open-session-id",
+  liveStatus: "live-status",
+  notice: "notice",
+  systemBox: "system-box",
+  systemText: "system-text",
+  messages: "messages",
+  emptyHint: "empty-hint",
+  composer: "composer",
+  input: "message-input",
+  sendButton: "send-button",
+  stopButton: "stop-button",
+  stateBadge: "state-badge",
+  stateDetail: "state-detail",
+  compactingBanner: "compacting-banner",
+  gauge: "gauge",
+  gaugeFill: "gauge-fill",
+  gaugeBudget: "gauge-budget",
+  gaugeThreshold: "gauge-threshold",
+  gaugeText: "gauge-text",
+  gaugeLast: "gauge-last",
+  gaugeLastFill: "gauge-last-fill",
+  gaugeLastText: "gauge-last-text",
+  factModel: "fact-model",
+  factAuto: "fact-auto",
+  factCompactions: "fact-compactions",
+  factMessages: "fact-messages",
+  summaryBox: "summary-box",
+  summaryText: "summary-text",
+  compactForm: "compact-form",
+  compactInstructions: "compact-instructions",
+  compactButton: "compact-button",
+  compactStatus: "compact-status",
+  log: "log",
+  logClear: "log-clear",
+  timeline: "timeline",
+  timelineEmpty: "timeline-empty",
+  exportMarkdown: "export-markdown",
+  exportJson: "export-json",
+  deleteButton: "delete-button",
+};
+
 function bindUi() {
-  const ids = {
-    sessionSelect: "session-select",
-    newSessionButton: "new-session-button",
-    newSessionDialog: "new-session-dialog",
-    newSessionForm: "new-session-form",
-    newSessionCancel: "new-session-cancel",
-    newSessionCreate: "new-session-create",
-    newSessionError: "new-session-error",
-    newSystem: "new-system",
-    newModel: "new-model",
-    newAutoCompact: "new-auto-compact",
-    openSessionForm: "open-session-form",
-    openSessionId: "open-session-id",
-    liveStatus: "live-status",
-    notice: "notice",
-    systemBox: "system-box",
-    systemText: "system-text",
-    messages: "messages",
-    emptyHint: "empty-hint",
-    composer: "composer",
-    input: "message-input",
-    sendButton: "send-button",
-    stopButton: "stop-button",
-    stateBadge: "state-badge",
-    stateDetail: "state-detail",
-    compactingBanner: "compacting-banner",
-    gauge: "gauge",
-    gaugeFill: "gauge-fill",
-    gaugeBudget: "gauge-budget",
-    gaugeThreshold: "gauge-threshold",
-    gaugeText: "gauge-text",
-    gaugeLast: "gauge-last",
-    gaugeLastFill: "gauge-last-fill",
-    gaugeLastText: "gauge-last-text",
-    factModel: "fact-model",
-    factAuto: "fact-auto",
-    factCompactions: "fact-compactions",
-    factMessages: "fact-messages",
-    summaryBox: "summary-box",
-    summaryText: "summary-text",
-    compactForm: "compact-form",
-    compactInstructions: "compact-instructions",
-    compactButton: "compact-button",
-    compactStatus: "compact-status",
-    log: "log",
-    logClear: "log-clear",
-    timeline: "timeline",
-    timelineEmpty: "timeline-empty",
-    exportMarkdown: "export-markdown",
-    exportJson: "export-json",
-    deleteButton: "delete-button",
-  };
-  for (const [name, id] of Object.entries(ids)) ui[name] = byId(id);
+  for (const [name, id] of Object.entries(UI_IDS)) ui[name] = byId(id);
 }
 
-function start() {
-  bindUi();
+// What the chat and the live feed announce, the session picker acts on.
+function followAnnouncements() {
+  whenAnnounced("session-stale", ({ messages }) => loadSession({ messages }));
+  whenAnnounced("refresh-wanted", scheduleRefresh);
+  whenAnnounced("message-sent", ({ id, content }) => rememberSession(id, labelOf(content)));
+}
+
+// Each control of the page, to what it does.
+function bindControls() {
   ui.newSessionButton.addEventListener("click", openNewSessionDialog);
   ui.newSessionCancel.addEventListener("click", () => ui.newSessionDialog.close());
   ui.newSessionForm.addEventListener("submit", createSession);
@@ -98,10 +112,10 @@ function start() {
     const id = sessionFromHash();
     if (id && id !== app.sessionId) selectSession(id, { updateHash: false });
   });
+}
 
-  renderSessionPicker();
-  mergeServerSessions();
-  renderGauge();
+// The session the address names, else the one this browser showed last.
+function openFirstSession() {
   let stored = null;
   try {
     stored = localStorage.getItem(STORE_CURRENT);
@@ -111,6 +125,16 @@ function start() {
   const initial = sessionFromHash() ?? (isValidSessionId(stored) ? stored : null);
   if (initial) selectSession(initial);
   else setComposerEnabled(false);
+}
+
+function start() {
+  bindUi();
+  followAnnouncements();
+  bindControls();
+  renderSessionPicker();
+  mergeServerSessions();
+  renderGauge();
+  openFirstSession();
 }
 
 // Importable without a DOM (the tests load the parser and helpers under node).

@@ -3,33 +3,17 @@
 // retry), and a turn cut by a reload or a visit elsewhere, read again.
 
 import { API, newKey, postStop, postTurn, queryIdFor, readError, requestJson } from "./api.js";
-import { app, el, fmt, lastItem, show, showNotice, ui } from "./shared.js";
-import { SseParser } from "./live.js";
+import {
+  announce, app, el, fmt, lastItem, nearBottom, scrollToEnd, show, showNotice, ui,
+} from "./shared.js";
+import { SseParser } from "./sse.js";
 import { renderCompactButton, renderGauge } from "./panel.js";
 import { forgetKeptTurn, leaving, readKeptTurn, saveKeptTurn } from "./kept.js";
-import { labelOf, loadSession, rememberSession } from "./sessions.js";
+import {
+  OWN_DIRECTION, PendingAnswer, offersSendAgain, thinkingBlock, thoughts, tokenCounts,
+} from "./answer.js";
 
 const TRANSCRIPT_PAGE = 100;
-
-// What an answer not yet begun waits for, after a state change of its session
-// (action, to_state). Sent while the session answered an earlier message, it
-// is queued until that turn ends (reset); once its own turn runs and before
-// any token, it waits for the model (a free slot of the model server).
-export function pendingAfter(pending, action, toState) {
-  if (pending.resumed) return pending; // whose turn a state is, the page cannot tell
-  if (pending.queued) return action === "reset" ? { queued: false, started: false } : pending;
-  if (toState === "receiving" || toState === "generating") return { queued: false, started: true };
-  return pending;
-}
-
-export function pendingText(pending) {
-  if (pending.resumed) return "sent earlier from this tab: waiting for its answer…";
-  if (pending.queued) return "queued: the session's earlier message is answered first…";
-  if (pending.started) return "waiting for the model…";
-  return "waiting for a generator…";
-}
-
-const QUIET_PHASES = ["idle", "unknown", "error"];
 
 // The phases in which the session takes a retry: in any other, it is answering
 // a message (this tab's, or one sent from elsewhere) and /retry answers
@@ -83,10 +67,6 @@ export function supersededIndexes(items) {
   return indexes;
 }
 
-// Text written by people and models takes its direction from its first
-// letter: Hebrew or Arabic runs right to left, its punctuation on the left.
-const OWN_DIRECTION = { dir: "auto" };
-
 const ROLE_LABEL = { user: "You", assistant: "Assistant", tool: "Tool result" };
 
 function renderToolCall(call) {
@@ -128,24 +108,6 @@ function messageItem(message) {
     item.append(el("div", { className: "msg-counts", text: tokenCounts(message) }));
   }
   return item;
-}
-
-// An answer's counts, as the model reported them for the call that wrote it.
-function tokenCounts(answer) {
-  return `prompt ${fmt(answer.prompt_tokens)} · completion ${fmt(answer.completion_tokens)} tokens`;
-}
-
-// A thinking model's thinking, by the query it answered: never stored, so
-// kept here for this page's life, or drawing the transcript again (as every
-// turn's end does) took it away the moment it was shown.
-const thoughts = new Map();
-
-// Apart from the answer, folded: it is not part of the conversation.
-function thinkingBlock(thinking) {
-  return el("details", { className: "msg-thinking" }, [
-    el("summary", { text: "thinking" }),
-    el("div", { className: "msg-text", text: thinking, attrs: OWN_DIRECTION }),
-  ]);
 }
 
 // Summaries the reader opened, by position: drawn again, they stay open.
@@ -297,155 +259,6 @@ export async function loadOlder() {
   }
 }
 
-function nearBottom() {
-  const box = ui.messages;
-  return box.scrollHeight - box.scrollTop - box.clientHeight < 80;
-}
-
-function scrollToEnd(force = false) {
-  if (force || nearBottom()) ui.messages.scrollTop = ui.messages.scrollHeight;
-}
-
-// Failures after which the message may or may not have been taken: sending it
-// again under its key is answered once (stored or not, it is never doubled).
-// (An error status without our JSON, from a proxy on the way, reads as http_<status>.)
-const UNKNOWN_OUTCOME = [
-  "network_error", "stream_ended", "nats_unavailable", "reply_timeout", "gateway_stopping",
-  "http_502", "http_503", "http_504",
-];
-
-// Stop on a message still waiting for its turn withdraws it (the gateway
-// answers the message so); the message goes back into the composer.
-const WITHDRAWN_NOTE = "withdrawn before its turn: not answered, and nothing of it kept";
-
-// The assistant answer being streamed into the list.
-// `again` sends the request again, offered after a failure of unknown outcome.
-// `resumed`: the turn ran before this page read it again (after a reload or a
-// visit to another session), so its
-// first pieces are not heard; the whole answer shows at its end.
-function pendingAnswer(again, resumed = false) {
-  const text = el("div", { className: "msg-text", attrs: OWN_DIRECTION, text: resumed ? "… " : "" });
-  let waiting = resumed ? { resumed: true }
-    : { queued: !QUIET_PHASES.includes(app.phase), started: false };
-  let writing = false;
-  const status = el("div", { className: "msg-status", text: pendingText(waiting) });
-  const item = el("li", { className: "msg msg-assistant msg-pending", attrs: { "aria-busy": "true" } }, [
-    el("div", { className: "msg-head" }, [el("span", { className: "msg-role", text: "Assistant" })]),
-    text,
-    status,
-  ]);
-  ui.messages.append(item);
-  unsaved.push(item);
-  scrollToEnd(true);
-  let failure = null;
-  // Pieces are added once a frame, not one by one: each added piece, with the
-  // look at the scroll position after it, made the browser lay the list out
-  // again, and a long answer froze the tab for a time growing as its square.
-  let unshown = "";
-  let frame = 0;
-  const forget = () => {
-    cancelAnimationFrame(frame);
-    frame = 0;
-    unshown = "";
-  };
-  const show = () => {
-    const pieces = unshown;
-    forget();
-    if (!pieces) return;
-    const stick = nearBottom();
-    text.append(document.createTextNode(pieces));
-    if (stick) scrollToEnd(true);
-  };
-  return {
-    get failure() {
-      return failure;
-    },
-    stateChanged(action, toState) {
-      if (writing) return;
-      waiting = pendingAfter(waiting, action, toState);
-      status.textContent = pendingText(waiting);
-    },
-    stopping() {
-      status.textContent = "stopping…";
-    },
-    notStopping() {
-      status.textContent = writing ? "writing…" : pendingText(waiting);
-    },
-    notYetStoppable() {
-      if (!writing) status.textContent = "not being written yet, so not stopped: Stop works once it is";
-    },
-    append(piece) {
-      if (!writing) status.textContent = "writing…";
-      writing = true;
-      unshown += piece;
-      if (!frame) frame = requestAnimationFrame(show);
-    },
-    restart() {
-      // The generator died mid-answer and another one starts it over.
-      forget();
-      text.textContent = "";
-      status.textContent = "generating again…";
-    },
-    done(body) {
-      if (typeof body.reply === "string") {
-        forget();
-        text.textContent = body.reply;
-      } else {
-        show();
-      }
-      if (typeof body.thinking === "string" && body.thinking) {
-        if (typeof body.query_id === "string") thoughts.set(body.query_id, body.thinking);
-        text.before(thinkingBlock(body.thinking));
-      }
-      const counts = tokenCounts(body);
-      status.textContent = body.stopped ? `stopped · ${counts}` : counts;
-      item.classList.remove("msg-pending");
-      item.removeAttribute("aria-busy");
-    },
-    fail(error) {
-      show();
-      failure = error ?? { code: "error" };
-      item.classList.remove("msg-pending");
-      item.removeAttribute("aria-busy");
-      if (failure.code === "withdrawn") {
-        status.textContent = WITHDRAWN_NOTE;
-        return;
-      }
-      item.classList.add("msg-failed");
-      status.remove();
-      const box = el("div", { className: "msg-error", attrs: { role: "alert" } }, [
-        el("strong", { text: "Error " }),
-        el("code", { text: error?.code ?? "error" }),
-        ": ",
-        error?.message ?? "the answer failed",
-      ]);
-      if (offersSendAgain(error)) box.append(sendAgainButton(item, again));
-      item.append(box);
-      scrollToEnd(true);
-    },
-  };
-}
-
-function offersSendAgain(error) {
-  return UNKNOWN_OUTCOME.includes(error?.code);
-}
-
-
-function sendAgainButton(item, again) {
-  const button = el("button", {
-    className: "send-again-button",
-    text: "Send again",
-    attrs: { type: "button", title: "Sent under the same key: answered once, never twice" },
-  });
-  button.disabled = app.busy;
-  button.addEventListener("click", () => {
-    item.remove();
-    unsaved = unsaved.filter((node) => node !== item);
-    again();
-  });
-  return button;
-}
-
 export function setComposerEnabled(enabled) {
   ui.input.disabled = !enabled;
   ui.sendButton.disabled = !enabled || app.busy;
@@ -552,7 +365,7 @@ export async function sendMessage(event) {
   if (!id || app.busy || !content.trim()) return;
   ui.input.value = "";
   showAsked(content);
-  rememberSession(id, labelOf(content));
+  announce("message-sent", { id, content });
   await runTurn(API.messages(id), { content }, newKey());
 }
 
@@ -623,13 +436,26 @@ export function abandonAnswer() {
   setBusy(false);
 }
 
+// The bubble of the answer about to be read, shown last, part of the unsaved
+// turn until it is stored (or sent again, which starts a bubble of its own).
+function showPendingAnswer(again, resumed) {
+  const answer = new PendingAnswer(() => {
+    unsaved = unsaved.filter((node) => node !== answer.item);
+    again();
+  }, resumed);
+  ui.messages.append(answer.item);
+  unsaved.push(answer.item);
+  scrollToEnd(true);
+  return answer;
+}
+
 // Sends a message (or a retry) and streams its answer into a pending bubble;
 // under `key`, so that sending it again after a failure is answered once.
 // `resumed`: sent by this tab before a reload, at `since` (see resumeTurn);
 // `question`: for a retry, the message it answers again.
 async function runTurn(url, body, key, { resumed = false, question = null, since = Date.now() } = {}) {
   const sessionId = app.sessionId;
-  const answer = pendingAnswer(() => runTurn(url, body, key, { question }), resumed);
+  const answer = showPendingAnswer(() => runTurn(url, body, key, { question }), resumed);
   const content = body?.content ?? question;
   if (typeof content === "string") {
     saveKeptTurn(sessionId, { key, retry: body === null, content, at: since });
@@ -673,7 +499,7 @@ function endTurn(answer, body, succeeded) {
   // On success the stored history (with tool calls) replaces the streamed bubble;
   // after an error the inline error stays and only the gauge and facts refresh
   // (unless a compaction rewrote the history meanwhile).
-  loadSession({ messages: succeeded || app.reloadAfterTurn });
+  announce("session-stale", { messages: succeeded || app.reloadAfterTurn });
   app.reloadAfterTurn = false;
   if (document.activeElement === document.body) ui.input.focus();
 }

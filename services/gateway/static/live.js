@@ -1,8 +1,8 @@
-// The live feed: the server-sent-events parser (also used for an answer's
-// stream) and the handling of the session's live events (GET /api/events).
+// The live feed: the session's live events (GET /api/events), what each one
+// changes on the page, and the feed's own connection.
 
 import { openEvents } from "./api.js";
-import { app, fmt, ui } from "./shared.js";
+import { announce, app, fmt, ui } from "./shared.js";
 import {
   logLine,
   renderCompacting,
@@ -10,7 +10,6 @@ import {
   renderState,
   sessionAfterCompaction,
 } from "./panel.js";
-import { loadSession, scheduleRefresh } from "./sessions.js";
 import { renderRetry } from "./chat.js";
 
 // The live feed names each server-sent event after the message type it carries.
@@ -22,53 +21,6 @@ export const LIVE_EVENT_TYPES = [
   "compaction.result",
   "session.deleted",
 ];
-
-// Parses a text/event-stream incrementally: push() decoded text as it arrives and get
-// back the complete events ({event, data}) it finished; finish() flushes the rest.
-export class SseParser {
-  constructor() {
-    this.buffer = "";
-  }
-
-  push(text) {
-    this.buffer = (this.buffer + text).replace(/\r\n/g, "\n");
-    const events = [];
-    let end;
-    while ((end = this.buffer.indexOf("\n\n")) !== -1) {
-      const block = this.buffer.slice(0, end);
-      this.buffer = this.buffer.slice(end + 2);
-      const event = parseSseBlock(block);
-      if (event) events.push(event);
-    }
-    return events;
-  }
-
-  finish(text = "") {
-    const events = this.push(text);
-    const rest = this.buffer;
-    this.buffer = "";
-    const event = rest.trim() ? parseSseBlock(rest) : null;
-    if (event) events.push(event);
-    return events;
-  }
-}
-
-export function parseSseBlock(block) {
-  let event = "message";
-  const data = [];
-  for (const raw of block.split("\n")) {
-    const line = raw.endsWith("\r") ? raw.slice(0, -1) : raw;
-    if (line === "" || line.startsWith(":")) continue; // blank or comment (keep-alive)
-    const colon = line.indexOf(":");
-    const field = colon === -1 ? line : line.slice(0, colon);
-    let value = colon === -1 ? "" : line.slice(colon + 1);
-    if (value.startsWith(" ")) value = value.slice(1);
-    if (field === "event") event = value || "message";
-    else if (field === "data") data.push(value);
-  }
-  if (data.length === 0) return null;
-  return { event, data: data.join("\n") };
-}
 
 // Whether a live state change, stamped `at` by generator `by`, is older than
 // the newest state this page knows (`seen`: { at, by }, from a read or an
@@ -172,39 +124,47 @@ export function connectEvents(id, { retryMs = RETRY_FIRST_MS, wasDown = false } 
   disconnectEvents();
   setLive("connecting");
   const source = openEvents(id);
+  const feed = { id, source, retryMs, wasDown };
   app.events = source;
   source.onopen = () => {
-    if (app.events !== source) return;
-    setLive("connected");
-    retryMs = RETRY_FIRST_MS;
-    if (wasDown) {
-      logLine("live", "reconnected; reloading the session");
-      // Reports may have been missed meanwhile: the last prompt is read from
-      // the newest stored answer until the next one comes.
-      app.lastGeneration = null;
-      app.lastReply = null;
-      app.timelineStale = true; // a compaction may have ended meanwhile too
-      scheduleRefresh();
-    }
-    wasDown = false;
+    if (app.events === source) feedOpened(feed);
   };
   source.onerror = () => {
-    if (app.events !== source) return;
-    wasDown = true;
-    if (source.readyState !== EventSource.CLOSED) {
-      setLive("reconnecting");
-      return;
-    }
-    setLive("closed");
-    app.eventsRetry = setTimeout(() => {
-      if (app.events === source) connectEvents(id, { retryMs: Math.min(retryMs * 2, RETRY_MOST_MS), wasDown: true });
-    }, retryMs);
+    if (app.events === source) feedFailed(feed);
   };
   for (const type of LIVE_EVENT_TYPES) {
     source.addEventListener(type, (event) => {
       if (app.events === source) onLiveEvent(type, event.data);
     });
   }
+}
+
+function feedOpened(feed) {
+  setLive("connected");
+  feed.retryMs = RETRY_FIRST_MS;
+  if (feed.wasDown) {
+    logLine("live", "reconnected; reloading the session");
+    // Reports may have been missed meanwhile: the last prompt is read from
+    // the newest stored answer until the next one comes.
+    app.lastGeneration = null;
+    app.lastReply = null;
+    app.timelineStale = true; // a compaction may have ended meanwhile too
+    announce("refresh-wanted");
+  }
+  feed.wasDown = false;
+}
+
+function feedFailed(feed) {
+  feed.wasDown = true;
+  if (feed.source.readyState !== EventSource.CLOSED) {
+    setLive("reconnecting");
+    return;
+  }
+  setLive("closed");
+  const next = { retryMs: Math.min(feed.retryMs * 2, RETRY_MOST_MS), wasDown: true };
+  app.eventsRetry = setTimeout(() => {
+    if (app.events === feed.source) connectEvents(feed.id, next);
+  }, feed.retryMs);
 }
 
 function onLiveEvent(type, raw) {
@@ -236,7 +196,7 @@ const LIVE_HANDLERS = new Map([
 // finds it gone, says so and closes it here, before a message is sent into it.
 function onSessionDeleted(p, ts) {
   logLine("session.deleted", "the session was deleted", ts);
-  loadSession();
+  announce("session-stale");
 }
 
 function onStateChange(p, ts) {
@@ -259,7 +219,7 @@ function onGeneration(p, ts) {
   renderGauge();
   logLine("response.generation", `prompt ${fmt(p.prompt_tokens)} · completion ${fmt(p.completion_tokens)} tokens · ` +
     `${fmt(p.sent_chars)} chars sent · ${fmt(p.duration_ms)} ms`, ts);
-  scheduleRefresh();
+  announce("refresh-wanted");
 }
 
 function onCompactionRequest(p, ts) {
@@ -302,7 +262,7 @@ function onCompactionResult(p, ts, correlationId) {
     app.timelineStale = true;
     renderGauge();
     if (app.busy) app.reloadAfterTurn = true; // the turn's end reloads
-    else loadSession();
+    else announce("session-stale");
   }
 }
 

@@ -1,6 +1,7 @@
 // What every part of the page shares: its state (`app`), the elements it binds
-// (`ui`, filled by bindUi() in app.js), number and time formatting, and the DOM
-// helpers. Data is put into the page as text only (textContent / createTextNode).
+// (`ui`, filled by bindUi() in app.js), number and time formatting, the DOM
+// helpers, and the announcements that pass up between the modules. Data is put
+// into the page as text only (textContent / createTextNode).
 
 const SESSION_ID = /^[A-Za-z0-9_-]{1,64}$/;
 
@@ -58,6 +59,29 @@ export function show(node, visible) {
   node.hidden = !visible;
 }
 
+// Whether the reader is at the end of the message list, where new text keeps them.
+export function nearBottom() {
+  const box = ui.messages;
+  return box.scrollHeight - box.scrollTop - box.clientHeight < 80;
+}
+
+export function scrollToEnd(force = false) {
+  if (force || nearBottom()) ui.messages.scrollTop = ui.messages.scrollHeight;
+}
+
+// The chat and the live feed say here that the session is to be read again,
+// or that a message went into it; the session picker, above them, listens.
+// So the modules stand in layers, none importing one that imports it.
+const happenings = new EventTarget();
+
+export function announce(name, detail = {}) {
+  happenings.dispatchEvent(new CustomEvent(name, { detail }));
+}
+
+export function whenAnnounced(name, handler) {
+  happenings.addEventListener(name, (event) => handler(event.detail));
+}
+
 export const app = {
   sessionId: null,
   session: null, // last GET /api/sessions/{id}
@@ -79,7 +103,7 @@ export const app = {
   items: [], // the transcript items shown, oldest first
   older: null, // cursor of the page before them; null at the start
   loadingOlder: false,
-  pending: null, // the answer being waited for, while one is (see pendingAnswer)
+  pending: null, // the answer being waited for, while one is (a PendingAnswer, answer.js)
   turnKey: null, // { key, retry } of that answer's turn: a Stop names it
   timelineStale: false, // the compaction timeline is to be read with the session's next read
   resumeFor: null, // the session opened, whose cut turn, if any, is read again once shown
