@@ -43,6 +43,15 @@ def test_the_decider_waits_out_a_whole_compaction_before_asking_again() -> None:
     assert DeciderSettings().compaction_result_timeout_s > longest
 
 
+def test_a_killed_generators_session_waits_ten_seconds_at_most_by_default() -> None:
+    """The ack wait is that wait (row failover_after_kill: 30 s before); beaten
+    every third of it, a query in hand is redelivered only after a stall
+    longer than the default lease survives."""
+    generator = GeneratorSettings()
+    assert generator.query_ack_wait_s <= 10
+    assert generator.query_ack_wait_s * 2 / 3 >= generator.lock_lease_s
+
+
 def test_environment_variables_set_each_pinned_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("NATS_URL", "nats://elsewhere:4222")
     monkeypatch.setenv("OLLAMA_HOST", "http://gpu-box:11434")

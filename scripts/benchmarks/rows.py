@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 from scripts.benchmarks.compaction import row_compaction, row_compaction_one_slot
 from scripts.benchmarks.estimate import ESTIMATE_SCRIPT, row_estimate
+from scripts.benchmarks.failover import row_failover
 from scripts.benchmarks.harness import Env, Params, Row, running_env
 from scripts.benchmarks.keys import row_turn_keyed
 from scripts.benchmarks.memory import row_memory_export, row_memory_sessions
@@ -58,6 +59,7 @@ RUN_ORDER = (
     "compaction_latency",
     "compaction_one_slot",
     "stop_latency",
+    "failover_after_kill",
     "memory_sessions",
     "memory_export",
     "soak_1_generator",
@@ -103,6 +105,7 @@ ROW_FUNCTIONS: dict[str, RowFunction] = {
     "compaction_latency": row_compaction,
     "compaction_one_slot": row_compaction_one_slot,
     "stop_latency": row_stop_latency,
+    "failover_after_kill": row_failover,
     "splice_128k": row_splice,
     "turn_weighing": row_turn_weighing,
     "estimate_error": row_estimate,
@@ -116,6 +119,7 @@ ROW_FUNCTIONS: dict[str, RowFunction] = {
 ROWS = tuple(ROW_FUNCTIONS)
 # Rows that start systems of their own: the shared one is stopped before them.
 OWN_SYSTEMS = frozenset({"compaction_latency", "compaction_one_slot", "stop_latency",
+                         "failover_after_kill",
                          "memory_sessions", "memory_export", "soak_1_generator",
                          "soak_2_generators"})
 # Rows that cannot run without starting processes (see --in-process).

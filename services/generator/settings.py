@@ -50,8 +50,11 @@ class GeneratorSettings(ServiceSettings):
     max_concurrent_sessions: int = Field(default=64, ge=1)
     lock_lease_s: float = Field(default=DEFAULT_LOCK_LEASE_S, ge=1)
     lock_wait_s: float = Field(default=30.0, gt=0)
-    # A query unacknowledged this long is redelivered (the process died).
-    query_ack_wait_s: float = Field(default=30.0, ge=1)
+    # A query unacknowledged this long is redelivered (the process died): the
+    # longest a killed generator's session waits. Beaten every third of it, so
+    # a stall of two thirds is needed to redeliver one in hand; at 10 s that is
+    # longer than the default lease, whose loss a stall meets first anyway.
+    query_ack_wait_s: float = Field(default=10.0, ge=1)
     # How long a query that NATS does not answer for (a reconnect, a stream
     # electing its leader) is tried again before its caller gets 503.
     nats_away_patience_s: float = Field(default=30.0, ge=0)
