@@ -34,15 +34,13 @@ class NatsServer:
     """Start, stop, kill and restart one server; the store survives restarts."""
 
     def __init__(self, store_dir: str, port: int | None = None, extra_config: str = "",
-                 env: dict[str, str] | None = None, shipped_config: Path | None = None,
-                 shipped_arguments: tuple[str, ...] = ()) -> None:
+                 env: dict[str, str] | None = None, shipped_config: Path | None = None) -> None:
         self.port = port or free_port()
         self.store_dir = store_dir
         self.extra_config = extra_config  # e.g. an `authorization` block
         self.env = env or {}  # variables the configuration reads, e.g. passwords
         # The repository's nats.conf, run as `make run` runs it, instead of ours.
         self.shipped_config = shipped_config
-        self.shipped_arguments = shipped_arguments  # e.g. compose's --cluster and --routes
         self.log_path = Path(store_dir) / "server.log"
         self.url = f"nats://127.0.0.1:{self.port}"
         self._proc: subprocess.Popen[bytes] | None = None
@@ -70,7 +68,7 @@ class NatsServer:
         if self.shipped_config is None:
             return ["-c", str(self._write_config())]
         return ["-c", str(self.shipped_config), "-a", "127.0.0.1", "-p", str(self.port),
-                "-m", "0", "-l", str(self.log_path), *self.shipped_arguments]
+                "-m", "0", "-l", str(self.log_path)]
 
     def log(self) -> str:
         """What the server logged, if it logs to its file (on the shipped

@@ -96,25 +96,28 @@ CLUSTER_NODES = ("nats", "nats-2", "nats-3")
 
 def cluster_nodes_on_loopback(root: Path, passwords: dict[str, str]) -> list[NatsServer]:
     """compose.cluster.yaml's nodes as it starts them, each with its command
-    line, but the hosts of the compose network moved to loopback ports."""
+    line and the variables it sets, but the hosts of the compose network
+    moved to loopback ports. No secret is on a command line, where `ps` on
+    the Docker host shows it: the route password is in the environment."""
     services = yaml.safe_load((ROOT / "compose.cluster.yaml").read_text())["services"]
     route_ports = {name: free_port() for name in CLUSTER_NODES}
+
+    def on_loopback(value: str, name: str) -> str:
+        value = re.sub(r"\$\{NATS_ROUTE_PASSWORD[^}]*\}", passwords[ROUTE_PASSWORD_VARIABLE], value)
+        value = value.replace("0.0.0.0:6222", f"127.0.0.1:{route_ports[name]}")
+        for other, port in route_ports.items():
+            value = value.replace(f"@{other}:6222", f"@127.0.0.1:{port}")
+        return value
+
     nodes = []
     for name in CLUSTER_NODES:
-        command = services[name]["command"]
-        assert command[:3] == ["nats-server", "-c", "/etc/nats/nats-cluster.conf"], name
-        arguments = [re.sub(r"\$\{NATS_ROUTE_PASSWORD[^}]*\}",
-                            passwords[ROUTE_PASSWORD_VARIABLE], argument)
-                     for argument in command[3:]]
-        arguments = [argument.replace("@0.0.0.0:6222", f"@127.0.0.1:{route_ports[name]}")
-                     for argument in arguments]
-        for other, port in route_ports.items():
-            arguments = [argument.replace(f"@{other}:6222", f"@127.0.0.1:{port}")
-                         for argument in arguments]
+        assert services[name]["command"] == ["nats-server", "-c", "/etc/nats/nats-cluster.conf"]
+        routes = {key: on_loopback(str(value), name)
+                  for key, value in services[name]["environment"].items()
+                  if key.startswith("NATS_ROUTE") or key == "NATS_SERVER_NAME"}
         (root / name).mkdir()
-        nodes.append(NatsServer(str(root / name), env={**passwords, "NATS_SERVER_NAME": name},
-                                shipped_config=ROOT / "nats-cluster.conf",
-                                shipped_arguments=tuple(arguments)))
+        nodes.append(NatsServer(str(root / name), env={**passwords, **routes},
+                                shipped_config=ROOT / "nats-cluster.conf"))
     return nodes
 
 
@@ -140,8 +143,7 @@ async def test_the_cluster_file_nodes_join_each_other_and_refuse_a_route_without
             node.start()
         await wait_for_jetstream(
             ",".join(f"nats://admin:{admin}@127.0.0.1:{node.port}" for node in nodes), 3)
-        route_port = int(re.findall(r"127\.0\.0\.1:(\d+)",
-                                    nodes[0].shipped_arguments[1])[0])
+        route_port = int(nodes[0].env["NATS_ROUTE_LISTEN"].rpartition(":")[2])
         assert b"Authorization Violation" in await route_answer(route_port, "guessed")
     finally:
         for node in nodes:
