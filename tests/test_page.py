@@ -278,11 +278,17 @@ const late = [["2026-01-02T14:02:30.100000Z", "g1"], ["2026-01-02T14:02:31.00000
               ["2026-01-02T14:02:30.100000Z", "g2"], ["not a time", "g1"]]
   .map(([at, by]) => live.staleState(seen, at, by));
 const firstLate = live.staleState(null, "2026-01-02T14:02:30.100000Z", "g1");
+// Within one millisecond, to the microsecond the services stamp; a stamp may
+// be written with fewer digits, or none.
+const inMs = { at: "2026-01-02T14:02:30.500400Z", by: "g1" };
+const withinMs = ["2026-01-02T14:02:30.500100Z", "2026-01-02T14:02:30.500700Z",
+                  "2026-01-02T14:02:30.5Z", "2026-01-02T14:02:30Z"]
+  .map((at) => live.staleState(inMs, at, "g1"));
 const newest = [["2026-01-02T14:02:30.100000Z", "g1"], ["2026-01-02T14:02:31.000000Z", "g1"],
                 ["2026-01-02T14:02:30.100000Z", "g2"], [null, "g1"]]
   .map(([at, by]) => live.newestSeen(seen, at, by));
 console.log(JSON.stringify({
-  progress, waits, lateProgress, echoes, newer, late, firstLate, newest,
+  progress, waits, lateProgress, echoes, newer, late, firstLate, newest, withinMs,
   events: out, levels, levelsFrom600, fmt: shared.fmt(1234567), pct: shared.percent(1234, 3584),
   types: live.LIVE_EVENT_TYPES, banner, reload, gauge,
   shown: [["idle", false], ["generating", true], ["idle", true], ["compacting", false]]
@@ -371,6 +377,7 @@ def test_sse_parser_and_helpers_under_node(tmp_path: Path) -> None:
     assert result["echoes"] == [None, "c9", "c10"]
     assert result["newer"] == ["1", "2", "3"]
     assert result["late"] == [True, False, False, False] and result["firstLate"] is False
+    assert result["withinMs"] == [True, False, True, True]
     seen = {"at": "2026-01-02T14:02:30.500000Z", "by": "g1"}
     assert result["newest"] == [seen, {"at": "2026-01-02T14:02:31.000000Z", "by": "g1"},
                                 {"at": "2026-01-02T14:02:30.100000Z", "by": "g2"}, seen]

@@ -29,15 +29,25 @@ export const LIVE_EVENT_TYPES = [
 // next. Only one generator's stamps are compared: two clocks may disagree.
 export function staleState(seen, at, by) {
   if (!seen || seen.by !== by) return false;
-  const known = Date.parse(seen.at ?? "");
-  const stamp = Date.parse(at ?? "");
+  const known = micros(seen.at);
+  const stamp = micros(at);
   return Number.isFinite(known) && Number.isFinite(stamp) && stamp < known;
+}
+
+// A stamp in microseconds since the epoch (NaN if it is none). The services
+// stamp to the microsecond, and a turn's changes often fall within one
+// millisecond, which is all Date.parse keeps.
+export function micros(at) {
+  const ms = Date.parse(at ?? "");
+  if (!Number.isFinite(ms)) return NaN;
+  const fraction = /\.(\d+)/.exec(at)?.[1] ?? "";
+  return ms * 1000 + Number(fraction.padEnd(6, "0").slice(3, 6));
 }
 
 // The newest state known once a change (or a read) stamped `at` by `by` is
 // taken in; one with no time leaves it as it was.
 export function newestSeen(seen, at, by) {
-  if (!Number.isFinite(Date.parse(at ?? "")) || staleState(seen, at, by)) return seen;
+  if (!Number.isFinite(micros(at)) || staleState(seen, at, by)) return seen;
   return { at, by };
 }
 
