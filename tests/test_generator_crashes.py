@@ -31,7 +31,8 @@ from services.core.decision import Policy
 from services.core.failed_tries import MAX_CRASHES
 from services.generator.models import ModelFacts
 from services.generator.provider import ChatRequest, ChatResult, OnToken, ProviderError
-from services.generator.service import QUERY_CONSUMER, Generator, raised_in, work_queue_consumer
+from services.generator.queries import raised_in
+from services.generator.service import QUERY_CONSUMER, Generator, work_queue_consumer
 from services.generator.session_lock import SessionLocks
 from services.generator.settings import GeneratorSettings
 from services.shared.bus import Bus, decode

@@ -26,7 +26,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import structlog
 from nats.aio.client import Client as NATS
@@ -367,3 +367,25 @@ class Delivery:
     def _settling(self) -> None:
         self.stop_heartbeat()
         self.settled = True
+
+
+@contextlib.asynccontextmanager
+async def working_on(msg: Msg, heartbeat_s: float, **context: str
+                     ) -> AsyncIterator[Delivery]:
+    """A message being worked on: logged with its ids (`context`), kept from
+    redelivery by heartbeats (long answers, and waiting behind a session's
+    earlier query, must not look like a dead consumer), and handed back at
+    once if the work is cancelled (at shutdown) before it was settled."""
+    delivery = Delivery(msg, heartbeat_s)
+    try:
+        with structlog.contextvars.bound_contextvars(**context):
+            try:
+                yield delivery
+            except asyncio.CancelledError:
+                if not delivery.settled:
+                    log.warning("handed_back_at_shutdown")
+                    with contextlib.suppress(Exception):
+                        await delivery.nak()
+                raise
+    finally:
+        delivery.stop_heartbeat()
