@@ -79,6 +79,9 @@ class Room(Protocol):
 
 
 class Queries:
+    """Each query delivered to this process, answered in its session's order
+    under the session's lock, or handed back, or answered with an error."""
+
     def __init__(self, bus: Bus, settings: GeneratorSettings, locks: SessionLocks,
                  sessions: SessionStore, states: SessionStates, turns: TurnRunner,
                  compactor: Compactor, room: Room) -> None:
