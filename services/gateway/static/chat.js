@@ -1,6 +1,7 @@
 // The chat view: the transcript (pages, compaction dividers, faded and
-// superseded messages), the answer being streamed, the composer (send, stop,
-// retry), and a turn cut by a reload or a visit elsewhere, read again.
+// superseded messages), the turn not yet stored (its question, and its answer
+// being streamed: answer.js), the composer (send, stop, retry), and a turn cut
+// by a reload or a visit elsewhere, read again.
 
 import { API, newKey, postStop, postTurn, queryIdFor, readError, requestJson } from "./api.js";
 import {
