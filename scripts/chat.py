@@ -4,9 +4,10 @@
     python -m scripts.chat --session 3f2a9c...      # go on with one
     python -m scripts.chat --url http://host:8080   # another gateway (or GATEWAY_URL)
 
-Type a message and Enter. Commands: `/compact [instructions]`, `/state`,
-`/transcript`, `/again`, `/help`, `/quit` (or Ctrl-D). Each message goes
-under an Idempotency-Key; after a failure that leaves its fate unknown (no
+Type a message and Enter. Commands: `/retry` (a fresh answer to the last
+message), `/compact [instructions]`, `/state`, `/transcript`, `/again`,
+`/help`, `/quit` (or Ctrl-D). Each message (and retry) goes under an
+Idempotency-Key; after a failure that leaves its fate unknown (no
 answer in time, the connection lost, NATS away), `/again` sends it once more
 under the same key, and it is answered once. After each answer a context line
 shows how full the window is. On a terminal the input line has history and
@@ -24,6 +25,7 @@ import os
 import sys
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,15 +38,32 @@ from scripts.terminal_text import shown
 ROOT = Path(__file__).resolve().parent.parent
 
 DEFAULT_URL = "http://127.0.0.1:8080"
-HELP = ("Commands: /compact [instructions] · /state · /transcript · /again · /help · /quit\n"
+HELP = ("Commands: /retry · /compact [instructions] · /state · /transcript · /again · /help · "
+        "/quit\n"
         "Anything else is sent as a message; one that starts with / is sent as //...")
 Event = tuple[str, Any]
 # Failures after which a message may or may not have been taken; the page
-# (services/gateway/static/chat.js) offers Send again after the same ones.
+# (services/gateway/static/answer.js) offers Send again after the same ones.
 # An error status without the gateway's JSON (a proxy's) reads as http_<status>.
 UNKNOWN_OUTCOME = frozenset({"network_error", "stream_ended", "nats_unavailable",
                              "reply_timeout", "gateway_stopping",
                              "http_502", "http_503", "http_504"})
+
+
+@dataclass(frozen=True)
+class Turn:
+    """A message sent, or a retry of the last one (no content), under its key."""
+
+    content: str | None
+    key: str
+
+    @property
+    def path(self) -> str:
+        return "retry" if self.content is None else "messages"
+
+    @property
+    def body(self) -> dict[str, Any]:
+        return {} if self.content is None else {"content": self.content}
 
 
 class ChatError(Exception):
@@ -82,8 +101,8 @@ class Chat:
         self.client = client
         self.out = console
         self.sid = ""
-        # The last message whose fate is unknown, and its key: what /again sends.
-        self.unsure: tuple[str, str] | None = None
+        # The last message (or retry) whose fate is unknown: what /again sends.
+        self.unsure: Turn | None = None
 
     def open(self, sid: str | None) -> None:
         if sid:
@@ -108,41 +127,47 @@ class Chat:
         command, _, rest = line.strip().partition(" ")
         actions: dict[str, Callable[[str], None]] = {
             "/compact": self.compact, "/state": self.state, "/transcript": self.transcript,
-            "/again": self.again, "/help": lambda _: self.out.print(HELP)}
+            "/again": self.again, "/retry": self.retry, "/help": lambda _: self.out.print(HELP)}
         if command in ("/quit", "/exit"):
             return False
         if line.lstrip().startswith("//"):  # a message that starts with a slash
-            self.send(line.lstrip()[1:])
+            self.send(Turn(line.lstrip()[1:], uuid.uuid4().hex))
         elif command in actions:
             actions[command](rest.strip())
         elif command.startswith("/"):
             self.out.print(Text(f"unknown command {command}; /help lists them", style="red"))
         elif line.strip():
-            self.send(line)
+            self.send(Turn(line, uuid.uuid4().hex))
         return True
 
-    def send(self, content: str, key: str | None = None) -> None:
-        key = key or uuid.uuid4().hex
+    def retry(self, _: str = "") -> None:
+        """A fresh answer to the last message; the one it replaces stays in the
+        transcript, out of the model's context."""
+        self.send(Turn(None, uuid.uuid4().hex))
+
+    def send(self, turn: Turn) -> None:
         try:
-            self.stream_answer(content, key)
+            self.stream_answer(turn)
         except KeyboardInterrupt:  # Ctrl-C while it answers: stop that answer, not the chat
-            self.unsure = (content, key)
-            self.stop_answer(key)
+            self.unsure = turn
+            self.stop_answer(turn)
             return
         except (ChatError, httpx.TransportError) as err:
             code = err.code if isinstance(err, ChatError) else "network_error"
             if code not in UNKNOWN_OUTCOME:
                 raise
-            self.unsure = (content, key)
+            self.unsure = turn
             raise ChatError(f"{err}; /again sends it once more, answered once", code) from err
         self.unsure = None
         self.context_line()
 
-    def stop_answer(self, key: str) -> None:
-        """The answer to the message sent under `key`, never another client's."""
+    def stop_answer(self, turn: Turn) -> None:
+        """The answer to the message (or retry) sent under its key, never
+        another client's."""
         self.out.print()
-        response = self.client.post(f"/api/sessions/{self.sid}/stop", json={},
-                                    headers={"Idempotency-Key": key})
+        response = self.client.post(f"/api/sessions/{self.sid}/stop",
+                                    json={"retry": turn.content is None},
+                                    headers={"Idempotency-Key": turn.key})
         if response.status_code == 202 and response.json().get("status") == "withdrawn":
             self.unsure = None  # never answered, nothing kept: sent again, it is a new message
             self.out.print(Text("withdrawn before its turn: not answered, and nothing of it "
@@ -160,14 +185,14 @@ class Chat:
         if self.unsure is None:
             self.out.print("nothing to send again: every message so far was answered or refused")
             return
-        self.send(*self.unsure)
+        self.send(self.unsure)
 
-    def stream_answer(self, content: str, key: str) -> None:
+    def stream_answer(self, turn: Turn) -> None:
         self.out.print(Text("assistant: ", style="bold green"), end="")
-        with self.client.stream("POST", f"/api/sessions/{self.sid}/messages",
-                                json={"content": content},
+        with self.client.stream("POST", f"/api/sessions/{self.sid}/{turn.path}",
+                                json=turn.body,
                                 headers={"Accept": "text/event-stream",
-                                         "Idempotency-Key": key}) as response:
+                                         "Idempotency-Key": turn.key}) as response:
             if response.status_code != 200:
                 response.read()
                 raise failure(response)
@@ -279,6 +304,8 @@ class Chat:
     def print_message(self, message: dict[str, Any]) -> None:
         line = Text(f"{message.get('role', '?')}: ", style="bold")
         line.append(shown(str(message.get("content") or "")))
+        if message.get("supersedes"):
+            line.append("  (retried: replaces the answer before it)", style="dim")
         self.out.print(line)
 
 

@@ -92,6 +92,17 @@ def test_a_conversation_with_a_compaction(system: System) -> None:
     assert "never sent" not in out
 
 
+def test_retry_answers_the_last_message_afresh_and_the_transcript_says_which_replaced(
+        system: System) -> None:
+    out = chat(system, ["/retry", "hello", "/retry", "/transcript"])
+    assert "error: nothing_to_retry" in out  # nothing asked yet
+    transcript = out.split("user: hello", 1)[1]
+    first, retried = transcript.splitlines()[1:3]
+    assert first == "assistant: Echo: hello (turn 1)"
+    assert retried == "assistant: Echo: hello (turn 1)  (retried: replaces the answer before it)"
+    assert out.count("context: ") >= 2  # after each answer
+
+
 def test_a_refused_compaction_is_said_and_the_chat_goes_on(system: System) -> None:
     out = chat(system, ["first", "/compact " + "x" * 4001, "second"])
     assert "compaction requested" not in out and "compacting…" not in out
@@ -178,18 +189,23 @@ class Printed:
         return "".join(self._lines.get_nowait() for _ in range(self._lines.qsize()))
 
 
+@pytest.mark.parametrize("retried", [False, True], ids=["message", "retry"])
 def test_ctrl_c_while_it_answers_stops_that_answer_and_the_chat_goes_on(
-        private_nats: NatsServer) -> None:
+        private_nats: NatsServer, retried: bool) -> None:
     with running_stub() as stub, \
             running_system(private_nats.url, stub, {}, services=("generator", "gateway")) \
             as system:
-        configure_stub_now(stub, paused_models=["stub-model"])  # first piece, then waits
         client, printed = chat_client(system)
         assert client.stdin is not None
         try:
-            client.stdin.write("tell me a long story\n")
-            client.stdin.flush()
             sid = printed.next_with("session ").split("session ", 1)[1].split()[0]
+            if retried:  # a message answered, whose answer is then asked for afresh
+                client.stdin.write("tell me a long story\n")
+                client.stdin.flush()
+                printed.next_with("assistant: Echo: tell me a long story")
+            configure_stub_now(stub, paused_models=["stub-model"])  # first piece, then waits
+            client.stdin.write("/retry\n" if retried else "tell me a long story\n")
+            client.stdin.flush()
             with system.client() as http:
                 until(lambda: http.get(f"/api/sessions/{sid}").json()["phase"] == "generating",
                       "the answer under way")
