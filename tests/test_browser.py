@@ -1047,6 +1047,29 @@ def test_the_gauge_marks_where_automatic_compaction_begins(
                   "the threshold back to its start")
 
 
+def test_the_gauge_follows_a_live_change_of_the_threshold_without_a_reload(
+        watched: Watched, system: System, nats_url: str) -> None:
+    """The mark moved only at the session's next read: after the next message."""
+    page = watched.page
+    sid = create_session(page)
+    text, mark = page.locator("#gauge-text"), page.locator("#gauge-threshold")
+    playwright_api.expect(text).to_contain_text("automatic compaction off")  # threshold 0
+    playwright_api.expect(page.locator("#live-status")).to_have_attribute("data-live",
+                                                                         "connected")
+    put_live_setting(nats_url, "compaction_threshold", b"0.5")
+    try:
+        playwright_api.expect(text).to_contain_text("compacts from ")
+        playwright_api.expect(mark).to_be_visible()
+        playwright_api.expect(page.locator("#log")).to_contain_text(
+            "live settings changed (compaction threshold 0.5)")
+    finally:
+        put_live_setting(nats_url, "compaction_threshold", None)
+        with system.client() as client:  # back to 0 for the module's later tests
+            until(lambda: client.get(f"/api/sessions/{sid}").json()["compacts_at"] is None,
+                  "the threshold back to its start")
+    playwright_api.expect(text).to_contain_text("automatic compaction off")
+
+
 def test_a_next_prompt_over_the_budget_says_what_the_next_message_meets(
         watched: Watched, system: System, nats_url: str) -> None:
     """A long answer may use the window's room past the budget: the gauge

@@ -15,6 +15,7 @@ from starlette.types import Message
 
 from schemas import subjects
 from services.gateway.live import EventStream, ListenerLimit, LiveFeed
+from services.gateway.settings import GatewaySettings
 from tests.events import eventually
 
 
@@ -151,4 +152,20 @@ async def test_a_session_deleted_is_told_to_the_pages_showing_it(nc: NATS) -> No
     assert name == "event: session.deleted"
     assert json.loads(data.removeprefix("data: "))["session_id"] == "gone"
     await stream.aclose()
+    await feed.stop()
+
+
+async def test_a_live_settings_change_reaches_every_stream_whatever_its_session(
+        nc: NATS) -> None:
+    feed = LiveFeed(nc)
+    one, every = feed.stream("s5"), feed.stream(None)
+    await anext(one)
+    await anext(every)
+    feed.settings_changed(GatewaySettings(compaction_threshold=0.6))
+    for stream in (one, every):
+        name, data = (await asyncio.wait_for(anext(stream), 5)).removesuffix("\n\n").split("\n")
+        assert name == "event: settings.changed"
+        assert json.loads(data.removeprefix("data: "))["payload"] == {"compaction_threshold": 0.6}
+    await one.aclose()
+    await every.aclose()
     await feed.stop()

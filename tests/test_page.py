@@ -22,6 +22,7 @@ LIVE_EVENT_TYPES = (
     "compaction.event",
     "compaction.result",
     "session.deleted",
+    "settings.changed",
 )
 STATES = (
     "idle", "receiving", "generating", "dispatching_tool", "waiting_for_tool",

@@ -198,6 +198,6 @@ async def build(bus: Bus, settings: GatewaySettings) -> Gateway:
     history = HistoryStore(bus.js)
     replies = ReplyRouter(bus, history, QueryErrors(bus.js))
     live = LiveFeed(bus.nc)
-    tuning = LiveSettings(bus.js, settings)
+    tuning = LiveSettings(bus.js, settings, on_change=live.settings_changed)
     api = Api(bus, tuning, sessions, history, replies, live)
     return Gateway(bus, settings, api, replies, live, tuning)

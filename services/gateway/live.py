@@ -1,6 +1,8 @@
 """The page's live view: generator states, compaction events, generation
 reports and sessions deleted, fanned out from NATS to every open
-`/api/events` stream.
+`/api/events` stream; and, to every stream whatever its session, a live
+settings change (a put in the `config` bucket), so that a page shows where
+automatic compaction now begins without waiting for its next read.
 
 The gateway subscribes only while at least one page listens: otherwise every
 turn's state transitions would cross into this process for nobody. When the
@@ -14,6 +16,7 @@ import contextlib
 import json
 from collections import Counter
 from collections.abc import AsyncGenerator, Awaitable, Callable
+from datetime import UTC, datetime
 
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -30,6 +33,7 @@ from schemas.messages import (
     SessionDeleted,
     StateChange,
 )
+from services.gateway.settings import GatewaySettings
 from services.shared.bus import parse_json, round_trip
 
 # Each watched subject and the event name its messages go out under. The name
@@ -43,6 +47,8 @@ WATCHED = {
     subjects.COMPACTION_EVENT: CompactionEvent.MESSAGE_TYPE,
     f"{subjects.SESSION_DELETED_PREFIX}.*": SessionDeleted.MESSAGE_TYPE,
 }
+# The event a live settings change goes out under, to every stream.
+SETTINGS_CHANGED = "settings.changed"
 KEEPALIVE_S = 15.0
 # A page that stops reading misses the newest events rather than growing our memory.
 QUEUE_LIMIT = 1000
@@ -78,6 +84,18 @@ class LiveFeed:
         self._listeners.clear()
         await self._unsubscribe()
 
+    def settings_changed(self, settings: GatewaySettings) -> None:
+        """What the pages show of the live settings: the compaction threshold."""
+        event: dict[str, object] = {
+            "message_type": SETTINGS_CHANGED, "timestamp": datetime.now(UTC).isoformat(),
+            "payload": {"compaction_threshold": settings.compaction_threshold}}
+        self._pass_on(SETTINGS_CHANGED, subjects.CONFIG_BUCKET, event)
+
+    def _pass_on(self, name: str, subject: str, envelope: dict[str, object]) -> None:
+        for queue in self._listeners:
+            if queue.qsize() < QUEUE_LIMIT:
+                queue.put_nowait((name, subject, envelope))
+
     async def _subscribe(self) -> None:
         async with self._subscribing:
             if not self._subs:
@@ -100,11 +118,8 @@ class LiveFeed:
                 envelope = parse_json(msg.data)
             except ValueError:
                 return  # malformed events are reported by the services that consume them
-            if not isinstance(envelope, dict):
-                return
-            for queue in self._listeners:
-                if queue.qsize() < QUEUE_LIMIT:
-                    queue.put_nowait((name, msg.subject, envelope))
+            if isinstance(envelope, dict):
+                self._pass_on(name, msg.subject, envelope)
         return on_message
 
     async def stream(self, session_id: str | None) -> AsyncGenerator[str, None]:
@@ -124,7 +139,8 @@ class LiveFeed:
                 if event is _END:
                     return
                 name, subject, envelope = event
-                if session_id and envelope.get("session_id") != session_id:
+                if session_id and name != SETTINGS_CHANGED \
+                        and envelope.get("session_id") != session_id:
                     continue
                 data = json.dumps({**envelope, "subject": subject})  # where it truly came
                 yield f"event: {name}\ndata: {data}\n\n"

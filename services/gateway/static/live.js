@@ -20,6 +20,7 @@ export const LIVE_EVENT_TYPES = [
   "compaction.event",
   "compaction.result",
   "session.deleted",
+  "settings.changed",
 ];
 
 // Whether a live state change, stamped `at` by generator `by`, is older than
@@ -200,7 +201,17 @@ const LIVE_HANDLERS = new Map([
   ["compaction.event", onCompactionEvent],
   ["compaction.result", onCompactionResult],
   ["session.deleted", onSessionDeleted],
+  ["settings.changed", onSettingsChanged],
 ]);
+
+// A live setting changed (the compaction threshold): the session is read
+// again, whose answer says where automatic compaction now begins.
+function onSettingsChanged(p, ts) {
+  const threshold = typeof p.compaction_threshold === "number"
+    ? ` (compaction threshold ${p.compaction_threshold})` : "";
+  logLine("settings.changed", `live settings changed${threshold}`, ts);
+  announce("refresh-wanted");
+}
 
 // Deleted elsewhere (another tab, another client): the read that follows
 // finds it gone, says so and closes it here, before a message is sent into it.
