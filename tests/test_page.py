@@ -3,6 +3,7 @@ other, load nothing from outside, and put data into the page only as text."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -12,6 +13,8 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
+
+from services.gateway.idempotency import query_id_for
 
 STATIC = Path(__file__).resolve().parent.parent / "services" / "gateway" / "static"
 
@@ -81,7 +84,8 @@ def page(html: str) -> PageParser:
     return parser
 
 
-MODULES = ("api", "shared", "sse", "kept", "answer", "live", "chat", "panel", "sessions", "app")
+MODULES = ("api", "sha256", "shared", "sse", "kept", "answer", "live", "chat", "panel",
+           "sessions", "app")
 
 
 @pytest.fixture(scope="module")
@@ -212,8 +216,16 @@ NODE = shutil.which("node")
 
 NODE_CHECK = r"""
 const load = (name) => import(`${process.argv[1]}/${name}.js`);
-const [live, shared, chat, panel, answer, sse] = await Promise.all(
-  ["live", "shared", "chat", "panel", "answer", "sse"].map(load));
+const [live, shared, chat, panel, answer, sse, sha256, api] = await Promise.all(
+  ["live", "shared", "chat", "panel", "answer", "sse", "sha256", "api"].map(load));
+// The page's own SHA-256, for a page without crypto.subtle (no secure
+// context), against the block boundaries and text of several UTF-8 widths.
+const DIGESTED = ["", "abc", "a".repeat(55), "a".repeat(56), "a".repeat(64), "a".repeat(1000),
+                  "s1\nmessage\nkey", "héllo 世界 🙂"];
+const digests = DIGESTED.map(sha256.sha256Hex);
+const queryIds = [await api.queryIdFor("s1", "k1", false), await api.queryIdFor("s1", "k1", true)];
+Object.defineProperty(globalThis.crypto, "subtle", { value: undefined });
+queryIds.push(await api.queryIdFor("s1", "k1", false), await api.queryIdFor("s1", "k1", true));
 const p = new sse.SseParser();
 const out = [];
 // Frames split at awkward places, a comment, CRLF line ends and a multi-line data field.
@@ -289,7 +301,8 @@ const newest = [["2026-01-02T14:02:30.100000Z", "g1"], ["2026-01-02T14:02:31.000
                 ["2026-01-02T14:02:30.100000Z", "g2"], [null, "g1"]]
   .map(([at, by]) => live.newestSeen(seen, at, by));
 console.log(JSON.stringify({
-  progress, waits, lateProgress, echoes, newer, late, firstLate, newest, withinMs,
+  progress, waits, lateProgress, echoes, newer, late, firstLate, newest, withinMs, digests,
+  queryIds,
   events: out, levels, levelsFrom600, fmt: shared.fmt(1234567), pct: shared.percent(1234, 3584),
   types: live.LIVE_EVENT_TYPES, banner, reload, gauge,
   shown: [["idle", false], ["generating", true], ["idle", true], ["compacting", false]]
@@ -379,6 +392,12 @@ def test_sse_parser_and_helpers_under_node(tmp_path: Path) -> None:
     assert result["newer"] == ["1", "2", "3"]
     assert result["late"] == [True, False, False, False] and result["firstLate"] is False
     assert result["withinMs"] == [True, False, True, True]
+    digested = ["", "abc", "a" * 55, "a" * 56, "a" * 64, "a" * 1000, "s1\nmessage\nkey",
+                "héllo 世界 🙂"]
+    assert result["digests"] == [hashlib.sha256(text.encode()).hexdigest() for text in digested]
+    # As the gateway names a keyed query, with crypto.subtle and without it.
+    named = [query_id_for("s1", "k1", False), query_id_for("s1", "k1", True)]
+    assert result["queryIds"] == named * 2
     seen = {"at": "2026-01-02T14:02:30.500000Z", "by": "g1"}
     assert result["newest"] == [seen, {"at": "2026-01-02T14:02:31.000000Z", "by": "g1"},
                                 {"at": "2026-01-02T14:02:30.100000Z", "by": "g2"}, seen]

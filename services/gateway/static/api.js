@@ -2,6 +2,8 @@
 // (fetch, the live EventSource). Every write says Content-Type application/json,
 // body or not: the gateway refuses any other, as a cross-site form could send one.
 
+import { sha256Hex } from "./sha256.js";
+
 export const API = {
   sessions: "/api/sessions",
   session: (id) => `/api/sessions/${encodeURIComponent(id)}`,
@@ -94,10 +96,10 @@ function hex(bytes) {
 
 // The id the gateway gives the query sent under `key`, as it derives it: the
 // first 32 hex digits of SHA-256 over the session, the route and the key.
-// Null where the browser has no crypto.subtle (no secure context).
+// Without crypto.subtle (no secure context), by the page's own SHA-256.
 export async function queryIdFor(sessionId, key, retry) {
-  if (!crypto.subtle) return null;
   const named = `${sessionId}\n${retry ? "retry" : "message"}\n${key}`;
+  if (!crypto.subtle) return sha256Hex(named).slice(0, 32);
   const digest = await crypto.subtle.digest("SHA-256", new TextEncoder().encode(named));
   return hex(new Uint8Array(digest)).slice(0, 32);
 }

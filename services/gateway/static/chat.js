@@ -306,9 +306,8 @@ function retryButton() {
 let resuming = null; // the session whose kept turn is being looked at
 
 // The turn kept for this session, read again once its stored transcript is
-// shown. Not when that transcript holds its answer already, nor when the page
-// cannot tell (no digest without a secure context), nor a retry of a message
-// that is no longer the last: /retry answers whichever is last now.
+// shown. Not when that transcript holds its answer already, nor a retry of a
+// message that is no longer the last: /retry answers whichever is last now.
 export async function resumeTurn(id) {
   const turn = readKeptTurn(id);
   if (!turn || resuming === id || app.busy) return;
