@@ -1022,6 +1022,20 @@ def test_a_page_opened_after_a_turn_shows_its_counts_and_the_last_prompt(
         f"{prompt} / 2,048 tokens")
 
 
+@contextlib.contextmanager
+def threshold_live(nats_url: str, system: System, sid: str, value: bytes) -> Iterator[None]:
+    """The compaction threshold put live for the block; then deleted, and read
+    back at its start (0, off) before the module's later tests."""
+    put_live_setting(nats_url, "compaction_threshold", value)
+    try:
+        yield
+    finally:
+        put_live_setting(nats_url, "compaction_threshold", None)
+        with system.client() as client:
+            until(lambda: client.get(f"/api/sessions/{sid}").json()["compacts_at"] is None,
+                  "the threshold back to its start")
+
+
 def test_the_gauge_marks_where_automatic_compaction_begins(
         watched: Watched, system: System, nats_url: str) -> None:
     page = watched.page
@@ -1029,22 +1043,15 @@ def test_the_gauge_marks_where_automatic_compaction_begins(
     text, mark = page.locator("#gauge-text"), page.locator("#gauge-threshold")
     playwright_api.expect(text).to_contain_text("automatic compaction off")  # threshold 0
     playwright_api.expect(mark).to_be_hidden()
-    put_live_setting(nats_url, "compaction_threshold", b"0.5")
-    try:
-        with system.client() as client:
-            def read() -> dict[str, object]:
-                return dict(client.get(f"/api/sessions/{sid}").json())
-            until(lambda: read()["compacts_at"] is not None, "the threshold read")
-            session = read()
+    with threshold_live(nats_url, system, sid, b"0.5"), system.client() as client:
+        def read() -> dict[str, object]:
+            return dict(client.get(f"/api/sessions/{sid}").json())
+        until(lambda: read()["compacts_at"] is not None, "the threshold read")
+        session = read()
         page.reload()
         playwright_api.expect(text).to_contain_text(f"compacts from {session['compacts_at']:,}")
         playwright_api.expect(mark).to_be_visible()
         assert session["compacts_at"] == math.ceil(int(str(session["budget"])) / 2)
-    finally:
-        put_live_setting(nats_url, "compaction_threshold", None)
-        with system.client() as client:  # back to 0 for the module's later tests
-            until(lambda: client.get(f"/api/sessions/{sid}").json()["compacts_at"] is None,
-                  "the threshold back to its start")
 
 
 def test_the_gauge_follows_a_live_change_of_the_threshold_without_a_reload(
@@ -1056,17 +1063,11 @@ def test_the_gauge_follows_a_live_change_of_the_threshold_without_a_reload(
     playwright_api.expect(text).to_contain_text("automatic compaction off")  # threshold 0
     playwright_api.expect(page.locator("#live-status")).to_have_attribute("data-live",
                                                                          "connected")
-    put_live_setting(nats_url, "compaction_threshold", b"0.5")
-    try:
+    with threshold_live(nats_url, system, sid, b"0.5"):
         playwright_api.expect(text).to_contain_text("compacts from ")
         playwright_api.expect(mark).to_be_visible()
         playwright_api.expect(page.locator("#log")).to_contain_text(
             "live settings changed (compaction threshold 0.5)")
-    finally:
-        put_live_setting(nats_url, "compaction_threshold", None)
-        with system.client() as client:  # back to 0 for the module's later tests
-            until(lambda: client.get(f"/api/sessions/{sid}").json()["compacts_at"] is None,
-                  "the threshold back to its start")
     playwright_api.expect(text).to_contain_text("automatic compaction off")
 
 
@@ -1080,19 +1081,13 @@ def test_a_next_prompt_over_the_budget_says_what_the_next_message_meets(
     text = page.locator("#gauge-text")
     # Automatic compaction is off in this module: the next message would be refused.
     playwright_api.expect(text).to_contain_text("over the budget: compact before the next message")
-    put_live_setting(nats_url, "compaction_threshold", b"0.5")
-    try:
+    with threshold_live(nats_url, system, sid, b"0.5"):
         with system.client() as client:
             until(lambda: client.get(f"/api/sessions/{sid}").json()["compacts_at"] is not None,
                   "the threshold read")
         page.reload()
         playwright_api.expect(text).to_contain_text(
             "over the budget: the next message compacts first")
-    finally:
-        put_live_setting(nats_url, "compaction_threshold", None)
-        with system.client() as client:  # back to 0 for the module's later tests
-            until(lambda: client.get(f"/api/sessions/{sid}").json()["compacts_at"] is None,
-                  "the threshold back to its start")
 
 
 def test_a_resumed_answer_goes_on_streaming(watched: Watched, stub_url: str) -> None:
