@@ -134,9 +134,28 @@ async def test_a_stream_that_started_is_closed_when_its_client_goes(nc: NATS) ->
     assert await anext(stream) == ": connected\n\n"
     release = limit.admit("127.0.0.1")
     assert release is not None
+    await state_change(nc, "s4")  # its next piece, which the response's headers wait for
     await respond(EventStream(stream, release))
     # Closed at once, not whenever the collector finds the generator.
     await eventually(lambda: not feed.subscribed, "the feed unsubscribed")
+    await feed.stop()
+
+
+async def test_the_headers_wait_until_the_stream_listens(nc: NATS) -> None:
+    """A page takes the headers for "the feed is open": sent before the
+    stream listened, an event published in between was lost to it."""
+    feed = LiveFeed(nc)
+    listening_at_headers: list[bool] = []
+
+    async def send(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            listening_at_headers.append(feed.subscribed)
+            raise ConnectionResetError  # the client goes: enough has been seen
+
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}}
+    with contextlib.suppress(ConnectionResetError):
+        await EventStream(feed.stream(None), lambda: None)(scope, asyncio.Event().wait, send)
+    assert listening_at_headers == [True]
     await feed.stop()
 
 

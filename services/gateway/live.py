@@ -185,7 +185,11 @@ class EventStream(StreamingResponse):
     """Server-sent events that give their client's share back and close their
     stream however the response ends. Starlette cancels the body of a client
     gone before its first byte before that body starts, and an async
-    generator that never started never runs its `finally`."""
+    generator that never started never runs its `finally`.
+
+    The headers wait for the stream's first piece: a page takes them for "the
+    feed is open" (EventSource's `open`), and before that piece the stream
+    may not yet be listening, so an event sent meanwhile was lost to it."""
 
     def __init__(self, stream: AsyncGenerator[str, None], release: Callable[[], None]) -> None:
         super().__init__(stream, media_type="text/event-stream")
@@ -194,7 +198,18 @@ class EventStream(StreamingResponse):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
+            first = await anext(self._stream, None)
+            self.body_iterator = _after(first, self._stream)
             await super().__call__(scope, receive, send)
         finally:
             self._release()
             await self._stream.aclose()
+
+
+async def _after(first: str | None, rest: AsyncGenerator[str, None]
+                 ) -> AsyncGenerator[str, None]:
+    if first is None:
+        return
+    yield first
+    async for piece in rest:
+        yield piece
