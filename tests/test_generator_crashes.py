@@ -378,3 +378,19 @@ def test_a_failure_logged_names_the_function_of_ours_it_came_from() -> None:
     except ValueError as err:
         assert raised_in(err) == "decision.__post_init__"
     assert raised_in(ValueError("raised nowhere")) == "?"
+
+
+async def test_a_failure_of_requests_sent_together_names_the_function_that_sent_them(
+        nc: NATS) -> None:
+    """The lock's create and look-up go out together (`services/shared/together.py`):
+    a failure of either was logged `where=together.together`, which said nothing."""
+    js = nc.jetstream()
+    kv = await js.create_key_value(KeyValueConfig(bucket="gone_locks"))
+    await js.delete_key_value("gone_locks")  # every request to it now fails at once
+    locks = SessionLocks(kv, "crash-test", 5.0, 5.0)
+    try:
+        await locks.try_acquire("s1", "query")
+    except Exception as err:  # which error NATS answers with does not matter here
+        assert raised_in(err) == "session_lock._take_over"
+    else:
+        raise AssertionError("a lock taken in a bucket that is gone")

@@ -338,9 +338,15 @@ class Queries:
         return None
 
 
+# Our helpers that only run requests handed to them: an error passing
+# through one is named after the function that handed it the request.
+PASS_THROUGH = frozenset({"together"})
+
+
 def raised_in(err: BaseException) -> str:
     """The last of our functions the error passed through: which of a turn's
     NATS calls did not answer, where the error's type alone cannot say."""
     ours = [frame for frame in traceback.extract_tb(err.__traceback__)
-            if f"{os.sep}services{os.sep}" in frame.filename]
+            if f"{os.sep}services{os.sep}" in frame.filename
+            and Path(frame.filename).stem not in PASS_THROUGH]
     return f"{Path(ours[-1].filename).stem}.{ours[-1].name}" if ours else "?"
