@@ -5,7 +5,8 @@
     python -m scripts.chat --url http://host:8080   # another gateway (or GATEWAY_URL)
 
 Type a message and Enter. Commands: `/retry` (a fresh answer to the last
-message), `/compact [instructions]`, `/state`, `/transcript`, `/again`,
+message), `/compact [instructions]`, `/state`, `/transcript`, `/export [file]`
+(the whole transcript, Markdown, or JSON for a `.json` file), `/again`,
 `/help`, `/quit` (or Ctrl-D). Each message (and retry) goes under an
 Idempotency-Key; after a failure that leaves its fate unknown (no
 answer in time, the connection lost, NATS away), `/again` sends it once more
@@ -38,8 +39,8 @@ from scripts.terminal_text import shown
 ROOT = Path(__file__).resolve().parent.parent
 
 DEFAULT_URL = "http://127.0.0.1:8080"
-HELP = ("Commands: /retry · /compact [instructions] · /state · /transcript · /again · /help · "
-        "/quit\n"
+HELP = ("Commands: /retry · /compact [instructions] · /state · /transcript · /export [file] · "
+        "/again · /help · /quit\n"
         "Anything else is sent as a message; one that starts with / is sent as //...")
 Event = tuple[str, Any]
 # Failures after which a message may or may not have been taken; the page
@@ -127,7 +128,8 @@ class Chat:
         command, _, rest = line.strip().partition(" ")
         actions: dict[str, Callable[[str], None]] = {
             "/compact": self.compact, "/state": self.state, "/transcript": self.transcript,
-            "/again": self.again, "/retry": self.retry, "/help": lambda _: self.out.print(HELP)}
+            "/again": self.again, "/retry": self.retry, "/export": self.export,
+            "/help": lambda _: self.out.print(HELP)}
         if command in ("/quit", "/exit"):
             return False
         if line.lstrip().startswith("//"):  # a message that starts with a slash
@@ -290,6 +292,21 @@ class Chat:
             self.print_message({"role": "summary", "content": s["summary"]})
         for message in s["messages"]:
             self.print_message(message)
+
+    def export(self, name: str = "") -> None:
+        """The whole transcript into a file (`session-<id>.md` by default),
+        written as the gateway streams it; JSON when the name ends in .json."""
+        path = Path(name or f"session-{self.sid}.md").expanduser()
+        form = "json" if path.suffix.lower() == ".json" else "markdown"
+        with self.client.stream("GET", f"/api/sessions/{self.sid}/export",
+                                params={"format": form}) as response:
+            if response.status_code != 200:
+                response.read()
+                raise failure(response)
+            with path.open("wb") as out:
+                for chunk in response.iter_bytes():
+                    out.write(chunk)
+        self.out.print(Text(f"transcript written to {path} ({form})", style="yellow"))
 
     def print_item(self, item: dict[str, Any]) -> None:
         """A transcript item: a message, or a compaction's divider and its summary."""

@@ -5,6 +5,7 @@ session, streamed answers with a context line, /compact, /state,
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import queue
 import re
@@ -101,6 +102,15 @@ def test_retry_answers_the_last_message_afresh_and_the_transcript_says_which_rep
     assert first == "assistant: Echo: hello (turn 1)"
     assert retried == "assistant: Echo: hello (turn 1)  (retried: replaces the answer before it)"
     assert out.count("context: ") >= 2  # after each answer
+
+
+def test_export_writes_the_whole_transcript_to_a_file(system: System, tmp_path: Path) -> None:
+    markdown, raw = tmp_path / "chat.md", tmp_path / "chat.json"
+    out = chat(system, ["first words", f"/export {markdown}", f"/export {raw}"])
+    assert f"transcript written to {markdown} (markdown)" in out
+    assert "first words" in markdown.read_text() and "Echo: first words" in markdown.read_text()
+    items = json.loads(raw.read_text())
+    assert "Echo: first words (turn 1)" in json.dumps(items)
 
 
 def test_a_refused_compaction_is_said_and_the_chat_goes_on(system: System) -> None:
