@@ -1054,6 +1054,28 @@ def test_the_gauge_marks_where_automatic_compaction_begins(
         assert session["compacts_at"] == math.ceil(int(str(session["budget"])) / 2)
 
 
+def test_what_happened_before_the_live_feed_listened_is_read_once_it_does(
+        watched: Watched, system: System) -> None:
+    """The session was read as it opened, its feed opened beside the read: a
+    turn answered between the read and the feed's listening was not shown."""
+    page = watched.page
+    with system.client() as client:
+        sid = new_session(client)
+    held: list[playwright_api.Route] = []
+    page.route("**/api/events*", lambda route: held.append(route))  # held back, unanswered
+    page.goto(f"/#session={sid}")
+    playwright_api.expect(page.locator("#empty-hint")).to_be_visible()  # read: no messages yet
+    with system.client() as client:
+        assert ask(client, sid, "said while the page was not listening").status_code == 200
+    for route in held:
+        route.continue_()
+    page.unroute("**/api/events*")
+    playwright_api.expect(page.locator("#live-status")).to_have_attribute("data-live",
+                                                                         "connected")
+    playwright_api.expect(page.locator("#messages .msg-assistant")).to_have_text(
+        re.compile("Echo: said while the page was not listening"))
+
+
 def test_the_gauge_follows_a_live_change_of_the_threshold_without_a_reload(
         watched: Watched, system: System, nats_url: str) -> None:
     """The mark moved only at the session's next read: after the next message."""

@@ -150,6 +150,9 @@ export function connectEvents(id, { retryMs = RETRY_FIRST_MS, wasDown = false } 
   }
 }
 
+// Open means listening (the gateway's headers wait for it). What happened
+// before is read now: while the feed was down, or, on a first open, between
+// the session's read as it opened and the feed's listening.
 function feedOpened(feed) {
   setLive("connected");
   feed.retryMs = RETRY_FIRST_MS;
@@ -160,8 +163,8 @@ function feedOpened(feed) {
     app.lastGeneration = null;
     app.lastReply = null;
     app.timelineStale = true; // a compaction may have ended meanwhile too
-    announce("refresh-wanted");
   }
+  announce("refresh-wanted");
   feed.wasDown = false;
 }
 
