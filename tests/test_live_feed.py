@@ -109,11 +109,14 @@ async def sent(message: Message) -> None:
     await asyncio.Event().wait()  # a write that never ends: the client is gone
 
 
+# An HTTP request's scope, as uvicorn hands a response it.
+SCOPE = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}}
+
+
 async def respond(response: EventStream) -> None:
     """Serve the response the way uvicorn does to a client already gone: the
     body races a disconnect that is there before its first step."""
-    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}}
-    await response(scope, gone_at_once, sent)
+    await response(SCOPE, gone_at_once, sent)
 
 
 async def test_a_client_gone_before_the_first_byte_gives_its_share_back(nc: NATS) -> None:
@@ -152,9 +155,8 @@ async def test_the_headers_wait_until_the_stream_listens(nc: NATS) -> None:
             listening_at_headers.append(feed.subscribed)
             raise ConnectionResetError  # the client goes: enough has been seen
 
-    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}}
     with contextlib.suppress(ConnectionResetError):
-        await EventStream(feed.stream(None), lambda: None)(scope, asyncio.Event().wait, send)
+        await EventStream(feed.stream(None), lambda: None)(SCOPE, asyncio.Event().wait, send)
     assert listening_at_headers == [True]
     await feed.stop()
 

@@ -117,7 +117,7 @@ class Queries:
             await self._settle(msg, env, sid)
 
     async def _settle(self, msg: Msg, env: Envelope[Query], sid: str) -> None:
-        async with working_on(msg, self._settings.query_ack_wait_s / 3, session_id=sid,
+        async with working_on(msg, self._settings.query_ack_wait_s, session_id=sid,
                               correlation_id=env.correlation_id,
                               query_id=env.message_id) as delivery:
             async with self._arrival.turn(sid):

@@ -213,7 +213,7 @@ class Generator:
         if env is None:
             await msg.term()  # a malformed request would only come back
             return
-        async with working_on(msg, self._settings.query_ack_wait_s / 3,
+        async with working_on(msg, self._settings.query_ack_wait_s,
                               session_id=env.payload.session_id,
                               correlation_id=env.correlation_id) as delivery:
             await self._compactor.handle(env)
@@ -226,12 +226,8 @@ class Generator:
         task.add_done_callback(self._tasks.discard)
         if busy:
             self._slots.take(task)
-            task.add_done_callback(self._give_room_back)
+            task.add_done_callback(self.give_back)
         return task
-
-    def _give_room_back(self, task: asyncio.Task[Any] | None) -> None:
-        if self._slots.give_back(task):
-            self._room_freed()
 
     def _room_freed(self) -> None:
         for loop in self._loops:
@@ -244,7 +240,8 @@ class Generator:
             self._room_freed()  # queued behind the session's own query: no slot of its own
 
     def give_back(self, task: asyncio.Task[Any] | None) -> None:
-        self._give_room_back(task)
+        if self._slots.give_back(task):
+            self._room_freed()
 
     def spawn_unslotted(self, work: Coroutine[Any, Any, None]) -> None:
         self._spawn(work, busy=False)

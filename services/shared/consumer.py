@@ -369,14 +369,20 @@ class Delivery:
         self.settled = True
 
 
+# Heartbeats a delivery sends within its consumer's ack wait: a stall of two
+# of them, not one, is needed before the server redelivers it.
+BEATS_PER_ACK_WAIT = 3
+
+
 @contextlib.asynccontextmanager
-async def working_on(msg: Msg, heartbeat_s: float, **context: str
+async def working_on(msg: Msg, ack_wait_s: float, **context: str
                      ) -> AsyncIterator[Delivery]:
     """A message being worked on: logged with its ids (`context`), kept from
-    redelivery by heartbeats (long answers, and waiting behind a session's
-    earlier query, must not look like a dead consumer), and handed back at
-    once if the work is cancelled (at shutdown) before it was settled."""
-    delivery = Delivery(msg, heartbeat_s)
+    redelivery by heartbeats within its consumer's `ack_wait_s` (long answers,
+    and waiting behind a session's earlier query, must not look like a dead
+    consumer), and handed back at once if the work is cancelled (at shutdown)
+    before it was settled."""
+    delivery = Delivery(msg, ack_wait_s / BEATS_PER_ACK_WAIT)
     try:
         with structlog.contextvars.bound_contextvars(**context):
             try:
