@@ -3,14 +3,19 @@ gateway and to the stand-in."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 
 from scripts.benchmarks.harness import Env
+
+# The gateway refuses a write without a JSON content type, body or not.
+JSON_WRITES = {"Content-Type": "application/json"}
 
 
 @dataclass(frozen=True)
@@ -46,10 +51,27 @@ class Http:
 
     async def post(self, path: str, json: Any = None,
                    headers: dict[str, str] | None = None) -> Answer:
-        # The gateway refuses a write without a JSON content type, body or not.
-        async with self._session.post(path, json=json, headers={
-                "Content-Type": "application/json", **(headers or {})}) as response:
+        async with self._session.post(path, json=json,
+                                      headers={**JSON_WRITES, **(headers or {})}) as response:
             return Answer(response.status, await response.text())
+
+    @contextlib.asynccontextmanager
+    async def events(self, path: str, json: Any) -> AsyncIterator[AsyncIterator[tuple[str, str]]]:
+        """A POST answered with server-sent events: (event, data) as each
+        comes, until the block ends (which closes the response)."""
+        async with self._session.post(path, json=json, headers={
+                **JSON_WRITES, "Accept": "text/event-stream"}) as response:
+            yield _events(response)
+
+
+async def _events(response: aiohttp.ClientResponse) -> AsyncIterator[tuple[str, str]]:
+    event = ""
+    async for raw in response.content:
+        line = raw.decode().rstrip("\r\n")
+        if line.startswith("event: "):
+            event = line[7:]
+        elif line.startswith("data: "):
+            yield event, line[6:]
 
 
 def http_client(env: Env, connections: int = 32) -> Http:

@@ -10,8 +10,7 @@ import asyncio
 import time
 from typing import TYPE_CHECKING
 
-import aiohttp
-
+from scripts.benchmarks.client import Http, http_client, new_session
 from scripts.benchmarks.harness import Env, Row, running_env
 from services.generator.settings import GeneratorSettings
 from services.shared.jetstream import DEFAULT_LOCK_LEASE_S
@@ -22,7 +21,6 @@ if TYPE_CHECKING:
 FAILOVER_ROUNDS = (1, 3)  # quick, full
 MS_PER_TOKEN = 20.0
 GENERATORS = ("gen-1", "gen-2")
-JSON = {"Content-Type": "application/json"}
 
 
 def product_defaults() -> dict[str, str]:
@@ -34,47 +32,33 @@ def start_generator(env: Env, name: str) -> None:
     env.system.add(name, "services.generator", {"GENERATOR_ID": name}).start()
 
 
-async def holder(session: aiohttp.ClientSession, sid: str) -> str:
-    async with session.get(f"/api/sessions/{sid}") as response:
-        return str((await response.json())["state_by"])
-
-
-async def killed_mid_answer(env: Env, session: aiohttp.ClientSession, sid: str
-                            ) -> tuple[float, float, str]:
+async def killed_mid_answer(env: Env, http: Http, sid: str) -> tuple[float, float, str]:
     """(seconds from the kill to the answer begun again, to its end, the generator killed)."""
-    killed_at, restarted_at, killed, event = 0.0, 0.0, "", ""
-    async with session.post(f"/api/sessions/{sid}/messages", json={"content": "!long 400 go"},
-                            headers={"accept": "text/event-stream", **JSON}) as response:
-        async for raw in response.content:
-            line = raw.decode().rstrip("\r\n")
-            if line.startswith("event: "):
-                event = line[7:]
-            elif not line.startswith("data: "):
-                continue
-            elif event == "token" and not killed:
-                killed = await holder(session, sid)
+    killed_at, restarted_at, killed = 0.0, 0.0, ""
+    async with http.events(f"/api/sessions/{sid}/messages",
+                           json={"content": "!long 400 go"}) as events:
+        async for event, data in events:
+            if event == "token" and not killed:
+                killed = str((await http.get(f"/api/sessions/{sid}")).json()["state_by"])
                 env.system[killed].kill()
                 killed_at = time.perf_counter()
             elif event == "restart":
                 restarted_at = time.perf_counter()
             elif event in ("done", "error"):
                 if event != "done" or not restarted_at:
-                    raise RuntimeError(f"the answer did not begin again: {event} {line}")
+                    raise RuntimeError(f"the answer did not begin again: {event} {data}")
                 return restarted_at - killed_at, time.perf_counter() - killed_at, killed
     raise RuntimeError("the answer's stream ended without a done event")
 
 
 async def failovers(env: Env, rounds: int) -> list[tuple[float, float]]:
-    timeout = aiohttp.ClientTimeout(total=300.0)
-    async with aiohttp.ClientSession(base_url=env.base_url, timeout=timeout) as session:
-        times = []
+    times = []
+    async with http_client(env, 4) as http:
         for _ in range(rounds):
-            async with session.post("/api/sessions", json={}, headers=JSON) as created:
-                sid = str((await created.json())["session_id"])
-            begun, ended, killed = await killed_mid_answer(env, session, sid)
+            begun, ended, killed = await killed_mid_answer(env, http, await new_session(http))
             times.append((begun, ended))
             await asyncio.to_thread(start_generator, env, killed)  # as a supervisor would
-        return times
+    return times
 
 
 def row_failover(bench: Bench) -> Row:

@@ -8,8 +8,7 @@ import json
 import time
 from typing import TYPE_CHECKING
 
-import aiohttp
-
+from scripts.benchmarks.client import Http, http_client, new_session
 from scripts.benchmarks.harness import Env, Row, Target, running_env
 from scripts.benchmarks.measure import summary_ms
 
@@ -20,46 +19,33 @@ STOP_MAX_MS = 500.0
 STOP_MS_PER_TOKEN = 5.0
 STOP_ROUNDS = (5, 20)  # quick, full
 STOP_AFTER_TOKENS = 3
-# The gateway refuses a write without a JSON content type, body or not.
-JSON = {"Content-Type": "application/json"}
 
 
-async def timed_stop(session: aiohttp.ClientSession, sid: str) -> float:
+async def timed_stop(http: Http, sid: str) -> float:
     """Seconds from asking to stop a streaming answer to its `done` event:
     by then the model call has ended, its HTTP stream closed, and the
     partial answer is stored."""
     tokens, asked = 0, 0.0
-    event = ""
-    async with session.post(f"/api/sessions/{sid}/messages",
-                            json={"content": "go on !long 40000"},
-                            headers={"accept": "text/event-stream"}) as response:
-        async for raw in response.content:
-            line = raw.decode().rstrip("\r\n")
-            if line.startswith("event: "):
-                event = line[7:]
-            elif line.startswith("data: ") and event == "token":
+    async with http.events(f"/api/sessions/{sid}/messages",
+                           json={"content": "go on !long 40000"}) as events:
+        async for event, data in events:
+            if event == "token":
                 tokens += 1
                 if tokens == STOP_AFTER_TOKENS:
                     asked = time.perf_counter()
-                    async with session.post(f"/api/sessions/{sid}/stop", headers=JSON) as stop:
-                        if stop.status != 202:
-                            raise RuntimeError(f"stop: HTTP {stop.status} {await stop.text()}")
-            elif line.startswith("data: ") and event in ("done", "error"):
-                if event != "done" or not asked or not json.loads(line[6:]).get("stopped"):
-                    raise RuntimeError(f"the answer ended unstopped: {event} {line}")
+                    stop = await http.post(f"/api/sessions/{sid}/stop")
+                    if stop.status_code != 202:
+                        raise RuntimeError(f"stop: HTTP {stop.status_code} {stop.text}")
+            elif event in ("done", "error"):
+                if event != "done" or not asked or not json.loads(data).get("stopped"):
+                    raise RuntimeError(f"the answer ended unstopped: {event} {data}")
                 return time.perf_counter() - asked
     raise RuntimeError("the answer's stream ended without a done event")
 
 
 async def timed_stops(env: Env, rounds: int) -> list[float]:
-    timeout = aiohttp.ClientTimeout(total=120.0)
-    async with aiohttp.ClientSession(base_url=env.base_url, timeout=timeout) as session:
-        times = []
-        for _ in range(rounds):
-            async with session.post("/api/sessions", json={}) as created:
-                sid = str((await created.json())["session_id"])
-            times.append(await timed_stop(session, sid))
-        return times
+    async with http_client(env, 4) as http:
+        return [await timed_stop(http, await new_session(http)) for _ in range(rounds)]
 
 
 def row_stop_latency(bench: Bench) -> Row:
