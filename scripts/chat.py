@@ -89,6 +89,8 @@ def sse_events(lines: Iterator[str]) -> Iterator[Event]:
 
 
 def failure(response: httpx.Response) -> ChatError:
+    """What a refusal says; a streamed response is read whole first."""
+    response.read()
     try:
         err = response.json()["error"]
         return ChatError(f"{err['code']}: {err['message']}", err["code"])
@@ -196,7 +198,6 @@ class Chat:
                                 headers={"Accept": "text/event-stream",
                                          "Idempotency-Key": turn.key}) as response:
             if response.status_code != 200:
-                response.read()
                 raise failure(response)
             streamed = False
             for name, data in sse_events(response.iter_lines()):
@@ -244,7 +245,6 @@ class Chat:
         with self.client.stream("GET", "/api/events", params={"session_id": self.sid},
                                 timeout=httpx.Timeout(30, read=None)) as events:
             if events.status_code != 200:  # refused (too many listeners, say): no compaction
-                events.read()
                 raise failure(events)
             for name, data in sse_events(events.iter_lines()):
                 if name == "" and data == "connected":  # subscribed: nothing is missed
@@ -301,7 +301,6 @@ class Chat:
         with self.client.stream("GET", f"/api/sessions/{self.sid}/export",
                                 params={"format": form}) as response:
             if response.status_code != 200:
-                response.read()
                 raise failure(response)
             with path.open("wb") as out:
                 for chunk in response.iter_bytes():
