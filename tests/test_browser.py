@@ -1036,12 +1036,20 @@ def threshold_live(nats_url: str, system: System, sid: str, value: bytes) -> Ite
                   "the threshold back to its start")
 
 
+def session_without_a_threshold(page: playwright_api.Page
+                                ) -> tuple[str, playwright_api.Locator, playwright_api.Locator]:
+    """A new session, and the gauge's text and threshold mark, shown with
+    automatic compaction off (this module's threshold is 0)."""
+    sid = create_session(page)
+    text, mark = page.locator("#gauge-text"), page.locator("#gauge-threshold")
+    playwright_api.expect(text).to_contain_text("automatic compaction off")
+    return sid, text, mark
+
+
 def test_the_gauge_marks_where_automatic_compaction_begins(
         watched: Watched, system: System, nats_url: str) -> None:
     page = watched.page
-    sid = create_session(page)
-    text, mark = page.locator("#gauge-text"), page.locator("#gauge-threshold")
-    playwright_api.expect(text).to_contain_text("automatic compaction off")  # threshold 0
+    sid, text, mark = session_without_a_threshold(page)
     playwright_api.expect(mark).to_be_hidden()
     with threshold_live(nats_url, system, sid, b"0.5"), system.client() as client:
         def read() -> dict[str, object]:
@@ -1080,9 +1088,7 @@ def test_the_gauge_follows_a_live_change_of_the_threshold_without_a_reload(
         watched: Watched, system: System, nats_url: str) -> None:
     """The mark moved only at the session's next read: after the next message."""
     page = watched.page
-    sid = create_session(page)
-    text, mark = page.locator("#gauge-text"), page.locator("#gauge-threshold")
-    playwright_api.expect(text).to_contain_text("automatic compaction off")  # threshold 0
+    sid, text, mark = session_without_a_threshold(page)
     playwright_api.expect(page.locator("#live-status")).to_have_attribute("data-live",
                                                                          "connected")
     with threshold_live(nats_url, system, sid, b"0.5"):
