@@ -20,7 +20,7 @@ import pytest
 from schemas import subjects
 from schemas.history import ChatMessage, Conversation
 from schemas.session import SessionRecord
-from scripts.benchmarks.throughput import head_start_counts
+from scripts.benchmarks.throughput import generator_statuses
 from services.generator.head_start import HeadStart, HeadStartCount, still_good
 from services.generator.provider import ChatResult
 from services.generator.service import QUERY_CONSUMER
@@ -148,7 +148,8 @@ async def http(system: System) -> AsyncIterator[httpx.AsyncClient]:
 async def all_head_starts(nats_url: str, generators: int) -> dict[str, dict[str, int]]:
     nc = await nats.connect(nats_url)
     try:
-        return await head_start_counts(nc, generators)
+        statuses = await generator_statuses(nc, generators)
+        return {generator: status["head_starts"] for generator, status in statuses.items()}
     finally:
         await nc.close()
 

@@ -31,7 +31,6 @@ from scripts.benchmarks.client import (
 from scripts.benchmarks.harness import MODEL, NUM_CTX, Env, Params, Row, Target
 from scripts.benchmarks.measure import cpu_per_unit, cpu_seconds, summary_ms
 from scripts.benchmarks.round_trips import bare_ask, running_bare_turn
-from services.shared.bus import round_trip
 
 if TYPE_CHECKING:
     from scripts.benchmarks.rows import Bench
@@ -40,6 +39,8 @@ THROUGHPUT_MIN_SHARE = 0.9
 ANSWER_LATENCY_S = 0.2
 # The generators' shared durable consumer of the QUERIES stream.
 QUERY_CONSUMER = "generator"
+# How long the probe waits for the reports of the run's last turns.
+REPORTS_WAIT_S = 5.0
 
 
 def cpu_at_window(settle_s: float, window_s: float) -> dict[str, dict[str, float]]:
@@ -96,8 +97,13 @@ async def closed_loop(post: Callable[[Http, int], Awaitable[Answer]],
 
 class GeneratorProbe:
     """What the generators themselves saw during a run: each turn's own duration (from
-    `response.generation`), how many turns each generator began (from its published
-    state transitions) and how often the QUERIES consumer delivered a query again."""
+    the `response.generation` reports), how many turns each generator answered and
+    how often the QUERIES consumer delivered a query again.
+
+    Nothing listens on the bus meanwhile: a subscriber to every state change and
+    report would spend the two cores the product is measured on (the floor has
+    none), so all of it is read before and after, from the generators' status
+    and from the streams."""
 
     def __init__(self) -> None:
         self.turn_ms: list[float] = []
@@ -105,15 +111,6 @@ class GeneratorProbe:
         self.deliveries = 0
         self.new_queries = 0
         self.head_starts: dict[str, dict[str, int]] = {}
-
-    async def on_report(self, msg: Any) -> None:
-        self.turn_ms.append(float(json.loads(msg.data)["payload"]["duration_ms"]))
-
-    async def on_state(self, msg: Any) -> None:
-        change = json.loads(msg.data)["payload"]
-        if change["action"] == "start_generation":
-            generator = change["generator_id"]
-            self.turns_by_generator[generator] = self.turns_by_generator.get(generator, 0) + 1
 
     def summary(self) -> dict[str, Any]:
         turn = summary_ms([ms / 1000 for ms in self.turn_ms]) if self.turn_ms else {}
@@ -124,7 +121,6 @@ class GeneratorProbe:
                 "head_starts": self.head_starts}
 
 
-
 def kept_share(head_starts: dict[str, dict[str, int]]) -> float:
     """Of the head starts the generators made, the share kept."""
     kept = sum(counts["kept"] for counts in head_starts.values())
@@ -132,18 +128,47 @@ def kept_share(head_starts: dict[str, dict[str, int]]) -> float:
     return kept / made if made else math.nan
 
 
-async def head_start_counts(nc: Any, generators: int) -> dict[str, dict[str, int]]:
-    """Each generator's head starts kept and abandoned so far. All generator
-    processes answer the same status subject (one of them at random), so ask
-    until each has answered."""
-    counts: dict[str, dict[str, int]] = {}
+async def generator_statuses(nc: Any, generators: int) -> dict[str, dict[str, Any]]:
+    """Each generator's status, by its id. All generator processes answer the
+    same status subject (one of them at random), so ask until each has answered."""
+    statuses: dict[str, dict[str, Any]] = {}
     for _ in range(20 * generators):
-        if len(counts) == generators:
+        if len(statuses) == generators:
             break
         reply = await nc.request(subjects.service_status("generator"), b"", timeout=2)
         status = json.loads(reply.data)
-        counts[status["generator_id"]] = status["head_starts"]
-    return counts
+        statuses[status["generator_id"]] = status
+    return statuses
+
+
+def status_changes(before: dict[str, dict[str, Any]], after: dict[str, dict[str, Any]]
+                   ) -> tuple[dict[str, int], dict[str, dict[str, int]]]:
+    """Turns answered and head starts (kept, abandoned), by generator, between two readings."""
+    answered, heads = {}, {}
+    for generator, status in after.items():
+        earlier = before.get(generator, {"answered": 0, "head_starts": {}})
+        answered[generator] = status["answered"] - earlier["answered"]
+        heads[generator] = {kind: status["head_starts"][kind]
+                            - earlier["head_starts"].get(kind, 0)
+                            for kind in ("kept", "abandoned")}
+    return answered, heads
+
+
+async def reported_turn_ms(js: Any, after_seq: int, expected: int) -> list[float]:
+    """The `duration_ms` of the reports stored after `after_seq`: up to
+    `expected` of them, waiting a little for the last, which follow their replies."""
+    deadline = time.monotonic() + REPORTS_WAIT_S
+    last = after_seq
+    while time.monotonic() < deadline:
+        last = (await js.stream_info(subjects.GENERATIONS_STREAM)).state.last_seq
+        if last - after_seq >= expected:
+            break
+        await asyncio.sleep(0.05)
+    durations = []
+    for seq in range(after_seq + 1, last + 1):
+        stored = await js.get_msg(subjects.GENERATIONS_STREAM, seq)
+        durations.append(float(json.loads(stored.data)["payload"]["duration_ms"]))
+    return durations
 
 
 @contextlib.asynccontextmanager
@@ -153,19 +178,16 @@ async def generator_probe(nats_url: str, generators: int) -> AsyncIterator[Gener
     js = nc.jetstream()
     try:
         before = await js.consumer_info(subjects.QUERIES_STREAM, QUERY_CONSUMER)
-        heads_before = await head_start_counts(nc, generators)
-        await nc.subscribe(subjects.RESPONSE_GENERATION, cb=probe.on_report)
-        await nc.subscribe(f"{subjects.STATE_PREFIX}.*", cb=probe.on_state)
-        await round_trip(nc)
+        statuses_before = await generator_statuses(nc, generators)
+        reports_before = (await js.stream_info(subjects.GENERATIONS_STREAM)).state.last_seq
         yield probe
-        await asyncio.sleep(0.2)  # the last reports follow the last replies
         after = await js.consumer_info(subjects.QUERIES_STREAM, QUERY_CONSUMER)
         probe.deliveries = after.delivered.consumer_seq - before.delivered.consumer_seq
         probe.new_queries = after.delivered.stream_seq - before.delivered.stream_seq
-        probe.head_starts = {
-            generator: {kind: counts[kind] - heads_before.get(generator, {}).get(kind, 0)
-                        for kind in ("kept", "abandoned")}
-            for generator, counts in (await head_start_counts(nc, generators)).items()}
+        probe.turns_by_generator, probe.head_starts = status_changes(
+            statuses_before, await generator_statuses(nc, generators))
+        probe.turn_ms = await reported_turn_ms(js, reports_before,
+                                               sum(probe.turns_by_generator.values()))
     finally:
         await nc.close()
 
