@@ -17,6 +17,14 @@ loop and consumer (`BARE_ROLE=gateway` or `generator`, then
 Nothing else: no envelopes or validation, no published states, no history
 view or prompt fitting, no tools, no report. The product's turn overhead
 minus this floor is what all of that costs.
+
+With `BARE_CONTRACT=1` it also sends, as cheaply as it can, the messages the
+product's contract asks of every turn (row `turn_contract_floor`): a state
+change on each of the four transitions into a stream that keeps the latest,
+the query acknowledged with the server's confirmation, and a report into a
+stream that a third process (`BARE_ROLE=decider`) reads, lingering between
+reads as the product's decider does. Set against it, the product's overhead
+is what its own code costs beyond what the contract makes every turn pay.
 """
 
 from __future__ import annotations
@@ -33,7 +41,15 @@ import nats
 import uvicorn
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
-from nats.js.api import AckPolicy, ConsumerConfig, KeyValueConfig, RetentionPolicy, StreamConfig
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    DiscardPolicy,
+    KeyValueConfig,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
 from nats.js.errors import BadRequestError, KeyWrongLastSequenceError, NotFoundError
 from nats.js.kv import KeyValue
 from starlette.applications import Starlette
@@ -51,19 +67,37 @@ QUERIES = "BARE_QUERIES"
 HISTORY = "BARE_HISTORY"
 LOCKS = "bare_locks"
 CONSUMER = "bare"
+STATES = "BARE_STATES"
+REPORTS = "BARE_REPORTS"
+DECIDER = "bare_decider"
+# As the product's decider (REPORT_LINGER_S): one read for the reports of 50 ms.
+DECIDER_LINGER_S = 0.05
 READY = "service_started"  # what tests/processes.py waits for
 REPLY_TIMEOUT_S = 10.0
 SLOTS = 64
 
 
-async def set_up(nc: NATS) -> KeyValue:
-    """The two streams and the lock bucket; the lock bucket is returned."""
-    js = nc.jetstream()
-    for config in (
+def stream_configs(contract: bool) -> list[StreamConfig]:
+    """The queries and the history; with the contract, the states (the latest
+    of each session, in memory, as the product keeps them) and the reports."""
+    configs = [
         StreamConfig(name=QUERIES, subjects=["bare.q.*"], retention=RetentionPolicy.WORK_QUEUE,
                      allow_direct=True),
         StreamConfig(name=HISTORY, subjects=["bare.h.*"], allow_direct=True),
-    ):
+    ]
+    if contract:
+        configs += [
+            StreamConfig(name=STATES, subjects=["bare.s.*"], storage=StorageType.MEMORY,
+                         max_msgs_per_subject=1, discard=DiscardPolicy.OLD),
+            StreamConfig(name=REPORTS, subjects=["bare.g"]),
+        ]
+    return configs
+
+
+async def set_up(nc: NATS, contract: bool) -> KeyValue:
+    """The streams and the lock bucket; the lock bucket is returned."""
+    js = nc.jetstream()
+    for config in stream_configs(contract):
         with contextlib.suppress(BadRequestError):  # made by the other process already
             await js.add_stream(config)
     try:
@@ -106,8 +140,10 @@ class BareGateway:
 
 
 class BareGenerator:
-    def __init__(self, nc: NATS, locks: KeyValue, ollama_host: str, model: str) -> None:
+    def __init__(self, nc: NATS, locks: KeyValue, ollama_host: str, model: str,
+                 contract: bool = False) -> None:
         self._nc = nc
+        self._contract = contract
         self._js = nc.jetstream()
         self._kv = locks
         self._provider = OllamaProvider(ollama_host, timeout_s=30.0, connections=SLOTS)
@@ -152,19 +188,35 @@ class BareGenerator:
         revision, earlier = await together(self._lock(sid), self._earlier_query(msg))
         if isinstance(revision, Exception) or isinstance(earlier, Exception) or earlier:
             raise RuntimeError("the floor runs one query at a time: nothing may compete")
+        await self._state(sid, "receiving")
+        await self._state(sid, "generating")
         prompt = self._prompts.setdefault(sid, [])
         prompt.append({"role": "user", "content": query["content"]})
         result = await self._provider.chat(ChatRequest(self._model, prompt, num_ctx=8192))
         prompt.append({"role": "assistant", "content": result.content})
+        await self._state(sid, "publishing")
         ack = await self._js.publish(
             f"bare.h.{sid}", json.dumps(prompt[-2:]).encode(),
             headers={"Nats-Expected-Last-Subject-Sequence": str(self._history_seq.get(sid, 0))})
         self._history_seq[sid] = ack.seq
-        await msg.ack()
+        await self._state(sid, "idle")
         self._answered.add(msg.metadata.sequence.stream)
+        if not self._contract:
+            await msg.ack()
         await self._nc.publish(f"bare.r.{sid}",
                                json.dumps({"id": query["id"], "reply": result.content}).encode())
         self._freed_at[sid] = await self._kv.update(sid, b"free", last=revision)
+        if self._contract:  # as the product: after the reply, confirmed, then the report
+            await msg.ack_sync()
+            await self._nc.publish("bare.g", json.dumps(
+                {"session_id": sid, "prompt_tokens": result.prompt_tokens,
+                 "completion_tokens": result.completion_tokens}).encode())
+
+    async def _state(self, sid: str, state: str) -> None:
+        """A transition, for whoever watches the session (with the contract only)."""
+        if self._contract:
+            await self._nc.publish(f"bare.s.{sid}", json.dumps(
+                {"session_id": sid, "state": state}).encode())
 
     async def _lock(self, sid: str) -> int:
         """One compare-and-swap: a new key, or the free marker this process left."""
@@ -184,11 +236,28 @@ class BareGenerator:
             start = seq + 1
 
 
+async def read_reports(nc: NATS) -> None:
+    """The decider's part of the contract: read each report (AckPolicy.NONE,
+    as the product's), lingering between reads."""
+    await ensure_consumer(nc, REPORTS, ConsumerConfig(
+        durable_name=DECIDER, filter_subject="bare.g", ack_policy=AckPolicy.NONE))
+
+    async def read(msg: Msg) -> None:
+        json.loads(msg.data)
+
+    await PullLoop(nc, REPORTS, DECIDER, read, linger_s=DECIDER_LINGER_S).start()
+
+
 async def run(role: str) -> None:
     nc = await nats.connect(os.environ["NATS_URL"])
-    locks = await set_up(nc)
-    if role == "generator":
-        await BareGenerator(nc, locks, os.environ["OLLAMA_HOST"], os.environ["MODEL"]).start()
+    contract = os.environ.get("BARE_CONTRACT") == "1"
+    locks = await set_up(nc, contract)
+    if role in ("generator", "decider"):
+        if role == "generator":
+            await BareGenerator(nc, locks, os.environ["OLLAMA_HOST"], os.environ["MODEL"],
+                                contract).start()
+        else:
+            await read_reports(nc)
         print(READY, flush=True)
         await asyncio.Event().wait()
     gateway = BareGateway(nc)

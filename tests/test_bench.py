@@ -11,6 +11,7 @@ from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+import nats
 import pytest
 
 from schemas.envelope import enveloped
@@ -28,6 +29,7 @@ from scripts.benchmarks.round_trips import (
 from scripts.benchmarks.rows import ROW_FUNCTIONS, ROWS, RUN_ORDER, params_for
 from scripts.benchmarks.soak import faults_of, turn_text
 from scripts.benchmarks.timeline import Watcher, joined, step_summary
+from tests.events import eventually
 
 
 def test_pure_rows_write_numeric_results(tmp_path: Path) -> None:
@@ -92,6 +94,32 @@ async def test_the_bare_turn_answers_each_query_of_a_session_in_turn() -> None:
         f"Echo: q{n} (turn {n + 1})" for _ in ("a", "b") for n in range(3)]
 
 
+async def test_the_contract_floor_sends_every_message_the_contract_asks_of_a_turn() -> None:
+    """The floor of row turn_contract_floor: four state changes a turn (the
+    latest of each session kept), every query acknowledged, and each report
+    read by the process standing for the decider."""
+    with running_bare_turn(contract=True) as (nats_url, _, base_url):
+        async with Http(base_url, 2) as http:
+            replies = [await http.post(f"/q/{sid}", json={"content": f"q{n}"})
+                       for sid in ("a", "b") for n in range(3)]
+        assert [r.status_code for r in replies] == [200] * 6
+        nc = await nats.connect(nats_url)
+        try:
+            js = nc.jetstream()
+            states = await js.stream_info("BARE_STATES")
+            assert (states.state.last_seq, states.state.messages) == (24, 2)
+            latest = await js.get_last_msg("BARE_STATES", "bare.s.b")
+            assert json.loads(latest.data or b"") == {"session_id": "b", "state": "idle"}
+            assert (await js.stream_info("BARE_QUERIES")).state.messages == 0
+            async def all_read() -> bool:  # read as it lingers
+                decider = await js.consumer_info("BARE_REPORTS", "bare_decider")
+                return decider.delivered.stream_seq == 6 and decider.num_pending == 0
+
+            await eventually(all_read, "the decider read the six reports")
+        finally:
+            await nc.close()
+
+
 def test_every_row_is_listed_run_and_measured_by_a_function() -> None:
     """A row missing from one of the three lists is silently never run (or never shown)."""
     assert len(ROWS) == len(set(ROWS)) == len(RUN_ORDER)
@@ -138,6 +166,13 @@ async def test_the_product_and_the_floor_take_turns_session_by_session() -> None
     assert sessions == ["p0", "f0", "p1", "f1", "f2", "p2", "p3", "f3"]
     assert len(product.samples) == len(floor.samples) == 6
     assert all(content.startswith("benchmark question ") for _, _, content in log)
+
+    # With three, each round starts one further along.
+    log.clear()
+    product, floor, contract = side("p"), side("f"), side("c")
+    await interleaved_turns(params, product, floor, contract)
+    sessions = [sid for _, sid, _ in log[::2]]
+    assert sessions == ["p0", "f0", "c0", "p1", "f1", "c1", "f2", "c2", "p2", "c3", "p3", "f3"]
 
 
 def test_turn_messages_counts_subjects_by_kind() -> None:

@@ -235,19 +235,19 @@ class Side:
         return cpu_summary(self.cpu, len(self.samples), self.wall_s)
 
 
-async def interleaved_turns(params: Params, first: Side, second: Side) -> None:
-    """Both sides' turns, a session each in turn, the order swapped every
-    round: a spell of the machine (another process busy, the CPU's clock
-    moving) falls on both alike, so their ratio is the systems', not the
-    moments they happened to run at."""
+async def interleaved_turns(params: Params, *sides: Side) -> None:
+    """Every side's turns, a session each in turn, the order moved on by one
+    every round (for two sides, swapped): a spell of the machine (another
+    process busy, the CPU's clock moving) falls on all alike, so their ratios
+    are the systems', not the moments they happened to run at."""
     per_session = params.turns_per_session
     warmup = -(-params.overhead_warmup // per_session)
-    for side in (first, second):
+    for side in sides:
         for _ in range(warmup):
             await side.session(per_session, timed=False)
     for round_index in range(-(-params.overhead_turns // per_session)):
-        order = (first, second) if round_index % 2 == 0 else (second, first)
-        for side in order:
+        shift = round_index % len(sides)
+        for side in sides[shift:] + sides[:shift]:
             await side.session(per_session, timed=True)
 
 
@@ -283,48 +283,54 @@ Measured = tuple[Overhead, dict[str, Any]]
 
 def measured_turns(bench: Bench) -> Measured:
     """turn_overhead's measurement (turn_cpu reads it too)."""
-    return measured_pair(bench)[0]
+    return measured_sides(bench)["product"]
 
 
 def measured_floor(bench: Bench) -> Measured:
     """turn_floor's measurement, made with the product's in the same minutes."""
-    return measured_pair(bench)[1]
+    return measured_sides(bench)["floor"]
 
 
-def measured_pair(bench: Bench) -> tuple[Measured, Measured]:
-    """The product's turns and the floor's, interleaved on one stand-in (the
-    stand-in's own time, taken off both, is then the same figure); measured
-    once a run."""
-    if bench.turn_pair is None:
+def measured_sides(bench: Bench) -> dict[str, Measured]:
+    """The product's turns, the floor's and the contract floor's, interleaved
+    on one stand-in (the stand-in's own time, taken off each, is then the same
+    figure); measured once a run."""
+    if bench.turn_sides is None:
         env = bench.plain()
         ours = started_processes()
         stub = frozenset(key for key in ours if key.startswith("ollama_stub:"))
-        with running_bare_turn(env.stub_url) as (_, _, base_url):
+        with running_bare_turn(env.stub_url) as (_, _, bare_url):
             bare = frozenset(cpu_seconds()) - ours
-            bench.turn_pair = asyncio.run(
-                timed_pair(env, base_url, ours, bare | stub, bench.params, bench.round_trips))
-    return bench.turn_pair
+            with running_bare_turn(env.stub_url, contract=True) as (_, _, contract_url):
+                contract = frozenset(cpu_seconds()) - ours - bare
+                bench.turn_sides = asyncio.run(timed_sides(
+                    env, {"floor": (bare_url, bare | stub),
+                          "contract": (contract_url, contract | stub)},
+                    ours, bench.params, bench.round_trips))
+    return bench.turn_sides
 
 
-async def timed_pair(env: Env, bare_url: str, ours: frozenset[str], bare: frozenset[str],
-                     params: Params, round_trips: RoundTrips | None
-                     ) -> tuple[Measured, Measured]:
-    async with http_client(env, 4) as http, Http(bare_url, 4) as bare_http:
-        product = Side("product", lambda: new_session(http),
-                       lambda sid, content: ask(http, sid, content), ours)
-        floor = Side("floor", bare_session, bare_ask(bare_http), bare)
-        await interleaved_turns(params, product, floor)
+async def timed_sides(env: Env, bare: dict[str, tuple[str, frozenset[str]]],
+                      ours: frozenset[str], params: Params, round_trips: RoundTrips | None
+                      ) -> dict[str, Measured]:
+    """The product's turns and those of each bare turn in `bare` (by name: its
+    HTTP address and its processes), interleaved."""
+    async with contextlib.AsyncExitStack() as stack:
+        http = await stack.enter_async_context(http_client(env, 4))
+        sides = [Side("product", lambda: new_session(http),
+                      lambda sid, content: ask(http, sid, content), ours)]
+        for name, (url, processes) in bare.items():
+            client = await stack.enter_async_context(Http(url, 4))
+            sides.append(Side(name, bare_session, bare_ask(client), processes))
+        await interleaved_turns(params, *sides)
     # The stand-in's own time for a prompt like theirs, and the round trips
     # the overhead is counted in (measured here unless the run has them).
     history = overhead_history(params.turns_per_session // 2)
     stub = summary_ms(await measure_stub_chat(env.stub_url, params.stub_calls, history))
     if round_trips is None:
         round_trips = await measure_round_trips(env.nats_url, params.rtt_requests)
-
-    def figures(side: Side) -> Measured:
-        return Overhead(summary_ms(side.samples), stub, round_trips), side.cpu_per_turn()
-
-    return figures(product), figures(floor)
+    return {side.name: (Overhead(summary_ms(side.samples), stub, round_trips),
+                        side.cpu_per_turn()) for side in sides}
 
 
 def row_turn_overhead(bench: Bench) -> Row:
@@ -373,21 +379,52 @@ def row_turn_cpu(bench: Bench) -> Row:
     )
 
 
+def row_turn_contract_floor(bench: Bench) -> Row:
+    """The product against the floor that also sends the contract's messages:
+    what its own code costs a turn beyond what the contract makes every turn
+    pay. No target: evidence for where the turn targets can be set."""
+    overhead, cpu = measured_turns(bench)
+    contract, contract_cpu = measured_sides(bench)["contract"]
+    floor, floor_cpu = measured_floor(bench)
+    ours, theirs = cpu["cpu_ms_per_unit"], contract_cpu["cpu_ms_per_unit"]
+    bare = floor_cpu["cpu_ms_per_unit"]
+    return Row(
+        name="turn_contract_floor", value=overhead.p50_ms / contract.p50_ms,
+        unit="× contract floor (p50)", target=None,
+        detail=f"the floor with the contract's messages (scripts/bare_turn.py, "
+               f"BARE_CONTRACT=1): overhead p50 {contract.p50_ms:.2f} ms, "
+               f"{contract.p50_ms / floor.p50_ms:.2f} × turn_floor's; CPU per answer "
+               f"{theirs:.2f} ms, {theirs / bare:.2f} × the floor's; the product's CPU "
+               f"{ours / theirs:.2f} × it",
+        raw={"overhead_p50_ms": overhead.p50_ms, "contract_overhead_p50_ms": contract.p50_ms,
+             "contract_overhead_p99_ms": contract.p99_ms,
+             "floor_overhead_p50_ms": floor.p50_ms,
+             "contract_over_floor": contract.p50_ms / floor.p50_ms,
+             "cpu_ms_per_answer": ours, "contract_cpu_ms_per_answer": theirs,
+             "floor_cpu_ms_per_answer": bare, "cpu_over_contract": ours / theirs,
+             "contract_cpu_over_floor": theirs / bare,
+             "contract_by_process": contract_cpu["cpu_ms_per_unit_by_process"]},
+    )
+
+
 # --------------------------------------------------------------------------- 2b. turn_floor
 
 
 @contextlib.contextmanager
-def running_bare_turn(stub_url: str | None = None) -> Iterator[tuple[str, str, str]]:
-    """The two processes of scripts/bare_turn.py on a server of their own and
-    the stand-in at `stub_url` (else one of their own): (NATS URL, stand-in
-    URL, HTTP base URL)."""
+def running_bare_turn(stub_url: str | None = None, contract: bool = False
+                      ) -> Iterator[tuple[str, str, str]]:
+    """The processes of scripts/bare_turn.py on a server of their own and the
+    stand-in at `stub_url` (else one of their own): (NATS URL, stand-in URL,
+    HTTP base URL). `contract`: with the contract's messages, and the process
+    that reads the reports."""
     with running_nats() as server, contextlib.ExitStack() as stack:
         stub = stub_url or stack.enter_context(running_stub())
         port = free_port()
         env = {"NATS_URL": server.url, "OLLAMA_HOST": stub, "MODEL": MODEL,
-               "BARE_PORT": str(port)}
+               "BARE_PORT": str(port), "BARE_CONTRACT": "1" if contract else "0"}
+        roles = ("generator", "decider", "gateway") if contract else ("generator", "gateway")
         processes = [ServiceProcess("scripts.bare_turn", {**env, "BARE_ROLE": role})
-                     for role in ("generator", "gateway")]
+                     for role in roles]
         try:
             for process in processes:
                 process.start()  # one after the other: both set up the streams

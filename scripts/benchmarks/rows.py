@@ -22,6 +22,7 @@ from scripts.benchmarks.round_trips import (
     Measured,
     RoundTrips,
     row_nats_rtt,
+    row_turn_contract_floor,
     row_turn_cpu,
     row_turn_floor,
     row_turn_overhead,
@@ -48,6 +49,7 @@ RUN_ORDER = (
     "turn_weighing",
     "turn_overhead",
     "turn_cpu",
+    "turn_contract_floor",
     "turn_messages",
     "turn_timeline",
     "turn_keyed",
@@ -96,6 +98,7 @@ ROW_FUNCTIONS: dict[str, RowFunction] = {
     "turn_overhead": row_turn_overhead,
     "turn_cpu": row_turn_cpu,
     "turn_floor": row_turn_floor,
+    "turn_contract_floor": row_turn_contract_floor,
     "turn_messages": row_turn_messages,
     "turn_timeline": row_turn_timeline,
     "turn_keyed": row_turn_keyed,
@@ -132,7 +135,7 @@ class Bench:
         self.in_process = in_process
         self.round_trips: RoundTrips | None = None
         # Measured once, read by several rows: the product's turns and the floor's.
-        self.turn_pair: tuple[Measured, Measured] | None = None
+        self.turn_sides: dict[str, Measured] | None = None
         self._plain: Env | None = None
         self._plain_stack = contextlib.ExitStack()
 
