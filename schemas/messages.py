@@ -45,6 +45,10 @@ class Query(Payload):
     # A fresh answer to the session's last user message (`content` repeats it):
     # the new answer takes the old one's place in the context.
     retry: bool = False
+    # For a retry: the answer it was asked to replace, by its query id ("" when
+    # the message had none yet). One written since (a retry from another tab)
+    # makes it `retry_outdated` rather than replace that one too. None: not checked.
+    replacing: str | None = Field(default=None, max_length=128)
 
 
 class ErrorCode(StrEnum):

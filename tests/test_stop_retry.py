@@ -17,7 +17,7 @@ from nats.js.errors import NotFoundError
 from schemas import subjects
 from schemas.history import HistoryEntry
 from schemas.messages import Query, Reply
-from services.shared.bus import Bus
+from services.shared.bus import Bus, decode
 from services.shared.query_errors import QueryErrors
 from tests import slow_answers
 from tests.events import (
@@ -350,3 +350,52 @@ async def test_a_retry_is_not_refused_for_a_failed_query_still_in_the_queue(
     # Taken and queued (no generator runs to answer it), not refused.
     assert retry.status_code == 504, retry.text
     assert retry.json()["error"]["code"] == "reply_timeout"
+
+
+async def test_two_retries_asked_at_once_of_one_answer_replace_it_once(
+        private_nats: NatsServer, stub: str) -> None:
+    """Two tabs retry the same answer within milliseconds: both gateways read
+    the session before either retry is queued, so both pass their checks and
+    both queue a retry naming the answer it replaces. The generator takes
+    them one at a time under the session's lock: the first replaces the
+    answer, the second finds another in its place and is refused."""
+    system = System(private_nats.url, stub, services=("generator", "gateway")).start()
+    try:
+        async with system.http() as http:
+            sid = await create(http)
+            first = await http.post(f"/api/sessions/{sid}/messages", json={"content": "hello"})
+            assert first.status_code == 200, first.text
+            system["generator"].stop()  # both are queued before either is answered
+            replies = await two_retries_replied(private_nats.url, sid, first.json()["query_id"],
+                                                system)
+            messages = (await http.get(f"/api/sessions/{sid}")).json()["messages"]
+    finally:
+        system.stop()
+    taken, refused = replies
+    assert taken.error is None and taken.reply == "Echo: hello (turn 1)"
+    assert refused.error_code == "retry_outdated" and "replaced" in (refused.error or "")
+    assert [m["role"] for m in messages] == ["user", "assistant"]
+    assert messages[1]["query_id"] == taken.query_id
+
+
+async def two_retries_replied(nats_url: str, sid: str, answer_id: str,
+                              system: System) -> list[Reply]:
+    """Queue two retries of `answer_id` as two gateways would, start the
+    generator, and return the two replies in the order they came."""
+    nc = await nats.connect(nats_url)
+    try:
+        replies: asyncio.Queue[Reply] = asyncio.Queue()
+
+        async def on_reply(msg: Msg) -> None:
+            await replies.put(decode(msg.data, Reply, msg.subject).payload)
+
+        await nc.subscribe(subjects.reply(sid), cb=on_reply)
+        bus = Bus(nc, "gateway")
+        for _ in range(2):
+            await bus.js_publish(subjects.query(sid), Query(
+                session_id=sid, content="hello", retry=True, replacing=answer_id),
+                session_id=sid)
+        system["generator"].start()
+        return [await asyncio.wait_for(replies.get(), 30) for _ in range(2)]
+    finally:
+        await nc.close()

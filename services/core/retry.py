@@ -11,6 +11,8 @@ from schemas.messages import ErrorCode
 NOTHING_TO_RETRY = ("the session has no user message left to answer again (none yet, or "
                     "folded into the summary)")
 RETRY_OUTDATED = "the session's last message changed since the retry was asked for; retry again"
+ANSWER_REPLACED = ("the answer to retry was replaced since the retry was asked for (another "
+                   "retry, from another tab?); retry again")
 
 
 @dataclass(frozen=True)
@@ -28,15 +30,20 @@ class RetryRefused:
     message: str
 
 
-def retry_verdict(conversation: Conversation, asked_for: str | None = None
-                  ) -> RetryPoint | RetryRefused:
+def retry_verdict(conversation: Conversation, asked_for: str | None = None,
+                  replacing: str | None = None) -> RetryPoint | RetryRefused:
     """Where a retry goes, or why it cannot. `asked_for`: the user message
-    the retry was asked for, when known; another answered since outdates it."""
+    the retry was asked for, when known; another answered since outdates it.
+    `replacing`: the answer it was asked to replace ("" for none), when
+    known; another in its place outdates it too, so two retries asked at
+    once of the same answer replace it once."""
     point = retry_point(conversation)
     if point is None:
         return RetryRefused(ErrorCode.nothing_to_retry, NOTHING_TO_RETRY)
     if asked_for is not None and point.context.messages[-1].content != asked_for:
         return RetryRefused(ErrorCode.retry_outdated, RETRY_OUTDATED)
+    if replacing is not None and (point.supersedes or "") != replacing:
+        return RetryRefused(ErrorCode.retry_outdated, ANSWER_REPLACED)
     return point
 
 

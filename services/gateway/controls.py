@@ -26,7 +26,7 @@ from starlette.routing import Route
 from schemas import subjects
 from schemas.history import Conversation
 from schemas.messages import ErrorCode, Query, Reply, StopAccepted, StopRequest
-from services.core.retry import RetryRefused, retry_verdict
+from services.core.retry import RetryPoint, RetryRefused, retry_verdict
 from services.core.state_machine import Phase
 from services.gateway.bodies import parse_body
 from services.gateway.errors import HttpError, error
@@ -174,14 +174,17 @@ class Controls:
         sid = self._session_id_of(request)
         ours = self._query_id_of(request, sid, True)
         # Reads only: tried again while NATS is away, as a message's are.
-        question = await self._answers.patiently(lambda: self._question_to_retry(sid, ours),
-                                                 "retry_read_tried_again")
-        return await self._answers.answer(request, Query(session_id=sid, content=question,
-                                                         retry=True))
+        point = await self._answers.patiently(lambda: self._retry_point(sid, ours),
+                                              "retry_read_tried_again")
+        # The answer it replaces goes with it: a retry asked at the same moment
+        # from another tab, of the same answer, is then refused, not taken twice.
+        return await self._answers.answer(request, Query(
+            session_id=sid, content=point.context.messages[-1].content, retry=True,
+            replacing=point.supersedes or ""))
 
-    async def _question_to_retry(self, sid: str, ours: str | None) -> str:
-        """The message a retry answers again; a 404 or 409 when there is none,
-        or the session is answering another."""
+    async def _retry_point(self, sid: str, ours: str | None) -> RetryPoint:
+        """The message a retry answers again, and the answer it replaces; a 404
+        or 409 when there is none, or the session is answering another."""
         await self._answers.require_fresh(sid)
         conversation = (await self._history.read(sid)).conversation
         done = ours is not None and conversation.answered(sid, ours) is not None
@@ -191,7 +194,7 @@ class Controls:
         point = retry_verdict(conversation)
         if isinstance(point, RetryRefused):
             raise HttpError(conflict(point.code, point.message))
-        return point.context.messages[-1].content
+        return point
 
     async def _busy(self, sid: str, conversation: Conversation, ours: str | None) -> bool:
         """A turn under way, or a query waiting for its turn in the queue; not

@@ -245,7 +245,7 @@ class TurnRunner:
         """The turn, and for a retry the query whose answer its answer replaces."""
         if not env.payload.retry:
             return Turn(env, record, view, [_question(env)]), None
-        point = retry_verdict(view.conversation, env.payload.content)
+        point = retry_verdict(view.conversation, env.payload.content, env.payload.replacing)
         if isinstance(point, RetryRefused):
             raise TurnError(point.code, point.message)
         return (Turn(env, record, view, [], retry_context=point.context),

@@ -60,3 +60,24 @@ def test_the_verdict_names_why_a_retry_cannot_be() -> None:
         point = retry_verdict(asked, known)
         assert isinstance(point, RetryPoint) and point.supersedes is None
         assert point.context.messages[-1].content == "two"
+
+
+def test_a_retry_of_an_answer_replaced_since_is_outdated() -> None:
+    """Two retries asked at once of the same answer (two tabs): the first
+    replaces it, the second finds another answer in its place."""
+    asked = Conversation(messages=(user("one", "q1"), answer("a1", "q1")))
+    point = retry_verdict(asked, "one", replacing="q1")
+    assert isinstance(point, RetryPoint) and point.supersedes == "q1"
+    retried = Conversation(messages=(user("one", "q1"), answer("b1", "r1")))
+    late = retry_verdict(retried, "one", replacing="q1")
+    assert isinstance(late, RetryRefused) and late.code == ErrorCode.retry_outdated
+    assert "replaced" in late.message
+    assert isinstance(retry_verdict(retried, "one"), RetryPoint)  # not said: not checked
+
+
+def test_a_retry_of_a_message_without_an_answer_is_outdated_once_one_is_written() -> None:
+    unanswered = Conversation(messages=(user("one", "q1"),))
+    assert isinstance(retry_verdict(unanswered, "one", replacing=""), RetryPoint)
+    answered = Conversation(messages=(user("one", "q1"), answer("b1", "r1")))
+    late = retry_verdict(answered, "one", replacing="")
+    assert isinstance(late, RetryRefused) and late.code == ErrorCode.retry_outdated
