@@ -321,6 +321,18 @@ async def test_a_stop_while_a_tool_call_waits_ends_the_answer_there(
     assert messages[-1]["stopped"] is True and messages[-1]["content"] == "Looking"
 
 
+async def answered_then_no_generator(http: httpx.AsyncClient, system: System,
+                                     content: str) -> tuple[str, str]:
+    """A new session whose first message is answered, then its generator
+    stopped: nothing takes the queue from here on. The session's id and the
+    answer's query id."""
+    sid = await create(http)
+    first = await http.post(f"/api/sessions/{sid}/messages", json={"content": content})
+    assert first.status_code == 200, first.text
+    system["generator"].stop()
+    return sid, first.json()["query_id"]
+
+
 async def test_a_retry_is_not_refused_for_a_failed_query_still_in_the_queue(
         private_nats: NatsServer, stub: str) -> None:
     """The work queue drops a query a moment after its acknowledgement: one
@@ -330,10 +342,7 @@ async def test_a_retry_is_not_refused_for_a_failed_query_still_in_the_queue(
                     services=("generator", "gateway")).start()
     try:
         async with system.http() as http:
-            sid = await create(http)
-            first = await http.post(f"/api/sessions/{sid}/messages", json={"content": "first"})
-            assert first.status_code == 200, first.text
-            system["generator"].stop()  # nothing takes the queue from here on
+            sid, _ = await answered_then_no_generator(http, system, "first")
             nc = await nats.connect(private_nats.url)
             try:
                 bus = Bus(nc, "generator")
@@ -362,12 +371,9 @@ async def test_two_retries_asked_at_once_of_one_answer_replace_it_once(
     system = System(private_nats.url, stub, services=("generator", "gateway")).start()
     try:
         async with system.http() as http:
-            sid = await create(http)
-            first = await http.post(f"/api/sessions/{sid}/messages", json={"content": "hello"})
-            assert first.status_code == 200, first.text
-            system["generator"].stop()  # both are queued before either is answered
-            replies = await two_retries_replied(private_nats.url, sid, first.json()["query_id"],
-                                                system)
+            # Both are queued before either is answered.
+            sid, answer_id = await answered_then_no_generator(http, system, "hello")
+            replies = await two_retries_replied(private_nats.url, sid, answer_id, system)
             messages = (await http.get(f"/api/sessions/{sid}")).json()["messages"]
     finally:
         system.stop()
