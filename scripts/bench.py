@@ -4,6 +4,7 @@
     python scripts/bench.py --quick         # fewer repetitions (under a minute)
     python scripts/bench.py --rows splice_128k,estimate_error --json out.json
     python scripts/bench.py --in-process --rows splice_128k,estimate_error
+    python scripts/bench.py --rows turn_against --against ../before   # two checkouts, side by side
 
 Everything runs on this machine and is started here: a private nats-server,
 the Ollama stand-in (scripts/ollama_stub/) and the services as real
@@ -58,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"where to write the results (default {JSON_DEFAULT})")
     parser.add_argument("--rows", type=parse_rows, default=list(ROWS),
                         metavar="A,B", help="only these rows: " + ", ".join(ROWS))
+    parser.add_argument("--against", metavar="PATH",
+                        help="another checkout of the product (a git worktree of the "
+                             "commit to compare with): row turn_against times its turns "
+                             "interleaved with this one's")
     parser.add_argument("--in-process", action="store_true",
                         help="start no process: skip the rows that need NATS or the "
                              "services; estimate_error is emulated in-process")
@@ -68,7 +73,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     wanted = set(args.rows)
     params = params_for(args.quick)
-    bench = Bench(params, args.in_process)
+    bench = Bench(params, args.in_process, args.against)
     started = time.perf_counter()
     timestamp = datetime.now(UTC).isoformat(timespec="seconds")
     results: dict[str, Row] = {}

@@ -18,9 +18,11 @@ READY_MARK = "service_started"
 
 
 class ServiceProcess:
-    def __init__(self, module: str, env: dict[str, str]) -> None:
+    def __init__(self, module: str, env: dict[str, str], root: Path = REPO_ROOT) -> None:
+        """`root`: the checkout whose code runs (another one's, to compare two)."""
         self.module = module
         self.env = env
+        self.root = root
         fd, path = tempfile.mkstemp(prefix=f"{module.rsplit('.', 1)[-1]}-", suffix=".log")
         os.close(fd)
         self.log_path = Path(path)
@@ -32,7 +34,7 @@ class ServiceProcess:
         before = self.log().count(ready)
         full_env = {**os.environ, "LOG_FORMAT": "json", "PYTHONUNBUFFERED": "1", **self.env}
         with self.log_path.open("ab") as log:  # the child keeps its own copy
-            self.proc = subprocess.Popen([sys.executable, "-m", self.module], cwd=REPO_ROOT,
+            self.proc = subprocess.Popen([sys.executable, "-m", self.module], cwd=self.root,
                                          env=full_env, stdout=log, stderr=subprocess.STDOUT)
         try:
             self.wait_for(ready, wait_s, since=before)

@@ -7,6 +7,7 @@ import asyncio
 import concurrent.futures
 from collections.abc import Coroutine, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -15,7 +16,7 @@ import nats
 from schemas import subjects
 from services.shared.bus import round_trip
 from tests.nats_server import free_port
-from tests.processes import ServiceProcess
+from tests.processes import REPO_ROOT, ServiceProcess
 
 SERVICE_MODULES = {
     "generator": "services.generator",
@@ -38,7 +39,8 @@ def gateway_client(base_url: str, timeout: float = 30.0,
 
 class System:
     def __init__(self, nats_url: str, ollama_url: str, env: dict[str, str] | None = None,
-                 services: tuple[str, ...] = ("generator", "decider", "gateway")) -> None:
+                 services: tuple[str, ...] = ("generator", "decider", "gateway"),
+                 root: Path = REPO_ROOT) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.env = {
@@ -52,7 +54,8 @@ class System:
             "LOCK_LEASE_S": "6",
             **(env or {}),
         }
-        self.processes = {name: ServiceProcess(SERVICE_MODULES[name], self.env)
+        self.root = root
+        self.processes = {name: ServiceProcess(SERVICE_MODULES[name], self.env, root)
                           for name in services}
 
     def __getitem__(self, name: str) -> ServiceProcess:
@@ -71,7 +74,7 @@ class System:
         return {name: p.stop() for name, p in reversed(self.processes.items())}
 
     def add(self, name: str, module: str, env: dict[str, str] | None = None) -> ServiceProcess:
-        process = ServiceProcess(module, {**self.env, **(env or {})})
+        process = ServiceProcess(module, {**self.env, **(env or {})}, self.root)
         self.processes[name] = process
         return process
 

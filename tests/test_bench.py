@@ -10,6 +10,7 @@ import math
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import nats
 import pytest
@@ -17,6 +18,7 @@ import pytest
 from schemas.envelope import enveloped
 from schemas.messages import Payload, Query, Reply, StateChange
 from scripts.bench import main
+from scripts.benchmarks.against import against_row
 from scripts.benchmarks.client import Answer, Http
 from scripts.benchmarks.messages import kind_of
 from scripts.benchmarks.round_trips import (
@@ -71,6 +73,30 @@ def test_rows_that_need_processes_are_skipped_in_process(tmp_path: Path) -> None
     (row,) = json.loads(out.read_text())["rows"]
     assert row["name"] == "nats_rtt"
     assert row["value"] is None and row["skipped"]
+
+
+def test_turn_against_is_skipped_without_another_checkout(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    assert main(["--quick", "--rows", "turn_against", "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["value"] is None and "--against" in row["skipped"]
+
+
+def test_turn_against_reads_this_checkouts_turns_against_the_others() -> None:
+    async def not_asked(*_: str) -> Any:
+        raise AssertionError("only the figures are read")
+
+    def side(name: str, seconds: list[float], cpu_s: float) -> Side:
+        timed = Side(name, not_asked, not_asked, frozenset())
+        timed.samples, timed.cpu, timed.wall_s = seconds, {"generator:1": cpu_s}, 1.0
+        return timed
+
+    row = against_row(side("this", [0.004] * 9 + [0.1], 0.09),
+                      side("that", [0.005] * 9 + [0.1], 0.06), "/tmp/before")
+    assert row.value == pytest.approx(0.8)
+    assert row.unit == "× before's turn (p50)"
+    assert row.raw["cpu_ratio"] == pytest.approx(1.5)
+    assert "10 turns each" in row.detail
 
 
 async def test_round_trips_are_timed_within_a_process_and_between_two(nats_url: str) -> None:

@@ -11,6 +11,7 @@ import sys
 import time
 from collections.abc import Callable
 
+from scripts.benchmarks.against import row_turn_against
 from scripts.benchmarks.compaction import row_compaction, row_compaction_one_slot
 from scripts.benchmarks.estimate import ESTIMATE_SCRIPT, row_estimate
 from scripts.benchmarks.failover import row_failover
@@ -50,6 +51,7 @@ RUN_ORDER = (
     "turn_overhead",
     "turn_cpu",
     "turn_contract_floor",
+    "turn_against",
     "turn_messages",
     "turn_timeline",
     "turn_keyed",
@@ -99,6 +101,7 @@ ROW_FUNCTIONS: dict[str, RowFunction] = {
     "turn_cpu": row_turn_cpu,
     "turn_floor": row_turn_floor,
     "turn_contract_floor": row_turn_contract_floor,
+    "turn_against": row_turn_against,
     "turn_messages": row_turn_messages,
     "turn_timeline": row_turn_timeline,
     "turn_keyed": row_turn_keyed,
@@ -121,8 +124,8 @@ ROW_FUNCTIONS: dict[str, RowFunction] = {
 }
 ROWS = tuple(ROW_FUNCTIONS)
 # Rows that start systems of their own: the shared one is stopped before them.
-OWN_SYSTEMS = frozenset({"compaction_latency", "compaction_one_slot", "stop_latency",
-                         "failover_after_kill",
+OWN_SYSTEMS = frozenset({"turn_against", "compaction_latency", "compaction_one_slot",
+                         "stop_latency", "failover_after_kill",
                          "memory_sessions", "memory_export", "soak_1_generator",
                          "soak_2_generators"})
 # Rows that cannot run without starting processes (see --in-process).
@@ -130,9 +133,11 @@ NEEDS_PROCESSES = frozenset(ROWS) - {"splice_128k", "turn_weighing", "estimate_e
 
 
 class Bench:
-    def __init__(self, params: Params, in_process: bool) -> None:
+    def __init__(self, params: Params, in_process: bool, against: str | None = None) -> None:
         self.params = params
         self.in_process = in_process
+        # Another checkout of the product, for turn_against (--against).
+        self.against = against
         self.round_trips: RoundTrips | None = None
         # Measured once, read by several rows: the product's turns and the floor's.
         self.turn_sides: dict[str, Measured] | None = None
