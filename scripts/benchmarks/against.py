@@ -17,10 +17,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from scripts.benchmarks.client import Http, ask, new_session
+from scripts.benchmarks.client import Http
 from scripts.benchmarks.harness import Params, Row
 from scripts.benchmarks.measure import started_processes, summary_ms
-from scripts.benchmarks.round_trips import Side, interleaved_turns
+from scripts.benchmarks.round_trips import Side, interleaved_turns, product_side
 from services.generator.queries import STOP_CLOCK_MARGIN
 from tests.nats_server import running_nats
 from tests.processes import REPO_ROOT
@@ -33,11 +33,6 @@ if TYPE_CHECKING:
 # Three times turn_overhead's turns: a checkout against itself read 0.955-1.04
 # in three runs of 400 turns each, 1.01-1.02 in three of 1,200.
 AGAINST_TURNS_FACTOR = 3
-
-
-def product_side(name: str, http: Http, processes: frozenset[str]) -> Side:
-    return Side(name, lambda: new_session(http),
-                lambda sid, content: ask(http, sid, content), processes)
 
 
 async def timed_against(this_url: str, that_url: str, ours: frozenset[str],

@@ -16,7 +16,7 @@ from schemas.envelope import new_id
 from scripts.benchmarks.client import ask, http_client, new_session
 from scripts.benchmarks.harness import Env, Params, Row
 from scripts.benchmarks.measure import started_processes, summary_ms
-from scripts.benchmarks.round_trips import Side, interleaved_turns
+from scripts.benchmarks.round_trips import Side, interleaved_turns, product_side
 
 if TYPE_CHECKING:
     from scripts.benchmarks.rows import Bench
@@ -25,8 +25,7 @@ if TYPE_CHECKING:
 async def keyed_and_plain(env: Env, params: Params) -> tuple[Side, Side]:
     ours = started_processes()
     async with http_client(env, 4) as http:
-        plain = Side("plain", lambda: new_session(http),
-                     lambda sid, content: ask(http, sid, content), ours)
+        plain = product_side("plain", http, ours)
         keyed = Side("keyed", lambda: new_session(http),
                      lambda sid, content: ask(http, sid, content, key=new_id()), ours)
         await interleaved_turns(params, plain, keyed)

@@ -235,6 +235,12 @@ class Side:
         return cpu_summary(self.cpu, len(self.samples), self.wall_s)
 
 
+def product_side(name: str, http: Http, processes: frozenset[str]) -> Side:
+    """The product's turns through the gateway `http` reaches: a new session each."""
+    return Side(name, lambda: new_session(http),
+                lambda sid, content: ask(http, sid, content), processes)
+
+
 async def interleaved_turns(params: Params, *sides: Side) -> None:
     """Every side's turns, a session each in turn, the order moved on by one
     every round (for two sides, swapped): a spell of the machine (another
@@ -317,8 +323,7 @@ async def timed_sides(env: Env, bare: dict[str, tuple[str, frozenset[str]]],
     HTTP address and its processes), interleaved."""
     async with contextlib.AsyncExitStack() as stack:
         http = await stack.enter_async_context(http_client(env, 4))
-        sides = [Side("product", lambda: new_session(http),
-                      lambda sid, content: ask(http, sid, content), ours)]
+        sides = [product_side("product", http, ours)]
         for name, (url, processes) in bare.items():
             client = await stack.enter_async_context(Http(url, 4))
             sides.append(Side(name, bare_session, bare_ask(client), processes))

@@ -139,7 +139,8 @@ class Bench:
         # Another checkout of the product, for turn_against (--against).
         self.against = against
         self.round_trips: RoundTrips | None = None
-        # Measured once, read by several rows: the product's turns and the floor's.
+        # Measured once, read by several rows: the turns of the product, the floor
+        # and the contract floor.
         self.turn_sides: dict[str, Measured] | None = None
         self._plain: Env | None = None
         self._plain_stack = contextlib.ExitStack()
