@@ -12,16 +12,19 @@ import {
 } from "./panel.js";
 import { renderRetry } from "./chat.js";
 
-// The live feed names each server-sent event after the message type it carries.
-export const LIVE_EVENT_TYPES = [
-  "generator.state",
-  "response.generation",
-  "compaction.request",
-  "compaction.event",
-  "compaction.result",
-  "session.deleted",
-  "settings.changed",
-];
+// The live feed names each server-sent event after the message type it
+// carries; one handler per type: (payload, timestamp, correlation id).
+const LIVE_HANDLERS = new Map([
+  ["generator.state", onStateChange],
+  ["response.generation", onGeneration],
+  ["compaction.request", onCompactionRequest],
+  ["compaction.event", onCompactionEvent],
+  ["compaction.result", onCompactionResult],
+  ["session.deleted", onSessionDeleted],
+  ["settings.changed", onSettingsChanged],
+]);
+
+export const LIVE_EVENT_TYPES = [...LIVE_HANDLERS.keys()];
 
 // Whether a live state change, stamped `at` by generator `by`, is older than
 // the newest state this page knows (`seen`: { at, by }, from a read or an
@@ -195,17 +198,6 @@ function onLiveEvent(type, raw) {
   if (handle) handle(p, envelope.timestamp, envelope.correlation_id);
   else logLine(type, "event", envelope.timestamp);
 }
-
-// One handler per live event type: (payload, timestamp, correlation id).
-const LIVE_HANDLERS = new Map([
-  ["generator.state", onStateChange],
-  ["response.generation", onGeneration],
-  ["compaction.request", onCompactionRequest],
-  ["compaction.event", onCompactionEvent],
-  ["compaction.result", onCompactionResult],
-  ["session.deleted", onSessionDeleted],
-  ["settings.changed", onSettingsChanged],
-]);
 
 // A live setting changed (the compaction threshold): the session is read
 // again, whose answer says where automatic compaction now begins.
