@@ -391,6 +391,7 @@ def test_a_stop_that_fails_gives_stop_back_and_the_answer_goes_on(
         page.unroute("**/api/sessions/*/stop")
         stop_button.click()
         playwright_api.expect(pending).to_have_count(0)
+    playwright_api.expect(page.locator("#notice")).to_be_hidden()  # stopped after all
     answer = page.locator("#messages .msg-assistant").last
     playwright_api.expect(answer.locator(".msg-tag")).to_have_text("stopped")
     network_failures_only(watched)
@@ -1159,6 +1160,27 @@ def test_a_retry_cut_by_a_reload_still_marks_the_answer_it_replaces(
     playwright_api.expect(page.locator("#messages .msg-pending")).to_have_count(0)
     playwright_api.expect(answers).to_have_count(2)
     playwright_api.expect(answers.first.locator(".msg-tag")).to_have_text("superseded")
+
+
+def test_a_refused_delete_stays_said_through_the_sessions_later_reads(
+        watched: Watched) -> None:
+    """The page reads its session again whenever its live feed opens and after
+    every turn; those reads took away whatever notice was shown, so a refused
+    delete was said and then, a moment later, no longer."""
+    page = watched.page
+    create_session(page)
+    page.evaluate("() => { window.confirm = () => true; }")  # Delete asks first
+    watched.ignore("status of 503")  # the delete refused on purpose
+    page.route("**/api/sessions/*", lambda route: route.fulfill(
+        status=503, json={"error": {"code": "nats_unavailable", "message": "NATS is away"}})
+        if route.request.method == "DELETE" else route.continue_())
+    page.click("#delete-button")
+    notice = page.locator("#notice")
+    playwright_api.expect(notice).to_contain_text("Could not delete the session")
+    send(page, "a message after the refused delete")
+    # The turn's end reads the session; its two messages show once that read is in.
+    playwright_api.expect(page.locator("#fact-messages")).to_have_text("2")
+    playwright_api.expect(notice).to_contain_text("Could not delete the session")
 
 
 def test_a_delete_that_fails_picks_the_answer_under_way_up_again(

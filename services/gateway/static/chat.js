@@ -5,7 +5,7 @@
 
 import { API, newKey, postStop, postTurn, queryIdFor, readError, requestJson } from "./api.js";
 import {
-  announce, app, el, fmt, lastItem, nearBottom, scrollToEnd, show, showNotice, ui,
+  announce, app, clearNotice, el, fmt, lastItem, nearBottom, scrollToEnd, show, showNotice, ui,
 } from "./shared.js";
 import { SseParser } from "./sse.js";
 import { renderCompactButton, renderGauge } from "./panel.js";
@@ -408,6 +408,7 @@ export async function stopAnswer() {
   ui.stopButton.disabled = true;
   app.pending?.stopping();
   const response = await postStop(id, turn).catch(() => null);
+  if (response?.status === 202) clearNotice("stop");
   if (response?.status === 202 || app.sessionId !== id) return;
   const err = response ? await readError(response) : null;
   // The answer goes on: it can still be stopped once it is being written.
@@ -419,9 +420,9 @@ export async function stopAnswer() {
     // Said on the answer itself: a notice went with the session's next read.
     app.pending?.notYetStoppable();
   } else if (response) {
-    showNotice(`Could not stop: ${err.error?.message ?? response.status}`);
+    showNotice(`Could not stop: ${err.error?.message ?? response.status}`, "stop");
   } else {
-    showNotice("Could not stop: the gateway is unreachable");
+    showNotice("Could not stop: the gateway is unreachable", "stop");
   }
 }
 

@@ -3,7 +3,7 @@
 // creating, opening and deleting one.
 
 import { API, listSessions, requestJson } from "./api.js";
-import { app, el, isValidSessionId, show, showNotice, ui } from "./shared.js";
+import { app, clearNotice, el, isValidSessionId, show, showNotice, ui } from "./shared.js";
 import { compactingAfterRead, connectEvents, disconnectEvents, newestSeen, staleState } from "./live.js";
 import { abandonAnswer, clearTranscript, loadNewer, renderRetry, resumeTurn, setComposerEnabled } from "./chat.js";
 import { forgetKeptTurn } from "./kept.js";
@@ -187,7 +187,7 @@ export async function loadSession({ messages = true } = {}) {
   }
   if (!current()) return; // a newer load or another session
   app.session = session;
-  showNotice("");
+  clearNotice("read");
   const shown = messages && !app.busy && await loadNewer(id);
   if (!current()) return; // overtaken while the messages loaded
   if (shown && app.resumeFor === id) {
@@ -325,15 +325,15 @@ export async function deleteSession() {
   setComposerEnabled(false);
   setExportLinks(null);
   history.replaceState(null, "", "#");
-  showNotice(`Session ${id} was deleted.`);
+  showNotice(`Session ${id} was deleted.`, "delete");
 }
 
 // The session stays: its feed and its answer under way are taken up again.
 async function deleteRefused(id, err) {
+  showNotice(`Could not delete the session: ${err.message}`, "delete");
   connectEvents(id);
   app.resumeFor = id;
   await loadSession();
-  showNotice(`Could not delete the session: ${err.message}`); // after the read's clearing
 }
 
 // A reload is not to open a deleted session again (and report it missing),

@@ -108,11 +108,22 @@ export const app = {
   timelineStale: false, // the compaction timeline is to be read with the session's next read
   resumeFor: null, // the session opened, whose cut turn, if any, is read again once shown
   compactionProgress: null, // the running compaction's last progress event
+  noticeAbout: null, // what the notice shown says failed (showNotice)
 };
 
 export const ui = {};
 
-export function showNotice(message) {
+// A notice says what failed; `about` says what it was: "read" (the session or
+// its messages), "stop" or "delete". Only a later success of the same kind
+// takes it away (`clearNotice`): a read of the session, which the live feed
+// asks for at any moment, must not wipe out a refused delete. Opening another
+// session takes any away (an empty message).
+export function showNotice(message, about = "read") {
+  app.noticeAbout = message ? about : null;
   ui.notice.textContent = message;
   show(ui.notice, Boolean(message));
+}
+
+export function clearNotice(about) {
+  if (app.noticeAbout === about) showNotice("");
 }
