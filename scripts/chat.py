@@ -26,7 +26,7 @@ import os
 import sys
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +56,8 @@ class Turn:
     """A message sent, or a retry of the last one (no content), under its key."""
 
     content: str | None
-    key: str
+    # Its own key, kept for sending it again (/again).
+    key: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     @property
     def path(self) -> str:
@@ -135,19 +136,19 @@ class Chat:
         if command in ("/quit", "/exit"):
             return False
         if line.lstrip().startswith("//"):  # a message that starts with a slash
-            self.send(Turn(line.lstrip()[1:], uuid.uuid4().hex))
+            self.send(Turn(line.lstrip()[1:]))
         elif command in actions:
             actions[command](rest.strip())
         elif command.startswith("/"):
             self.out.print(Text(f"unknown command {command}; /help lists them", style="red"))
         elif line.strip():
-            self.send(Turn(line, uuid.uuid4().hex))
+            self.send(Turn(line))
         return True
 
     def retry(self, _: str = "") -> None:
         """A fresh answer to the last message; the one it replaces stays in the
         transcript, out of the model's context."""
-        self.send(Turn(None, uuid.uuid4().hex))
+        self.send(Turn(None))
 
     def send(self, turn: Turn) -> None:
         try:
