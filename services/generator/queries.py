@@ -98,9 +98,12 @@ class Queries:
         self.answered = AnsweredQueries()
         self._errors = QueryErrors(bus.js)
         self._failures = FailedTries(settings.nats_away_patience_s)
-        # Since when this process has heard every stop (it began to listen,
-        # or NATS came back): see `_may_have_missed_a_stop`.
-        self.hearing_stops_since = datetime.now(UTC)
+        self._hearing_stops_since = datetime.now(UTC)
+
+    def hearing_stops(self) -> None:
+        """From now on this process hears every stop (it began to listen, or
+        NATS came back): see `_may_have_missed_a_stop`."""
+        self._hearing_stops_since = datetime.now(UTC)
 
     async def handle(self, msg: Msg) -> None:
         try:
@@ -195,7 +198,7 @@ class Queries:
         """A query queued before this process heard every stop may have been
         withdrawn meanwhile: the gateway keeps that as the query's error reply,
         read then. Later ones need no read: their stops were heard."""
-        return msg.metadata.timestamp < self.hearing_stops_since + STOP_CLOCK_MARGIN
+        return msg.metadata.timestamp < self._hearing_stops_since + STOP_CLOCK_MARGIN
 
     async def _meets_compaction(self, sid: str) -> bool:
         """Blocking mode: a query meeting a compaction waits only so long, then

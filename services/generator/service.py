@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable, Coroutine
-from datetime import UTC, datetime
 from typing import Any
 
 import structlog
@@ -94,7 +93,7 @@ class Generator:
         # session's answer acts and replies.
         self._stop_requests = await self._bus.nc.subscribe(f"{subjects.STOP_PREFIX}.*",
                                                            cb=self._on_stop)
-        self._queries.hearing_stops_since = datetime.now(UTC)
+        self._queries.hearing_stops()
         self._loops = [
             await self._pull(f"{subjects.QUERY_PREFIX}.*", subjects.QUERIES_STREAM,
                              QUERY_CONSUMER, self._spawn_query, self._capacity),
@@ -119,7 +118,7 @@ class Generator:
         in it (the consumers, the history follower, the settings watch, the
         record of the compactions running here) and read sessions afresh
         rather than trust what was cached of them."""
-        self._queries.hearing_stops_since = datetime.now(UTC)
+        self._queries.hearing_stops()
         self._sessions.forget_all()
         await self._states.record_running_again()
         self._following = await self._history.follow_again(self._following)
