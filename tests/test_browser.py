@@ -1162,11 +1162,8 @@ def test_a_retry_cut_by_a_reload_still_marks_the_answer_it_replaces(
     playwright_api.expect(answers.first.locator(".msg-tag")).to_have_text("superseded")
 
 
-def test_a_refused_delete_stays_said_through_the_sessions_later_reads(
-        watched: Watched) -> None:
-    """The page reads its session again whenever its live feed opens and after
-    every turn; those reads took away whatever notice was shown, so a refused
-    delete was said and then, a moment later, no longer."""
+def deletes_refused(watched: Watched) -> playwright_api.Page:
+    """A session open on the page, whose deletes the gateway refuses (503)."""
     page = watched.page
     create_session(page)
     page.evaluate("() => { window.confirm = () => true; }")  # Delete asks first
@@ -1174,6 +1171,15 @@ def test_a_refused_delete_stays_said_through_the_sessions_later_reads(
     page.route("**/api/sessions/*", lambda route: route.fulfill(
         status=503, json={"error": {"code": "nats_unavailable", "message": "NATS is away"}})
         if route.request.method == "DELETE" else route.continue_())
+    return page
+
+
+def test_a_refused_delete_stays_said_through_the_sessions_later_reads(
+        watched: Watched) -> None:
+    """The page reads its session again whenever its live feed opens and after
+    every turn; those reads took away whatever notice was shown, so a refused
+    delete was said and then, a moment later, no longer."""
+    page = deletes_refused(watched)
     page.click("#delete-button")
     notice = page.locator("#notice")
     playwright_api.expect(notice).to_contain_text("Could not delete the session")
@@ -1185,13 +1191,7 @@ def test_a_refused_delete_stays_said_through_the_sessions_later_reads(
 
 def test_a_delete_that_fails_picks_the_answer_under_way_up_again(
         watched: Watched, stub_url: str) -> None:
-    page = watched.page
-    create_session(page)
-    page.evaluate("() => { window.confirm = () => true; }")  # Delete asks first
-    watched.ignore("status of 503")  # the delete refused on purpose
-    page.route("**/api/sessions/*", lambda route: route.fulfill(
-        status=503, json={"error": {"code": "nats_unavailable", "message": "NATS is away"}})
-        if route.request.method == "DELETE" else route.continue_())
+    page = deletes_refused(watched)
     with answer_under_way(page, stub_url, "a message outliving a delete"):
         page.click("#delete-button")
         playwright_api.expect(page.locator("#notice")).to_contain_text(
