@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 import structlog
@@ -102,10 +103,11 @@ class Answering:
             if earlier is not None:
                 return self._reply_response(earlier)
             try:
-                async for event in events_until_reply(waiting.events,
-                                                      self._settings.reply_timeout_s):
-                    if isinstance(event, Reply):
-                        return self._reply_response(event)
+                async with aclosing(events_until_reply(
+                        waiting.events, self._settings.reply_timeout_s)) as events:
+                    async for event in events:
+                        if isinstance(event, Reply):
+                            return self._reply_response(event)
             except TimeoutError:
                 pass
             except GatewayStopping:

@@ -146,14 +146,16 @@ class Controls:
         """The stream sequence and message of the query if it is queued and not
         answered yet (the work queue drops a query a moment after its
         acknowledgement)."""
-        async for msg in queued_queries(self._bus.js, sid, self._bus.fresh_reads_direct):
-            with contextlib.suppress(BadMessage):
-                query = decode(msg.data or b"", Query, subjects.query(sid))
-                if query.message_id == query_id:
-                    conversation = (await self._history.read(sid)).conversation
-                    if conversation.answered(sid, query_id) is not None:
-                        return None
-                    return int(msg.seq or 0), query.payload.content
+        async with contextlib.aclosing(queued_queries(
+                self._bus.js, sid, self._bus.fresh_reads_direct)) as queued:
+            async for msg in queued:
+                with contextlib.suppress(BadMessage):
+                    query = decode(msg.data or b"", Query, subjects.query(sid))
+                    if query.message_id == query_id:
+                        conversation = (await self._history.read(sid)).conversation
+                        if conversation.answered(sid, query_id) is not None:
+                            return None
+                        return int(msg.seq or 0), query.payload.content
         return None
 
     async def _taken_out(self, seq: int) -> bool:
@@ -218,9 +220,11 @@ class Controls:
         """The ids of the session's queries in the queue, oldest first (a
         session has few: each waits for the one before it)."""
         queued: list[str] = []
-        async for msg in queued_queries(self._bus.js, sid, self._bus.fresh_reads_direct):
-            with contextlib.suppress(BadMessage):  # not a query any generator will answer
-                queued.append(decode(msg.data or b"", Query, subjects.query(sid)).message_id)
-            if len(queued) >= MAX_QUEUED_READ:
-                break
+        async with contextlib.aclosing(queued_queries(
+                self._bus.js, sid, self._bus.fresh_reads_direct)) as reads:
+            async for msg in reads:
+                with contextlib.suppress(BadMessage):  # not a query any generator will answer
+                    queued.append(decode(msg.data or b"", Query, subjects.query(sid)).message_id)
+                if len(queued) >= MAX_QUEUED_READ:
+                    break
         return queued

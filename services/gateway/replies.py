@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
 import structlog
@@ -55,9 +55,10 @@ _STOPPING = None
 
 async def still_queued(bus: Bus, sid: str, query_id: str) -> bool:
     """Whether the query is in the QUERIES stream: waiting, or being answered."""
-    async for msg in queued_queries(bus.js, sid, bus.fresh_reads_direct):
-        if (msg.headers or {}).get(MSG_ID_HEADER) == query_id:
-            return True
+    async with contextlib.aclosing(queued_queries(bus.js, sid, bus.fresh_reads_direct)) as queued:
+        async for msg in queued:
+            if (msg.headers or {}).get(MSG_ID_HEADER) == query_id:
+                return True
     return False
 
 
@@ -197,13 +198,14 @@ class ReplyRouter:
 
 
 async def events_until_reply(queue: asyncio.Queue[Event | None], timeout_s: float
-                             ) -> AsyncIterator[Event]:
+                             ) -> AsyncGenerator[Event, None]:
     """Tokens as they come, then the reply; TimeoutError if the reply is
     late, GatewayStopping if the gateway stops first.
 
     The deadline covers only the waits here, never the `yield`: a deadline
     passing while the caller is away sending the last token would cancel the
-    caller's own work instead of raising here."""
+    caller's own work instead of raising here. A caller that leaves at the
+    reply closes it (`contextlib.aclosing`), as for `queued_queries`."""
     deadline = asyncio.get_running_loop().time() + timeout_s
     while True:
         event = await _next_event(queue, deadline)

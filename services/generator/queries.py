@@ -331,13 +331,15 @@ class Queries:
         that is still to be answered, if any (one acknowledged here may not yet
         be dropped by the server)."""
         ours = msg.metadata.sequence.stream
-        async for oldest in queued_queries(self._bus.js, sid, self._bus.fresh_reads_direct):
-            seq = int(oldest.seq or 0)
-            if seq >= ours:
-                return None
-            if not await self.answered.acknowledged(
-                    seq, (oldest.headers or {}).get(MSG_ID_HEADER)):
-                return seq
+        async with contextlib.aclosing(queued_queries(
+                self._bus.js, sid, self._bus.fresh_reads_direct)) as queued:
+            async for oldest in queued:
+                seq = int(oldest.seq or 0)
+                if seq >= ours:
+                    return None
+                if not await self.answered.acknowledged(
+                        seq, (oldest.headers or {}).get(MSG_ID_HEADER)):
+                    return seq
         return None
 
 

@@ -16,7 +16,7 @@ rather than fail, until the layout is made again.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 import structlog
 from nats.js import JetStreamContext
@@ -314,9 +314,13 @@ def _cannot_make(what: str, replicas: int, err: APIError) -> ReplicasMismatch:
 
 
 async def queued_queries(js: JetStreamContext, sid: str, direct: bool,
-                         start: int = 1) -> AsyncIterator[RawStreamMsg]:
+                         start: int = 1) -> AsyncGenerator[RawStreamMsg, None]:
     """The session's queries still in the QUERIES stream, oldest first, from
-    sequence `start`: each read is the next one of the session's subject."""
+    sequence `start`: each read is the next one of the session's subject.
+
+    A caller that may stop early closes it (`contextlib.aclosing`): an async
+    generator left open is closed whenever it is collected, by the event
+    loop, in a task of its own."""
     while True:
         try:
             msg = await js.get_msg(s.QUERIES_STREAM, seq=start, subject=s.query(sid),
