@@ -32,7 +32,7 @@ from services.gateway.bodies import parse_body
 from services.gateway.errors import HttpError, error
 from services.shared.bus import BadMessage, Bus, decode
 from services.shared.history_store import HistoryStore
-from services.shared.jetstream import queued_queries
+from services.shared.jetstream import QueuedQueries
 from services.shared.query_errors import WITHDRAWN_TEXT, QueryErrors
 
 # How long the process running the answer has to say it is stopping it. A
@@ -146,16 +146,14 @@ class Controls:
         """The stream sequence and message of the query if it is queued and not
         answered yet (the work queue drops a query a moment after its
         acknowledgement)."""
-        async with contextlib.aclosing(queued_queries(
-                self._bus.js, sid, self._bus.fresh_reads_direct)) as queued:
-            async for msg in queued:
-                with contextlib.suppress(BadMessage):
-                    query = decode(msg.data or b"", Query, subjects.query(sid))
-                    if query.message_id == query_id:
-                        conversation = (await self._history.read(sid)).conversation
-                        if conversation.answered(sid, query_id) is not None:
-                            return None
-                        return int(msg.seq or 0), query.payload.content
+        async for msg in QueuedQueries(self._bus.js, sid, self._bus.fresh_reads_direct):
+            with contextlib.suppress(BadMessage):
+                query = decode(msg.data or b"", Query, subjects.query(sid))
+                if query.message_id == query_id:
+                    conversation = (await self._history.read(sid)).conversation
+                    if conversation.answered(sid, query_id) is not None:
+                        return None
+                    return int(msg.seq or 0), query.payload.content
         return None
 
     async def _taken_out(self, seq: int) -> bool:
@@ -220,11 +218,9 @@ class Controls:
         """The ids of the session's queries in the queue, oldest first (a
         session has few: each waits for the one before it)."""
         queued: list[str] = []
-        async with contextlib.aclosing(queued_queries(
-                self._bus.js, sid, self._bus.fresh_reads_direct)) as reads:
-            async for msg in reads:
-                with contextlib.suppress(BadMessage):  # not a query any generator will answer
-                    queued.append(decode(msg.data or b"", Query, subjects.query(sid)).message_id)
-                if len(queued) >= MAX_QUEUED_READ:
-                    break
+        async for msg in QueuedQueries(self._bus.js, sid, self._bus.fresh_reads_direct):
+            with contextlib.suppress(BadMessage):  # not a query any generator will answer
+                queued.append(decode(msg.data or b"", Query, subjects.query(sid)).message_id)
+            if len(queued) >= MAX_QUEUED_READ:
+                break
         return queued

@@ -42,7 +42,7 @@ from schemas.envelope import new_id
 from schemas.messages import ErrorCode, Reply, Token
 from services.shared.bus import MSG_ID_HEADER, Bus
 from services.shared.history_store import HistoryStore
-from services.shared.jetstream import queued_queries
+from services.shared.jetstream import QueuedQueries
 from services.shared.query_errors import KeptError, QueryErrors
 
 log = structlog.get_logger()
@@ -55,10 +55,9 @@ _STOPPING = None
 
 async def still_queued(bus: Bus, sid: str, query_id: str) -> bool:
     """Whether the query is in the QUERIES stream: waiting, or being answered."""
-    async with contextlib.aclosing(queued_queries(bus.js, sid, bus.fresh_reads_direct)) as queued:
-        async for msg in queued:
-            if (msg.headers or {}).get(MSG_ID_HEADER) == query_id:
-                return True
+    async for msg in QueuedQueries(bus.js, sid, bus.fresh_reads_direct):
+        if (msg.headers or {}).get(MSG_ID_HEADER) == query_id:
+            return True
     return False
 
 
@@ -205,7 +204,7 @@ async def events_until_reply(queue: asyncio.Queue[Event | None], timeout_s: floa
     The deadline covers only the waits here, never the `yield`: a deadline
     passing while the caller is away sending the last token would cancel the
     caller's own work instead of raising here. A caller that leaves at the
-    reply closes it (`contextlib.aclosing`), as for `queued_queries`."""
+    reply closes it (`contextlib.aclosing`)."""
     deadline = asyncio.get_running_loop().time() + timeout_s
     while True:
         event = await _next_event(queue, deadline)

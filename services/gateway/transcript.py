@@ -25,7 +25,7 @@ from services.core.transcript import InvalidCursor, Position, page_limit
 from services.gateway.errors import HttpError, error
 from services.shared.bus import Bus, decode
 from services.shared.history_store import HistoryStore
-from services.shared.jetstream import queued_queries
+from services.shared.jetstream import QueuedQueries
 from services.shared.nats_away import NATS_AWAY
 from services.shared.sessions import SessionStore
 from services.shared.transcript import json_export, markdown_export, page, page_before
@@ -136,7 +136,7 @@ class TranscriptRoutes:
 
     async def _answer_queued(self, sid: str) -> None:
         """Each query still queued gets its answer: the session is gone."""
-        async for msg in queued_queries(self._bus.js, sid, self._bus.fresh_reads_direct):
+        async for msg in QueuedQueries(self._bus.js, sid, self._bus.fresh_reads_direct):
             try:
                 env: Envelope[Query] = decode(msg.data or b"", Query, msg.subject or "")
             except Exception:  # a malformed query is purged all the same

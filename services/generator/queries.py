@@ -40,7 +40,7 @@ from services.shared import metrics
 from services.shared.bus import MSG_ID_HEADER, BadMessage, Bus, decode, readable_id
 from services.shared.consumer import Delivery, working_on
 from services.shared.history_store import HistoryConflict
-from services.shared.jetstream import NO_ROOM, queued_queries
+from services.shared.jetstream import NO_ROOM, QueuedQueries
 from services.shared.nats_away import NATS_AWAY
 from services.shared.query_errors import QueryErrors
 from services.shared.sessions import SessionNotFound, SessionStore
@@ -331,15 +331,13 @@ class Queries:
         that is still to be answered, if any (one acknowledged here may not yet
         be dropped by the server)."""
         ours = msg.metadata.sequence.stream
-        async with contextlib.aclosing(queued_queries(
-                self._bus.js, sid, self._bus.fresh_reads_direct)) as queued:
-            async for oldest in queued:
-                seq = int(oldest.seq or 0)
-                if seq >= ours:
-                    return None
-                if not await self.answered.acknowledged(
-                        seq, (oldest.headers or {}).get(MSG_ID_HEADER)):
-                    return seq
+        async for oldest in QueuedQueries(self._bus.js, sid, self._bus.fresh_reads_direct):
+            seq = int(oldest.seq or 0)
+            if seq >= ours:
+                return None
+            if not await self.answered.acknowledged(
+                    seq, (oldest.headers or {}).get(MSG_ID_HEADER)):
+                return seq
         return None
 
 

@@ -16,8 +16,6 @@ rather than fail, until the layout is made again.
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator
-
 import structlog
 from nats.js import JetStreamContext
 from nats.js.api import (
@@ -313,19 +311,26 @@ def _cannot_make(what: str, replicas: int, err: APIError) -> ReplicasMismatch:
         " (JETSTREAM_REPLICAS may not exceed the cluster's JetStream servers)")
 
 
-async def queued_queries(js: JetStreamContext, sid: str, direct: bool,
-                         start: int = 1) -> AsyncGenerator[RawStreamMsg, None]:
+class QueuedQueries:
     """The session's queries still in the QUERIES stream, oldest first, from
     sequence `start`: each read is the next one of the session's subject.
 
-    A caller that may stop early closes it (`contextlib.aclosing`): an async
-    generator left open is closed whenever it is collected, by the event
-    loop, in a task of its own."""
-    while True:
+    An iterator, not an async generator: a caller may stop at the query it
+    looks for, and an async generator left so is closed later by the event
+    loop, in a task of its own; this one holds nothing to close."""
+
+    def __init__(self, js: JetStreamContext, sid: str, direct: bool, start: int = 1) -> None:
+        self._js, self._sid, self._direct, self._start = js, sid, direct, start
+
+    def __aiter__(self) -> QueuedQueries:
+        return self
+
+    async def __anext__(self) -> RawStreamMsg:
         try:
-            msg = await js.get_msg(s.QUERIES_STREAM, seq=start, subject=s.query(sid),
-                                   next=True, direct=direct)
+            msg = await self._js.get_msg(s.QUERIES_STREAM, seq=self._start,
+                                         subject=s.query(self._sid), next=True,
+                                         direct=self._direct)
         except NotFoundError:
-            return
-        yield msg
-        start = int(msg.seq or start) + 1
+            raise StopAsyncIteration from None
+        self._start = int(msg.seq or self._start) + 1
+        return msg
