@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from contextlib import aclosing
 from typing import Any
 
 import structlog
@@ -26,7 +25,7 @@ from services.gateway.replies import (
     GatewayStopping,
     ReplyRouter,
     Waiting,
-    events_until_reply,
+    reply_within,
     streamed_events,
 )
 from services.gateway.settings import GatewaySettings
@@ -103,11 +102,8 @@ class Answering:
             if earlier is not None:
                 return self._reply_response(earlier)
             try:
-                async with aclosing(events_until_reply(
-                        waiting.events, self._settings.reply_timeout_s)) as events:
-                    async for event in events:
-                        if isinstance(event, Reply):
-                            return self._reply_response(event)
+                return self._reply_response(
+                    await reply_within(waiting.events, self._settings.reply_timeout_s))
             except TimeoutError:
                 pass
             except GatewayStopping:

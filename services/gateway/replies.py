@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
 import structlog
@@ -197,20 +197,31 @@ class ReplyRouter:
 
 
 async def events_until_reply(queue: asyncio.Queue[Event | None], timeout_s: float
-                             ) -> AsyncGenerator[Event, None]:
+                             ) -> AsyncIterator[Event]:
     """Tokens as they come, then the reply; TimeoutError if the reply is
     late, GatewayStopping if the gateway stops first.
 
     The deadline covers only the waits here, never the `yield`: a deadline
     passing while the caller is away sending the last token would cancel the
-    caller's own work instead of raising here. A caller that leaves at the
-    reply closes it (`contextlib.aclosing`)."""
+    caller's own work instead of raising here."""
     deadline = asyncio.get_running_loop().time() + timeout_s
     while True:
         event = await _next_event(queue, deadline)
         yield event
         if isinstance(event, Reply):
             return
+
+
+async def reply_within(queue: asyncio.Queue[Event | None], timeout_s: float) -> Reply:
+    """The reply, the tokens before it passed over (an answer not streamed).
+    The events are read to their end, which the reply is: nothing is left
+    open for the event loop to close later."""
+    reply: Reply | None = None
+    async for event in events_until_reply(queue, timeout_s):
+        if isinstance(event, Reply):
+            reply = event
+    assert reply is not None  # the events end only with it, or raise
+    return reply
 
 
 async def streamed_events(queue: asyncio.Queue[Event | None], quiet_limit_s: float,
