@@ -252,12 +252,12 @@ async def run(role: str) -> None:
     nc = await nats.connect(os.environ["NATS_URL"])
     contract = os.environ.get("BARE_CONTRACT") == "1"
     locks = await set_up(nc, contract)
-    if role in ("generator", "decider"):
-        if role == "generator":
-            await BareGenerator(nc, locks, os.environ["OLLAMA_HOST"], os.environ["MODEL"],
-                                contract).start()
-        else:
-            await read_reports(nc)
+    if role == "generator":
+        await BareGenerator(nc, locks, os.environ["OLLAMA_HOST"], os.environ["MODEL"],
+                            contract).start()
+    elif role == "decider":
+        await read_reports(nc)
+    if role != "gateway":
         print(READY, flush=True)
         await asyncio.Event().wait()
     gateway = BareGateway(nc)

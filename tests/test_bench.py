@@ -92,7 +92,7 @@ def test_turn_against_reads_this_checkouts_turns_against_the_others() -> None:
         return timed
 
     row = against_row(side("this", [0.004] * 9 + [0.1], 0.09),
-                      side("that", [0.005] * 9 + [0.1], 0.06), "/tmp/before")
+                      side("that", [0.005] * 9 + [0.1], 0.06), "../before")
     assert row.value == pytest.approx(0.8)
     assert row.unit == "× before's turn (p50)"
     assert row.raw["cpu_ratio"] == pytest.approx(1.5)

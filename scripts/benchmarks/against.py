@@ -4,8 +4,8 @@ turns interleaved session by session on one stand-in, as turn_overhead's are
 against the floor's. A change worth a few percent is smaller than the spells
 that move one run against the next; side by side, a spell falls on both.
 
-    git worktree add /tmp/before HEAD~1
-    python scripts/bench.py --rows turn_against --against /tmp/before
+    git worktree add ../before HEAD~1
+    python scripts/bench.py --rows turn_against --against ../before
 """
 
 from __future__ import annotations
