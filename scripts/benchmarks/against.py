@@ -18,10 +18,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from scripts.benchmarks.client import Http
-from scripts.benchmarks.harness import Params, Row
+from scripts.benchmarks.harness import Params, Row, past_first_seconds
 from scripts.benchmarks.measure import started_processes, summary_ms
 from scripts.benchmarks.round_trips import Side, interleaved_turns, product_side
-from services.generator.queries import STOP_CLOCK_MARGIN
 from tests.nats_server import running_nats
 from tests.processes import REPO_ROOT
 from tests.stub_server import running_stub
@@ -70,7 +69,7 @@ def row_turn_against(bench: Bench) -> Row:
         ours = started_processes() - before
         that = started_system(stack, stub, Path(bench.against))
         theirs = started_processes() - before - ours
-        time.sleep(STOP_CLOCK_MARGIN.total_seconds())
+        past_first_seconds(time.monotonic())
         shared = frozenset(key for key in before if key.startswith("ollama_stub:"))
         params = replace(bench.params, overhead_turns=AGAINST_TURNS_FACTOR
                          * bench.params.overhead_turns)

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.generator.queries import STOP_CLOCK_MARGIN
 from tests.nats_server import running_nats
 from tests.stub_server import running_stub
 from tests.system import System
@@ -110,6 +112,8 @@ class Env:
     nats_url: str
     stub_url: str
     system: System
+    # When its services were up (time.monotonic()).
+    started: float
 
     @property
     def base_url(self) -> str:
@@ -124,7 +128,7 @@ def running_env(stub_flags: Sequence[str] = (), env: dict[str, str] | None = Non
         system = System(server.url, stub, env, services)
         try:
             system.start()
-            yield Env(server.url, stub, system)
+            yield Env(server.url, stub, system, time.monotonic())
         except BaseException:
             print(f"service logs (tail):\n{system.logs()}", file=sys.stderr)
             raise
@@ -132,3 +136,11 @@ def running_env(stub_flags: Sequence[str] = (), env: dict[str, str] | None = Non
             system.stop()
             for process in system.processes.values():
                 process.log_path.unlink(missing_ok=True)
+
+
+def past_first_seconds(started: float) -> None:
+    """Returns once a generator that was up at `started` (time.monotonic()) is
+    past its first seconds, in which every query also reads the kept error
+    replies (a stop sent before it listened may have withdrawn the query):
+    rows that count a running system's rate must not count its start."""
+    time.sleep(max(0.0, started + STOP_CLOCK_MARGIN.total_seconds() - time.monotonic()))

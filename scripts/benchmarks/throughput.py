@@ -28,7 +28,15 @@ from scripts.benchmarks.client import (
     http_client,
     new_session,
 )
-from scripts.benchmarks.harness import MODEL, NUM_CTX, Env, Params, Row, Target
+from scripts.benchmarks.harness import (
+    MODEL,
+    NUM_CTX,
+    Env,
+    Params,
+    Row,
+    Target,
+    past_first_seconds,
+)
 from scripts.benchmarks.measure import cpu_per_unit, cpu_seconds, summary_ms
 from scripts.benchmarks.round_trips import bare_ask, running_bare_turn
 
@@ -260,9 +268,12 @@ def throughput_raw(measured: dict[str, Any], params: Params, generators: int, ra
     }
 
 
-def throughput_row(name: str, bench: Bench, generators: int) -> Row:
+def throughput_row(name: str, bench: Bench, generators: int, newest_up: float) -> Row:
+    """The row, counted once the generator that came up last (at `newest_up`)
+    is past its first seconds: a running system's rate, not a start's."""
     env = bench.plain()
     params = bench.params
+    past_first_seconds(newest_up)
     measured = asyncio.run(throughput(env, params.throughput_sessions,
                                       params.throughput_settle_s, params.throughput_window_s,
                                       generators))
@@ -325,7 +336,7 @@ def row_throughput_floor(bench: Bench) -> Row:
 
 
 def row_throughput_1(bench: Bench) -> Row:
-    return throughput_row("throughput_1_generator", bench, 1)
+    return throughput_row("throughput_1_generator", bench, 1, bench.plain().started)
 
 
 def row_throughput_2(bench: Bench) -> Row:
@@ -333,7 +344,7 @@ def row_throughput_2(bench: Bench) -> Row:
     second = system.add("gen-b", "services.generator", {"GENERATOR_ID": "gen-b"})
     try:
         second.start()
-        return throughput_row("throughput_2_generators", bench, 2)
+        return throughput_row("throughput_2_generators", bench, 2, time.monotonic())
     finally:
         second.stop()
         del system.processes["gen-b"]
