@@ -15,7 +15,7 @@ from scripts.benchmarks.against import row_turn_against
 from scripts.benchmarks.compaction import row_compaction, row_compaction_one_slot
 from scripts.benchmarks.estimate import ESTIMATE_SCRIPT, row_estimate
 from scripts.benchmarks.failover import row_failover
-from scripts.benchmarks.harness import Env, Params, Row, running_env
+from scripts.benchmarks.harness import Env, Params, Row, past_first_seconds, running_env
 from scripts.benchmarks.keys import row_turn_keyed
 from scripts.benchmarks.memory import row_memory_export, row_memory_sessions
 from scripts.benchmarks.messages import row_turn_messages
@@ -146,9 +146,12 @@ class Bench:
         self._plain_stack = contextlib.ExitStack()
 
     def plain(self) -> Env:
-        """The system with default settings, started on first use."""
+        """The system with default settings, started on first use and handed
+        out once past its generator's first seconds: the rows on it measure a
+        running system, not its start."""
         if self._plain is None:
             self._plain = self._plain_stack.enter_context(running_env())
+            past_first_seconds(self._plain.started)
         return self._plain
 
     def close_plain(self) -> None:
