@@ -158,10 +158,21 @@ class Bench:
         self._plain = None
         self._plain_stack.close()
 
-    def run(self, name: str) -> Row:
+    def skip_reason(self, name: str) -> str | None:
+        """Why this run cannot measure the row, if it cannot."""
         if self.in_process and name in NEEDS_PROCESSES:
+            return "needs processes (--in-process)"
+        if name == "turn_against" and self.against is None:
+            return "needs --against PATH (another checkout of the product)"
+        return None
+
+    def run(self, name: str) -> Row:
+        # Asked before the shared system is stopped for a row with its own:
+        # a row that is skipped must not cost the next rows a fresh start.
+        reason = self.skip_reason(name)
+        if reason is not None:
             return Row(name=name, value=None, unit="", target=None, detail="skipped",
-                       skipped="needs processes (--in-process)")
+                       skipped=reason)
         if name in OWN_SYSTEMS:
             self.close_plain()
         started = time.perf_counter()
