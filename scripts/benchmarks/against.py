@@ -12,19 +12,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from scripts.benchmarks.client import Http
-from scripts.benchmarks.harness import Params, Row, past_first_seconds
+from scripts.benchmarks.harness import Params, Row, past_first_seconds, running_env
 from scripts.benchmarks.measure import started_processes, summary_ms
 from scripts.benchmarks.round_trips import Side, interleaved_turns, product_side
-from tests.nats_server import running_nats
-from tests.processes import REPO_ROOT
 from tests.stub_server import running_stub
-from tests.system import System
 
 if TYPE_CHECKING:
     from scripts.benchmarks.rows import Bench
@@ -42,28 +38,19 @@ async def timed_against(this_url: str, that_url: str, ours: frozenset[str],
     return this, that
 
 
-def started_system(stack: contextlib.ExitStack, stub_url: str, root: Path) -> System:
-    """A system of `root`'s code on a NATS server of its own."""
-    server = stack.enter_context(running_nats())
-    system = System(server.url, stub_url, root=root)
-    stack.callback(system.stop)
-    return system.start()
-
-
 def row_turn_against(bench: Bench) -> Row:
     """Both systems started alike, each on a server of its own, and timed only
-    once both are past a generator's first seconds (in which every query also
-    reads the kept error replies: a stop sent before it listened may have
-    withdrawn it). (Without `--against` the row is skipped by `Bench.run`.)"""
+    once both are past a generator's first seconds. (Without `--against` the
+    row is skipped by `Bench.run`.)"""
     assert bench.against is not None
     with contextlib.ExitStack() as stack:
         stub = stack.enter_context(running_stub())
         before = started_processes()
-        this = started_system(stack, stub, REPO_ROOT)
+        this = stack.enter_context(running_env(stub_url=stub))
         ours = started_processes() - before
-        that = started_system(stack, stub, Path(bench.against))
+        that = stack.enter_context(running_env(stub_url=stub, root=Path(bench.against)))
         theirs = started_processes() - before - ours
-        past_first_seconds(time.monotonic())
+        past_first_seconds(that.started)
         shared = frozenset(key for key in before if key.startswith("ollama_stub:"))
         params = replace(bench.params, overhead_turns=AGAINST_TURNS_FACTOR
                          * bench.params.overhead_turns)

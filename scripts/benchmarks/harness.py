@@ -8,10 +8,12 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from services.generator.queries import STOP_CLOCK_MARGIN
 from tests.nats_server import running_nats
+from tests.processes import REPO_ROOT
 from tests.stub_server import running_stub
 from tests.system import System
 
@@ -123,9 +125,13 @@ class Env:
 @contextlib.contextmanager
 def running_env(stub_flags: Sequence[str] = (), env: dict[str, str] | None = None,
                 services: tuple[str, ...] = ("generator", "decider", "gateway"),
-                ) -> Iterator[Env]:
-    with running_nats() as server, running_stub(*stub_flags) as stub:
-        system = System(server.url, stub, env, services)
+                stub_url: str | None = None, root: Path = REPO_ROOT) -> Iterator[Env]:
+    """The services of the checkout at `root` on a NATS server of their own,
+    with the stand-in at `stub_url` (else one of their own, started with
+    `stub_flags`)."""
+    with running_nats() as server, contextlib.ExitStack() as stack:
+        stub = stub_url or stack.enter_context(running_stub(*stub_flags))
+        system = System(server.url, stub, env, services, root)
         try:
             system.start()
             yield Env(server.url, stub, system, time.monotonic())
