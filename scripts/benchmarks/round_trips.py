@@ -416,12 +416,14 @@ def row_turn_contract_floor(bench: Bench) -> Row:
 
 
 @contextlib.contextmanager
-def running_bare_turn(stub_url: str | None = None, contract: bool = False
+def running_bare_turn(stub_url: str | None = None, contract: bool = False,
+                      prepare: Callable[[str, ServiceProcess], None] | None = None,
                       ) -> Iterator[tuple[str, str, str]]:
     """The processes of scripts/bare_turn.py on a server of their own and the
     stand-in at `stub_url` (else one of their own): (NATS URL, stand-in URL,
     HTTP base URL). `contract`: with the contract's messages, and the process
-    that reads the reports."""
+    that reads the reports. `prepare` is given each role's process before it
+    starts (to run it profiled, say)."""
     with running_nats() as server, contextlib.ExitStack() as stack:
         stub = stub_url or stack.enter_context(running_stub())
         port = free_port()
@@ -430,6 +432,9 @@ def running_bare_turn(stub_url: str | None = None, contract: bool = False
         roles = ("generator", "decider", "gateway") if contract else ("generator", "gateway")
         processes = [ServiceProcess("scripts.bare_turn", {**env, "BARE_ROLE": role})
                      for role in roles]
+        for role, process in zip(roles, processes, strict=True):
+            if prepare is not None:
+                prepare(role, process)
         try:
             for process in processes:
                 process.start()  # one after the other: both set up the streams
