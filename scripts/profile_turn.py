@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from scripts.benchmarks.client import Http, ask, new_session
 from scripts.benchmarks.harness import past_first_seconds
+from scripts.benchmarks.measure import cpu_seconds
 from scripts.benchmarks.round_trips import bare_ask, running_bare_turn
 from tests.nats_server import running_nats
 from tests.processes import ServiceProcess
@@ -119,10 +120,8 @@ def floor_profile(stub: str, name: str, out: Path, turns: int) -> tuple[Profile,
 
 
 def process_cpu_s(pid: int) -> float:
-    """User and system CPU seconds of process `pid` so far (Linux /proc)."""
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    fields = stat[stat.rindex(")") + 2:].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """CPU seconds so far of `pid`, a process this one started."""
+    return next(used for key, used in cpu_seconds().items() if key.endswith(f":{pid}"))
 
 
 def per_turn(stats: pstats.Stats, turns: int) -> Profile:
@@ -135,7 +134,8 @@ def per_turn(stats: pstats.Stats, turns: int) -> Profile:
 
 
 def short_path(path: str) -> str:
-    for marker in ("site-packages/", "python3.11/", str(Path.cwd()) + "/"):
+    python = f"python{sys.version_info.major}.{sys.version_info.minor}/"
+    for marker in ("site-packages/", python, str(Path.cwd()) + "/"):
         if marker in path:
             return path.split(marker, 1)[1]
     return path
