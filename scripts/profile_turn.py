@@ -6,7 +6,7 @@ turn, that time by package, and the functions whose own time a turn differs
 most, with their calls a turn.
 
     python scripts/profile_turn.py                      # the generators
-    python scripts/profile_turn.py --process gateway --turns 400 --top 40
+    python scripts/profile_turn.py --process gateway --sessions 20 --top 40
 
 A profile slows Python code more than C, so its times run about twice the
 real ones: it shows where the difference lies and how many calls make it,
@@ -17,106 +17,102 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import pstats
 import re
 import signal
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from scripts.benchmarks.client import Http, ask, new_session
-from scripts.benchmarks.harness import past_first_seconds
+from scripts.benchmarks.client import Http
+from scripts.benchmarks.harness import past_first_seconds, running_env
 from scripts.benchmarks.measure import cpu_seconds
-from scripts.benchmarks.round_trips import bare_ask, running_bare_turn
-from tests.nats_server import running_nats
-from tests.processes import ServiceProcess
+from scripts.benchmarks.round_trips import (
+    Side,
+    bare_ask,
+    bare_session,
+    product_side,
+    running_bare_turn,
+)
+from tests.processes import REPO_ROOT, ServiceProcess
 from tests.stub_server import running_stub
-from tests.system import System
 
 TURNS_PER_SESSION = 20  # as turn_overhead asks them
 WRITE_WAIT_S = 30.0
-# The floor's processes are roles of one module; the product's, services.
-FLOOR_ROLE = {"generator": "generator", "gateway": "gateway", "decider": "decider"}
-Drive = Callable[[int], None]
-Asker = Callable[[Http, str, str], Awaitable[object]]
+# The processes one can profile: the product's services and the floor's roles
+# go by the same names.
+PROCESSES = ("generator", "gateway", "decider")
+# A side's turns through the HTTP client it is given.
+SideOf = Callable[[Http], Side]
 # (own µs, calls) a turn, by function.
 Profile = dict[str, tuple[float, float]]
 
 
-def profiled(process: ServiceProcess, out: Path) -> None:
-    """`process` to start under scripts/profiled.py, its profile written to `out`."""
-    process.env = {**process.env, "PROFILED_MODULE": process.module, "PROFILE_OUT": str(out)}
-    process.module = "scripts.profiled"
+def profiled_as(name: str, out: Path) -> Callable[[str, ServiceProcess], None]:
+    """A `prepare` hook: the process called `name` is started under
+    scripts/profiled.py, its profile written to `out`."""
+    def prepare(process_name: str, process: ServiceProcess) -> None:
+        if process_name == name:
+            process.env = {**process.env, "PROFILED_MODULE": process.module,
+                           "PROFILE_OUT": str(out)}
+            process.module = "scripts.profiled"
+    return prepare
 
 
-def driver(base_url: str, new: Callable[[Http], Awaitable[str]], asker: Asker) -> Drive:
-    """Asks a number of questions one after another, in sessions of TURNS_PER_SESSION."""
-    async def turns(count: int) -> None:
+def ask_sessions(base_url: str, side_of: SideOf, sessions: int) -> None:
+    """`sessions` sessions of TURNS_PER_SESSION questions, one after another."""
+    async def ask() -> None:
         async with Http(base_url, 4) as http:
-            sid = ""
-            for index in range(count):
-                if index % TURNS_PER_SESSION == 0:
-                    sid = await new(http)
-                await asker(http, sid, f"question {index}")
+            side = side_of(http)
+            for _ in range(sessions):
+                await side.session(TURNS_PER_SESSION, timed=False)
 
-    return lambda count: asyncio.run(turns(count))
+    asyncio.run(ask())
 
 
-def profile_turns(process: ServiceProcess, out: Path, drive: Drive, turns: int
-                  ) -> tuple[Profile, float]:
-    """A session to warm up, `turns` turns unprofiled (the process's CPU a turn,
+def profile_turns(process: ServiceProcess, out: Path, base_url: str, side_of: SideOf,
+                  sessions: int) -> tuple[Profile, float]:
+    """A session to warm up, `sessions` unprofiled (the process's CPU a turn,
     in µs, is returned beside the profile), then as many profiled."""
-    drive(TURNS_PER_SESSION)
+    turns = sessions * TURNS_PER_SESSION
+    ask_sessions(base_url, side_of, 1)
     pid = process.proc.pid if process.proc else 0
     before = process_cpu_s(pid)
-    drive(turns)
+    ask_sessions(base_url, side_of, sessions)
     cpu_us = (process_cpu_s(pid) - before) * 1e6 / turns
     process.signal(signal.SIGUSR1)
-    drive(turns)
+    ask_sessions(base_url, side_of, sessions)
     process.signal(signal.SIGUSR1)
     deadline = time.monotonic() + WRITE_WAIT_S
-    while True:
-        try:
-            return per_turn(pstats.Stats(str(out)), turns), cpu_us
-        except (OSError, EOFError, TypeError, ValueError):
-            if time.monotonic() > deadline:  # not written, or not whole yet
-                raise
-            time.sleep(0.1)
+    while not out.exists():  # moved in place whole (scripts/profiled.py)
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no profile written to {out}")
+        time.sleep(0.1)
+    return per_turn(pstats.Stats(str(out)), turns), cpu_us
 
 
-def product_profile(stub: str, name: str, out: Path, turns: int) -> tuple[Profile, float]:
-    with running_nats() as server:
-        system = System(server.url, stub)
-        profiled(system.processes[name], out)
-        system.start()
-        try:
-            past_first_seconds(time.monotonic())  # kept errors read at first: not a turn's
-            drive = driver(system.base_url, new_session,
-                           lambda http, sid, content: ask(http, sid, content))
-            return profile_turns(system.processes[name], out, drive, turns)
-        finally:
-            system.stop()
+def product_profile(stub: str, name: str, out: Path, sessions: int) -> tuple[Profile, float]:
+    with running_env(stub_url=stub, prepare=profiled_as(name, out)) as env:
+        past_first_seconds(env.started)  # kept errors read at first: not a turn's
+        return profile_turns(env.system.processes[name], out, env.base_url,
+                             lambda http: product_side("product", http, frozenset()), sessions)
 
 
-def floor_profile(stub: str, name: str, out: Path, turns: int) -> tuple[Profile, float]:
-    chosen: list[ServiceProcess] = []
+def floor_profile(stub: str, name: str, out: Path, sessions: int) -> tuple[Profile, float]:
+    processes: dict[str, ServiceProcess] = {}
 
     def prepare(role: str, process: ServiceProcess) -> None:
-        if role == FLOOR_ROLE[name]:
-            profiled(process, out)
-            chosen.append(process)
+        processes[role] = process
+        profiled_as(name, out)(role, process)
 
     with running_bare_turn(stub, contract=True, prepare=prepare) as (_, _, base_url):
-        async def new(_: Http) -> str:
-            return os.urandom(16).hex()
-
-        drive = driver(base_url, new, lambda http, sid, content: bare_ask(http)(sid, content))
-        return profile_turns(chosen[0], out, drive, turns)
+        return profile_turns(processes[name], out, base_url,
+                             lambda http: Side("floor", bare_session, bare_ask(http),
+                                               frozenset()), sessions)
 
 
 def process_cpu_s(pid: int) -> float:
@@ -135,7 +131,7 @@ def per_turn(stats: pstats.Stats, turns: int) -> Profile:
 
 def short_path(path: str) -> str:
     python = f"python{sys.version_info.major}.{sys.version_info.minor}/"
-    for marker in ("site-packages/", python, str(Path.cwd()) + "/"):
+    for marker in ("site-packages/", python, f"{REPO_ROOT}/"):
         if marker in path:
             return path.split(marker, 1)[1]
     return path
@@ -194,13 +190,14 @@ def print_comparison(product: tuple[Profile, float], floor: tuple[Profile, float
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--process", choices=sorted(FLOOR_ROLE), default="generator")
-    parser.add_argument("--turns", type=int, default=400)
+    parser.add_argument("--process", choices=PROCESSES, default="generator")
+    parser.add_argument("--sessions", type=int, default=20,
+                        help=f"sessions of {TURNS_PER_SESSION} turns a side (default 20)")
     parser.add_argument("--top", type=int, default=30)
     args = parser.parse_args()
     with running_stub() as stub, tempfile.TemporaryDirectory(prefix="profile-") as tmp:
-        ours = product_profile(stub, args.process, Path(tmp) / "product.prof", args.turns)
-        theirs = floor_profile(stub, args.process, Path(tmp) / "floor.prof", args.turns)
+        ours = product_profile(stub, args.process, Path(tmp) / "product.prof", args.sessions)
+        theirs = floor_profile(stub, args.process, Path(tmp) / "floor.prof", args.sessions)
     print_comparison(ours, theirs, args.process, args.top)
 
 

@@ -22,7 +22,11 @@ def main() -> None:
         nonlocal running
         if running:
             profile.disable()
-            profile.dump_stats(os.environ["PROFILE_OUT"])
+            # Written aside, then moved in place: a reader waiting for the
+            # file never finds it half written.
+            out = os.environ["PROFILE_OUT"]
+            profile.dump_stats(f"{out}.part")
+            os.replace(f"{out}.part", out)
         else:
             profile.enable()
         running = not running

@@ -6,14 +6,14 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from services.generator.queries import STOP_CLOCK_MARGIN
 from tests.nats_server import running_nats
-from tests.processes import REPO_ROOT
+from tests.processes import REPO_ROOT, ServiceProcess
 from tests.stub_server import running_stub
 from tests.system import System
 
@@ -125,13 +125,19 @@ class Env:
 @contextlib.contextmanager
 def running_env(stub_flags: Sequence[str] = (), env: dict[str, str] | None = None,
                 services: tuple[str, ...] = ("generator", "decider", "gateway"),
-                stub_url: str | None = None, root: Path = REPO_ROOT) -> Iterator[Env]:
+                stub_url: str | None = None, root: Path = REPO_ROOT,
+                prepare: Callable[[str, ServiceProcess], None] | None = None,
+                ) -> Iterator[Env]:
     """The services of the checkout at `root` on a NATS server of their own,
     with the stand-in at `stub_url` (else one of their own, started with
-    `stub_flags`)."""
+    `stub_flags`). `prepare` is given each service's process before it
+    starts (to run it profiled, say)."""
     with running_nats() as server, contextlib.ExitStack() as stack:
         stub = stub_url or stack.enter_context(running_stub(*stub_flags))
         system = System(server.url, stub, env, services, root)
+        if prepare is not None:
+            for name, process in system.processes.items():
+                prepare(name, process)
         try:
             system.start()
             yield Env(server.url, stub, system, time.monotonic())

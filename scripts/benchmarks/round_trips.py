@@ -432,8 +432,8 @@ def running_bare_turn(stub_url: str | None = None, contract: bool = False,
         roles = ("generator", "decider", "gateway") if contract else ("generator", "gateway")
         processes = [ServiceProcess("scripts.bare_turn", {**env, "BARE_ROLE": role})
                      for role in roles]
-        for role, process in zip(roles, processes, strict=True):
-            if prepare is not None:
+        if prepare is not None:
+            for role, process in zip(roles, processes, strict=True):
                 prepare(role, process)
         try:
             for process in processes:
