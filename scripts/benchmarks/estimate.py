@@ -19,7 +19,7 @@ from schemas.messages import GenerationReport
 from scripts.benchmarks.client import Http, ask_ok, configure_stub, http_client, new_session
 from scripts.benchmarks.harness import NUM_CTX, Env, Row, Target
 from scripts.ollama_stub import count_prompt_tokens, echo_reply, filler_text
-from services.core.prompt import render_messages, sent_chars
+from services.core.prompt import render_messages
 from services.core.prompt_cache import cached_size, previous_call
 from services.core.text_size import prompt_size
 from services.core.tokens import Calibration, calibrate, estimate_tokens
@@ -56,7 +56,7 @@ def fit_check_estimate(system: str, conversation: Conversation, content: str,
                        calibration: Calibration) -> tuple[int, int]:
     """(tokens, chars) of the next prompt as the generator's fit check estimates it."""
     prompt = render_messages(system, conversation, [ChatMessage(role="user", content=content)])
-    chars = sent_chars(prompt)
+    chars = prompt_size(prompt).chars
     return estimate_tokens(chars, calibration, len(prompt)), chars
 
 

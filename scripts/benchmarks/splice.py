@@ -11,8 +11,9 @@ from schemas.history import ChatMessage, Conversation, HistoryEntry, ToolCall
 from scripts.benchmarks.harness import Row
 from scripts.benchmarks.measure import summary_ms
 from scripts.ollama_stub import filler_text
-from services.core.prompt import history_chars, render_messages, sent_chars
+from services.core.prompt import render_messages
 from services.core.splice import plan_compaction, splice
+from services.core.text_size import history_weights, prompt_size
 
 if TYPE_CHECKING:
     from scripts.benchmarks.rows import Bench
@@ -44,7 +45,7 @@ def big_history(messages: int, target_chars: int) -> Conversation:
         return out
 
     first = build(1.0)
-    scaled = build(target_chars / history_chars(first))
+    scaled = build(target_chars / history_weights(first)[0][-1])
     return Conversation(messages=tuple(scaled))
 
 
@@ -69,7 +70,7 @@ def splice_once(snapshot: Conversation, current: Conversation, system: str, summ
     rollup = splice(current, plan, summary)
     after = Conversation(summary=rollup.summary, messages=rollup.messages,
                          compactions=rollup.compactions)
-    chars = sent_chars(render_messages(system, after))
+    chars = prompt_size(render_messages(system, after)).chars
     spliced = time.perf_counter()
     data = HistoryEntry.of_snapshot(rollup).model_dump_json().encode()
     serialised = time.perf_counter()
@@ -100,7 +101,7 @@ def whole_history_work(conversation: Conversation, system: str, reps: int
     render_full_s: list[float] = []
     for _ in range(reps):
         started = time.perf_counter()
-        sent_chars(render_messages(system, conversation))
+        prompt_size(render_messages(system, conversation))
         render_full_s.append(time.perf_counter() - started)
     started = time.perf_counter()
     whole = HistoryEntry.of_turn(conversation.messages).model_dump_json().encode()
@@ -118,7 +119,7 @@ def row_splice(bench: Bench) -> Row:
         conversation, system, summary, tail, params.splice_reps)
     render_full_s, whole_bytes, whole_s = whole_history_work(conversation, system,
                                                              params.splice_reps)
-    chars_before = sent_chars(render_messages(system, conversation))
+    chars_before = prompt_size(render_messages(system, conversation)).chars
     splice_stats = summary_ms(splice_s)
     serialise_stats = summary_ms(serialise_s)
     return Row(

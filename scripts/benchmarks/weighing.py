@@ -12,10 +12,9 @@ from typing import TYPE_CHECKING
 from schemas.history import ChatMessage, Conversation
 from scripts.benchmarks.harness import Row
 from scripts.benchmarks.measure import summary_ms
-from services.core.context import next_prompt_size
-from services.core.prompt import HistoryWeights, render_messages
+from services.core.prompt import render_messages
 from services.core.prompt_cache import Messages, cached_size, previous_call
-from services.core.text_size import prompt_size
+from services.core.text_size import HistoryWeights, prompt_size
 from services.core.tokens import Calibration, estimate_prompt
 
 if TYPE_CHECKING:
@@ -43,11 +42,10 @@ def before_the_call(conversation: Conversation) -> Messages:
 def after_the_reply(conversation: Conversation, prompt: Messages) -> None:
     """What it weighs for the report, once the caller has its answer: what
     was sent, what a prompt cache held of the call before, the history's
-    weights, the next prompt."""
+    weights and from them the next prompt."""
     sent = prompt_size(prompt)
     cached_size(previous_call(SYSTEM, conversation, True), prompt, whole=sent)
-    HistoryWeights.of(SYSTEM, conversation)
-    next_prompt_size(SYSTEM, conversation, ())
+    HistoryWeights.of(SYSTEM, conversation).next_prompt_size()
 
 
 def row_turn_weighing(bench: Bench) -> Row:

@@ -18,8 +18,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from schemas.history import Conversation
-from services.core.prompt import MESSAGE_OVERHEAD_CHARS, SUMMARY_PREFIX, render_messages
-from services.core.text_size import Size, prompt_size
+from services.core.prompt import SUMMARY_PREFIX, render_messages
+from services.core.text_size import MESSAGE_OVERHEAD_CHARS, Size, prompt_size
 from services.core.tokens import Calibration, default_headroom, estimate_size, estimate_tokens
 
 

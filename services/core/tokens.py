@@ -28,9 +28,8 @@ from typing import Any
 
 from schemas.session import CountBasis, SessionRecord
 from services.core import rates
-from services.core.prompt import MESSAGE_OVERHEAD_CHARS
 from services.core.rates import Rates, Sample
-from services.core.text_size import Size, prompt_size
+from services.core.text_size import MESSAGE_OVERHEAD_CHARS, Size, prompt_size
 
 # Tokens a chat template adds around each message (Llama 3 and ChatML add 4-5).
 FRAMING_TOKENS_PER_MESSAGE = 4

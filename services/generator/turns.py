@@ -31,12 +31,11 @@ from schemas.history import ChatMessage, Conversation
 from schemas.messages import ErrorCode, GenerationReport, Level, Query, Reply
 from schemas.session import SessionRecord
 from services.core.boundary import choose_boundary, tail_turns_for
-from services.core.context import next_prompt_size
 from services.core.decision import answer_room
-from services.core.prompt import HistoryWeights, render_messages
+from services.core.prompt import render_messages
 from services.core.retry import RetryRefused, retry_verdict
 from services.core.state_machine import Action
-from services.core.text_size import prompt_size
+from services.core.text_size import HistoryWeights, prompt_size
 from services.core.tokens import (
     calibrate,
     prompt_budget,
@@ -395,7 +394,7 @@ class TurnRunner:
         weights = HistoryWeights.of(turn.record.system, conversation)
         compactable = {level: weights.compactable(self._boundary(conversation, level))
                        for level in Level}
-        upcoming = next_prompt_size(turn.record.system, conversation, tools)
+        upcoming = weights.next_prompt_size(tools)
         report = GenerationReport(
             session_id=turn.sid,
             model=turn.record.model_or(self._settings.model),

@@ -54,7 +54,7 @@ from services.core.decision import (
 )
 from services.core.overflow import FitsShare, best_case_prompt, cut_tool_output
 from services.core.pieces import NothingFits, SummaryWindow, Zone, next_piece
-from services.core.prompt import HistoryWeights, compact_json, render_messages
+from services.core.prompt import compact_json, render_messages
 from services.core.prompt_cache import cached_size, common_prefix, previous_call
 from services.core.splice import (
     CompactionPlan,
@@ -73,7 +73,7 @@ from services.core.state_machine import (
     transition,
 )
 from services.core.summary_prompt import SUMMARY_MARKER
-from services.core.text_size import Size, prompt_size
+from services.core.text_size import HistoryWeights, Size, prompt_size
 from services.core.tokens import (
     Calibration,
     budget,

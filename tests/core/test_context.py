@@ -19,8 +19,8 @@ from services.core.context import (
     summary_allowance,
 )
 from services.core.decision import Observation, Policy, SessionMemory, decide
-from services.core.prompt import SUMMARY_PREFIX, HistoryWeights, render_messages
-from services.core.text_size import Size
+from services.core.prompt import SUMMARY_PREFIX, render_messages
+from services.core.text_size import HistoryWeights, Size
 from services.core.tokens import Calibration, estimate_prompt, prompt_budget
 from tests.core import histories, text
 

@@ -34,8 +34,8 @@ from services.core.decision import (
     on_report,
     on_result,
 )
-from services.core.prompt import HistoryWeights
 from services.core.splice import plan_compaction, splice
+from services.core.text_size import HistoryWeights
 from services.core.tokens import (
     Calibration,
     budget,

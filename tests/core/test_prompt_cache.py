@@ -6,9 +6,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from schemas.history import ChatMessage, Conversation, HistoryEntry, Snapshot
-from services.core.prompt import render_messages, sent_chars, tools_chars
+from services.core.prompt import compact_json, render_messages
 from services.core.prompt_cache import cached_size, common_prefix, previous_call
-from services.core.text_size import leading_size, prompt_size
+from services.core.text_size import (
+    MESSAGE_OVERHEAD_CHARS,
+    leading_size,
+    prompt_size,
+    tools_size,
+)
 from tests.core import histories
 
 SYSTEM = "S" * 600
@@ -37,7 +42,7 @@ def test_the_previous_call_is_everything_stored_but_the_last_answer() -> None:
     assert previous_call(SYSTEM, history) == sent_last_turn
     now = render_messages(SYSTEM, history, [question()])
     # The new call shares all of it: only the last answer and the question are new.
-    assert cached_size(sent_last_turn, now).chars == sent_chars(sent_last_turn)
+    assert cached_size(sent_last_turn, now).chars == prompt_size(sent_last_turn).chars
 
 
 def test_after_a_compaction_only_the_system_prompt_can_be_cached() -> None:
@@ -67,7 +72,7 @@ def test_before_any_turn_nothing_is_known_to_be_cached() -> None:
 def test_the_tools_count_as_cached_with_any_shared_prefix() -> None:
     now = render_messages(SYSTEM, Conversation(), [question()])
     cached = cached_size(now[:1], now, TOOLS)
-    assert cached.chars == sent_chars(now[:1]) + tools_chars(TOOLS)
+    assert cached.chars == prompt_size(now[:1]).chars + tools_size(TOOLS).chars
     assert cached.messages == 1
 
 
@@ -91,5 +96,8 @@ def test_the_cached_part_is_a_prefix_of_the_call(history: tuple[ChatMessage, ...
 def test_sizes_count_characters_as_the_prompt_does(history: tuple[ChatMessage, ...],
                                                    system: str) -> None:
     prompt = render_messages(system, Conversation(messages=history), [question("é中")])
-    assert prompt_size(prompt, TOOLS).chars == sent_chars(prompt, TOOLS)
+    by_hand = sum(len(m["content"]) + len(m.get("tool_name", "")) + MESSAGE_OVERHEAD_CHARS
+                  + (len(compact_json(m["tool_calls"])) if "tool_calls" in m else 0)
+                  for m in prompt)
+    assert prompt_size(prompt, TOOLS).chars == by_hand + len(compact_json(TOOLS))
     assert prompt_size(prompt).extra_bytes >= 3

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from schemas.history import ChatMessage, Conversation, HistoryEntry, Snapshot
 from schemas.session import SessionRecord
 from services.core.decision import check_fit
-from services.core.prompt import render_messages, sent_chars
+from services.core.prompt import render_messages
 from services.core.prompt_cache import cached_size, previous_call
 from services.core.rates import Sample
 from services.core.text_size import prompt_size
@@ -246,7 +246,7 @@ def test_after_a_compaction_a_big_cached_system_prompt_does_not_halve_the_ratio(
                                                            compactions=1)))
     now = render_messages(system, after, [ChatMessage(role="user", content="next" * 50)])
     reused = cached_size(previous_call(system, after), now)
-    assert reused.chars == sent_chars(now[:1])
+    assert reused.chars == prompt_size(now[:1]).chars
     size = prompt_size(now)
     true_of = _true_tokens
     reported = true_of(now) - true_of(now[:1])  # Ollama counts what it evaluated
