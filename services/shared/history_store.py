@@ -20,7 +20,7 @@ views as they happen.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import structlog
@@ -265,24 +265,22 @@ class HistoryStore:
         return int(ack.seq)
 
     async def _last_msg(self, subject: str) -> RawStreamMsg | None:
+        return await self._entry_or_none(
+            self._js.get_last_msg(subjects.HISTORY_STREAM, subject, direct=True))
+
+    async def _entry_after(self, subject: str, seq: int) -> RawStreamMsg | None:
+        return await self._entry_or_none(self._js.get_msg(
+            subjects.HISTORY_STREAM, seq=seq + 1, subject=subject, next=True, direct=True))
+
+    async def _entry_or_none(self, read: Awaitable[RawStreamMsg]) -> RawStreamMsg | None:
+        """The entry read, or None when there is none."""
         try:
-            return await self._js.get_last_msg(subjects.HISTORY_STREAM, subject, direct=True)
+            return await read
         except NotFoundError:
             return None
         except NoRespondersError:
             # The stream is missing (NATS came back without it, and it is not
             # made again yet): it holds nothing yet. Otherwise an error.
-            if not await missing(self._js, subjects.HISTORY_STREAM):
-                raise
-            return None
-
-    async def _entry_after(self, subject: str, seq: int) -> RawStreamMsg | None:
-        try:
-            return await self._js.get_msg(
-                subjects.HISTORY_STREAM, seq=seq + 1, subject=subject, next=True, direct=True)
-        except NotFoundError:
-            return None
-        except NoRespondersError:
             if not await missing(self._js, subjects.HISTORY_STREAM):
                 raise
             return None
