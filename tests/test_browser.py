@@ -912,12 +912,13 @@ def test_an_answer_that_came_after_all_shows_once(watched: Watched) -> None:
 
     page.route("**/api/sessions/*/messages", first_request_only(lose_the_answer)[0])
     page.fill("#message-input", "hello")
+    # The live feed let go meanwhile: the turn's report, heard at once, read
+    # the session anew and took the failed bubble away, at times before it
+    # was looked for. Taken up again, the feed reads the session anew.
+    page.evaluate(HIDE)
     page.click("#send-button")
     playwright_api.expect(page.locator("#messages .msg-failed .send-again-button")
                           ).to_be_enabled()
-    # The turn's report may come while the page still waits on the lost
-    # stream; the feed taken up again reads the session anew either way.
-    page.evaluate(HIDE)
     page.evaluate(SHOW)
     stored = page.locator("#messages .msg-assistant", has_text="Echo: hello (turn 1)")
     playwright_api.expect(stored).to_have_count(1)
