@@ -78,17 +78,9 @@ def test_history_weights_match_the_rendered_prompt(
     prompt = render_messages(system, conv)
     assert weights.next_prompt == prompt_size(prompt).chars
     assert weights.next_prompt_messages == len(prompt)
+    for tools in ([], TOOLS):  # the whole size, as weighing the prompt rendered anew
+        assert weights.next_prompt_size(tools) == next_prompt_size(system, conv, tools)
     for boundary in range(len(history) + 1):
         before = Conversation(summary=summary, messages=history[:boundary])
         assert weights.compactable(boundary) == prompt_size(render_messages("", before)).chars
 
-
-@settings(max_examples=60, deadline=None)
-@given(histories(), SYSTEMS, SUMMARIES)
-def test_the_next_prompt_from_history_weights_weighs_as_rendered_anew(
-    history: tuple[ChatMessage, ...], system: str, summary: str | None
-) -> None:
-    conv = summarised(history, summary)
-    weights = HistoryWeights.of(system, conv)
-    for tools in ([], TOOLS):
-        assert weights.next_prompt_size(tools) == next_prompt_size(system, conv, tools)
