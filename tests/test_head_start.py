@@ -21,10 +21,12 @@ from schemas import subjects
 from schemas.history import ChatMessage, Conversation
 from schemas.session import SessionRecord
 from scripts.benchmarks.throughput import generator_statuses
+from services.core.text_size import Size
 from services.generator.head_start import HeadStart, HeadStartCount, still_good
 from services.generator.provider import ChatResult
 from services.generator.service import QUERY_CONSUMER
 from services.generator.session_lock import SessionLocks
+from services.generator.turn import WeighedPrompt
 from services.shared.history_store import HistoryStore, HistoryView
 from services.shared.jetstream import locks_bucket
 from tests.events import Watcher, eventually, server_sent_events, watching
@@ -78,7 +80,7 @@ def test_a_record_that_changes_the_prompt_drops_the_head_start(change: dict[str,
 
 
 def head_start_on(call: asyncio.Task[ChatResult], count: HeadStartCount) -> HeadStart:
-    return HeadStart(view(1), RECORD, [], [], None, call, count)
+    return HeadStart(view(1), RECORD, WeighedPrompt([], Size()), [], None, call, count)
 
 
 async def test_a_kept_head_start_counts_once_and_is_not_cancelled_afterwards() -> None:

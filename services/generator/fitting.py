@@ -18,7 +18,8 @@ from services.core.boundary import tail_turns_for
 from services.core.decision import check_fit
 from services.core.overflow import FitsShare, best_case_prompt, cut_tool_output
 from services.core.prompt import render_messages
-from services.core.tokens import estimate_prompt, stored_calibration
+from services.core.text_size import Size
+from services.core.tokens import estimate_prompt, estimate_size, stored_calibration
 from services.generator.compaction import (
     CompactionFailed,
     CompactionSkipped,
@@ -26,7 +27,7 @@ from services.generator.compaction import (
     Compactor,
 )
 from services.generator.settings import GeneratorSettings
-from services.generator.turn import Messages, Turn, TurnError
+from services.generator.turn import Messages, Turn, TurnError, WeighedPrompt
 
 log = structlog.get_logger()
 
@@ -35,10 +36,20 @@ def estimate(record: SessionRecord, prompt: Messages, tools: Messages) -> int:
     return estimate_prompt(prompt, stored_calibration(record), tools)
 
 
+def size_estimate(record: SessionRecord, size: Size) -> int:
+    """`estimate` of a prompt weighed already."""
+    return estimate_size(size, stored_calibration(record))
+
+
 def fits(record: SessionRecord, prompt: Messages, tools: Messages, budget: int,
          share: float = 1.0) -> bool:
     """Does the prompt fit (within `share` of the budget), margin kept?"""
     return check_fit(estimate(record, prompt, tools), int(share * budget)).fits
+
+
+def size_fits(record: SessionRecord, size: Size, budget: int) -> bool:
+    """`fits` for a prompt weighed already."""
+    return check_fit(size_estimate(record, size), budget).fits
 
 
 @dataclass(frozen=True)
@@ -50,9 +61,9 @@ class Fitting:
     budget: int
     num_ctx: int
 
-    async def prompt(self, turn: Turn, tools: Messages) -> Messages:
-        prompt = self._render(turn)
-        if self._fits(turn.record, prompt, tools):
+    async def prompt(self, turn: Turn, tools: Messages) -> WeighedPrompt:
+        prompt = self._weighed(turn, tools)
+        if size_fits(turn.record, prompt.size, self.budget):
             return prompt
         if turn.retry_context is not None:
             # A compaction could fold away the very message to answer again.
@@ -67,15 +78,15 @@ class Fitting:
             advice = ("no compaction could make room: the system prompt, a minimal summary and "
                       "this turn alone are too large (a single message larger than the window?); "
                       "the history was left as it is")
-        prompt = self._render(turn)
-        if self._fits(turn.record, prompt, tools):
+        prompt = self._weighed(turn, tools)
+        if size_fits(turn.record, prompt.size, self.budget):
             return prompt
         # Still over: a tool result too large for the turn is cut, not the turn lost.
         if self._cut_tool_output(turn, lambda pending, share: self._fits(
                 turn.record, render_messages(turn.record.system, turn.context, pending),
                 tools, share)):
-            return self._render(turn)
-        raise self._overflow(turn.record, prompt, tools, advice)
+            return self._weighed(turn, tools)
+        raise self._overflow(turn.record, prompt.messages, tools, advice)
 
     async def _compact_if_it_can_help(self, turn: Turn, tools: Messages) -> bool:
         """An emergency compaction, only when its best outcome (a minimal summary
@@ -150,6 +161,9 @@ class Fitting:
 
     def _render(self, turn: Turn) -> Messages:
         return render_messages(turn.record.system, turn.context, turn.messages)
+
+    def _weighed(self, turn: Turn, tools: Messages) -> WeighedPrompt:
+        return WeighedPrompt.of(self._render(turn), tools)
 
     def _may_compact(self, record: SessionRecord) -> bool:
         return self.settings.compaction_threshold > 0 and record.auto_compact

@@ -29,6 +29,7 @@ from schemas.session import SessionRecord
 from services.generator.provider import ChatResult
 from services.generator.stops import StopSwitch
 from services.generator.token_stream import TokenStream
+from services.generator.turn import WeighedPrompt
 from services.shared import metrics
 from services.shared.history_store import HistoryView
 
@@ -50,7 +51,7 @@ class HeadStart:
 
     view: HistoryView
     record: SessionRecord
-    prompt: Messages
+    prompt: WeighedPrompt
     tools: Messages
     stream: TokenStream | None
     call: asyncio.Task[ChatResult]

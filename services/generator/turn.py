@@ -19,6 +19,20 @@ from services.shared.history_store import HistoryView
 Messages = list[dict[str, Any]]
 
 
+@dataclass(frozen=True)
+class WeighedPrompt:
+    """A model call's prompt with its size, tools included. Weighed once,
+    when it is fitted: the answer's room and the report read the same size,
+    and each weighing is a pass over the whole prompt."""
+
+    messages: Messages
+    size: Size
+
+    @classmethod
+    def of(cls, messages: Messages, tools: Messages) -> WeighedPrompt:
+        return cls(messages, prompt_size(messages, tools))
+
+
 class TurnError(Exception):
     """The query cannot be answered; `code` and the message go to the caller."""
 
@@ -42,14 +56,14 @@ class Turn:
     messages: list[ChatMessage]
     # The turn's last model call, and the one before it (None for the first:
     # the session's previous call is then read off the history the turn
-    # started on). Only the report and the calibration need their sizes, so
-    # they are weighed after the reply (`weigh_last_call`), not while the
-    # model answers: each weighing is a pass over the whole prompt.
+    # started on). Only the report and the calibration need the part a
+    # prompt cache may have served, so it is weighed after the reply
+    # (`weigh_cached_part`), not while the model answers.
     last_prompt: Messages = field(default_factory=list)
     prompt_before: Messages | None = None
-    # How much of the last call a prompt cache may have served, and its size.
-    reused: Size = field(default_factory=Size)
+    # The last call's size, and how much of it a prompt cache may have served.
     sent: Size = field(default_factory=Size)
+    reused: Size = field(default_factory=Size)
     # The history the turn began on (`view` moves on as the turn is stored).
     started_on: Conversation = field(init=False)
     # A retry's: the history up to the last user message, the answer after
@@ -62,17 +76,16 @@ class Turn:
         self.started_on = self.view.conversation
         self.switch = StopSwitch(self.env.message_id)
 
-    def called(self, prompt: Messages) -> None:
+    def called(self, prompt: WeighedPrompt) -> None:
         """A model call is sent with this prompt."""
         self.prompt_before = self.last_prompt or None
-        self.last_prompt = prompt
+        self.last_prompt, self.sent = prompt.messages, prompt.size
 
-    def weigh_last_call(self, tools: Messages) -> None:
+    def weigh_cached_part(self, tools: Messages) -> None:
         previous = self.prompt_before
         if previous is None:
             previous = previous_call(self.record.system, self.started_on,
                                      self.record.tokens_per_char is not None)
-        self.sent = prompt_size(self.last_prompt, tools)
         self.reused = cached_size(previous, self.last_prompt, tools, whole=self.sent)
 
     @property

@@ -48,7 +48,7 @@ from services.generator.compaction import (
     CompactionStopped,
     Compactor,
 )
-from services.generator.fitting import Fitting, estimate, fits
+from services.generator.fitting import Fitting, estimate, size_estimate, size_fits
 from services.generator.head_start import HeadStart, HeadStartCount, still_good
 from services.generator.models import ModelFacts
 from services.generator.provider import (
@@ -64,7 +64,7 @@ from services.generator.states import SessionStates
 from services.generator.stops import Stops, StopSwitch, Withdrawn
 from services.generator.token_stream import TokenStream
 from services.generator.toolbox import Toolbox, ToolRun
-from services.generator.turn import Messages, Turn, TurnError, WindowExceeded
+from services.generator.turn import Messages, Turn, TurnError, WeighedPrompt, WindowExceeded
 from services.shared.bus import Bus
 from services.shared.history_store import HistoryStore, HistoryView
 from services.shared.jetstream import NO_ROOM, no_room
@@ -108,7 +108,8 @@ class TurnRunner:
     def budget(self, record: SessionRecord) -> int:
         return prompt_budget(self.num_ctx(record), self._settings.output_headroom)
 
-    async def _prompt(self, turn: Turn, head: HeadStart | None, tools: Messages) -> Messages:
+    async def _prompt(self, turn: Turn, head: HeadStart | None, tools: Messages
+                      ) -> WeighedPrompt:
         """The head start's prompt, which fitted; else the turn's, made to fit."""
         if head is not None:
             return head.prompt
@@ -150,8 +151,9 @@ class TurnRunner:
             tools = await self._offered_tools(record)
         except TurnError:
             return None  # the turn itself will meet the error and report it
-        prompt = render_messages(record.system, view.conversation, [_question(env)])
-        if not fits(record, prompt, tools, self.budget(record)):
+        prompt = WeighedPrompt.of(
+            render_messages(record.system, view.conversation, [_question(env)]), tools)
+        if not size_fits(record, prompt.size, self.budget(record)):
             return None  # the turn must compact first
         stream = TokenStream(self._bus, env, held=True) if env.payload.stream else None
         switch = StopSwitch(env.message_id)
@@ -187,7 +189,7 @@ class TurnRunner:
                       thinking=result.thinking or None, stopped=result.stopped)
 
         async def follow_up() -> None:
-            turn.weigh_last_call(tools)
+            turn.weigh_cached_part(tools)
             await self._recalibrate(turn, result)
             await self._report(turn, result, tools, started)
 
@@ -255,7 +257,7 @@ class TurnRunner:
         if head is None:
             return None
         if still_good(head.view, head.record, turn.view, turn.record,
-                      lambda: fits(turn.record, head.prompt, head.tools, self.budget(turn.record))):
+                      lambda: size_fits(turn.record, head.prompt.size, self.budget(turn.record))):
             return head
         head.abandon()
         return None
@@ -279,7 +281,7 @@ class TurnRunner:
                 if refused:
                     raise
                 refused = True
-                await self._learn_from_refusal(turn, prompt, tools)
+                await self._learn_from_refusal(turn, prompt.messages, tools)
                 continue  # fitted again: compacted, or refused as too long
             finally:
                 head = None  # only the first call starts early
@@ -328,16 +330,17 @@ class TurnRunner:
                                         env.payload.session_id)
                 for call in result.tool_calls]
 
-    async def _call_model(self, env: Envelope[Query], record: SessionRecord, prompt: Messages,
-                          tools: Messages, stream: TokenStream | None = None,
+    async def _call_model(self, env: Envelope[Query], record: SessionRecord,
+                          prompt: WeighedPrompt, tools: Messages,
+                          stream: TokenStream | None = None,
                           switch: StopSwitch | None = None) -> ChatResult:
         num_ctx = self.num_ctx(record)
         # The answer may take what the prompt leaves of the window, no more:
         # unbounded, Ollama lets a looping model write ten windows' worth,
         # dropping the prompt's start (the system prompt) to make room. (Its
         # turn may then fill the budget: the next one compacts it too.)
-        room = answer_room(num_ctx, self.budget(record), estimate(record, prompt, tools))
-        request = ChatRequest(model=record.model_or(self._settings.model), messages=prompt,
+        room = answer_room(num_ctx, self.budget(record), size_estimate(record, prompt.size))
+        request = ChatRequest(model=record.model_or(self._settings.model), messages=prompt.messages,
                               num_ctx=num_ctx, tools=tools, think=self._settings.think,
                               num_predict=room)
         if stream is None and env.payload.stream:
