@@ -18,8 +18,8 @@ from services.core.boundary import tail_turns_for
 from services.core.decision import check_fit
 from services.core.overflow import FitsShare, best_case_prompt, cut_tool_output
 from services.core.prompt import render_messages
-from services.core.text_size import Size
-from services.core.tokens import estimate_prompt, estimate_size, stored_calibration
+from services.core.text_size import Size, prompt_size
+from services.core.tokens import estimate_size, stored_calibration
 from services.generator.compaction import (
     CompactionFailed,
     CompactionSkipped,
@@ -33,7 +33,7 @@ log = structlog.get_logger()
 
 
 def estimate(record: SessionRecord, prompt: Messages, tools: Messages) -> int:
-    return estimate_prompt(prompt, stored_calibration(record), tools)
+    return size_estimate(record, prompt_size(prompt, tools))
 
 
 def size_estimate(record: SessionRecord, size: Size) -> int:
@@ -44,7 +44,7 @@ def size_estimate(record: SessionRecord, size: Size) -> int:
 def fits(record: SessionRecord, prompt: Messages, tools: Messages, budget: int,
          share: float = 1.0) -> bool:
     """Does the prompt fit (within `share` of the budget), margin kept?"""
-    return check_fit(estimate(record, prompt, tools), int(share * budget)).fits
+    return size_fits(record, prompt_size(prompt, tools), int(share * budget))
 
 
 def size_fits(record: SessionRecord, size: Size, budget: int) -> bool:
