@@ -65,8 +65,7 @@ def extra_bytes(text: str) -> int:
     return len(text.encode("utf-8", "surrogatepass")) - len(text)
 
 
-def message_weight(content: str, tool_name: str = "", tool_calls: Any = None
-                   ) -> tuple[int, int]:
+def message_weight(content: str, tool_name: str, tool_calls: Any) -> tuple[int, int]:
     """Characters (framing included) and extra bytes of one message, from its
     parts as rendered: the measure every weighing here adds up."""
     chars = len(content) + len(tool_name) + MESSAGE_OVERHEAD_CHARS

@@ -59,10 +59,9 @@ class Turn:
     # started on). Only the report and the calibration need the part a
     # prompt cache may have served, so it is weighed after the reply
     # (`weigh_cached_part`), not while the model answers.
-    last_prompt: Messages = field(default_factory=list)
+    last_call: WeighedPrompt = field(default_factory=lambda: WeighedPrompt([], Size()))
     prompt_before: Messages | None = None
-    # The last call's size, and how much of it a prompt cache may have served.
-    sent: Size = field(default_factory=Size)
+    # How much of the last call a prompt cache may have served.
     reused: Size = field(default_factory=Size)
     # The history the turn began on (`view` moves on as the turn is stored).
     started_on: Conversation = field(init=False)
@@ -78,15 +77,20 @@ class Turn:
 
     def called(self, prompt: WeighedPrompt) -> None:
         """A model call is sent with this prompt."""
-        self.prompt_before = self.last_prompt or None
-        self.last_prompt, self.sent = prompt.messages, prompt.size
+        self.prompt_before = self.last_call.messages or None
+        self.last_call = prompt
 
     def weigh_cached_part(self, tools: Messages) -> None:
         previous = self.prompt_before
         if previous is None:
             previous = previous_call(self.record.system, self.started_on,
                                      self.record.tokens_per_char is not None)
-        self.reused = cached_size(previous, self.last_prompt, tools, whole=self.sent)
+        self.reused = cached_size(previous, self.last_call.messages, tools, whole=self.sent)
+
+    @property
+    def sent(self) -> Size:
+        """The last call's size, tools included."""
+        return self.last_call.size
 
     @property
     def context(self) -> Conversation:
