@@ -905,6 +905,11 @@ def test_an_answer_that_came_after_all_shows_once(watched: Watched) -> None:
     answer showed, and below them the same question again with its failed
     bubble and Send again, until the next turn."""
     page = watched.page
+    # No live feed until the failed bubble is seen. With one, the turn's
+    # report, or the read the feed asks for as it opens (still on its way as
+    # the message went), read the session anew and took the bubble away, at
+    # times before it was looked for. Taken up later, the feed reads it anew.
+    page.evaluate(HIDE)
     create_session(page)
     def lose_the_answer(route: playwright_api.Route) -> None:
         route.fetch()  # the gateway takes the message and answers it...
@@ -912,10 +917,6 @@ def test_an_answer_that_came_after_all_shows_once(watched: Watched) -> None:
 
     page.route("**/api/sessions/*/messages", first_request_only(lose_the_answer)[0])
     page.fill("#message-input", "hello")
-    # The live feed let go meanwhile: the turn's report, heard at once, read
-    # the session anew and took the failed bubble away, at times before it
-    # was looked for. Taken up again, the feed reads the session anew.
-    page.evaluate(HIDE)
     page.click("#send-button")
     playwright_api.expect(page.locator("#messages .msg-failed .send-again-button")
                           ).to_be_enabled()
@@ -1284,12 +1285,30 @@ def test_the_timeline_is_read_when_a_session_opens_and_a_compaction_ends_only(
     assert len(timeline_reads) == 2, timeline_reads
 
 
+def test_the_conversation_says_it_is_busy_while_the_session_is_read(watched: Watched) -> None:
+    page = watched.page
+    sid = create_session(page)
+    messages = page.locator("#messages")
+    playwright_api.expect(messages).to_have_attribute("aria-busy", "false")
+    held: list[playwright_api.Route] = []
+    page.route(f"**/api/sessions/{sid}", first_request_only(held.append)[0])
+    page.reload()  # its first read of the session held back, unanswered
+    playwright_api.expect(messages).to_have_attribute("aria-busy", "true")
+    held[0].continue_()
+    playwright_api.expect(page.locator("#state-badge")).to_have_attribute("data-state", "idle")
+    playwright_api.expect(messages).to_have_attribute("aria-busy", "false")
+
+
 def test_a_session_deleted_elsewhere_is_closed_before_a_message_goes_into_it(
         watched: Watched, system: System) -> None:
     page = watched.page
     watched.ignore("status of 404")  # the read that finds it gone
     sid = create_session(page)
     playwright_api.expect(page.locator("#live-status")).to_have_attribute("data-live", "connected")
+    # Until the read the feed asks for as it opens has ended: answered after
+    # the delete, it found the session gone and closed the feed before the
+    # feed's event came.
+    playwright_api.expect(page.locator("#messages")).to_have_attribute("aria-busy", "false")
     with system.client() as client:
         assert client.delete(f"/api/sessions/{sid}").status_code == 204
     playwright_api.expect(page.locator("#notice")).to_contain_text("does not exist (any more)")

@@ -173,7 +173,27 @@ export function selectSession(id, { updateHash = true } = {}) {
   loadSession();
 }
 
-export async function loadSession({ messages = true } = {}) {
+// Reads of the session under way or scheduled. While there are any, the
+// conversation says it is being brought up to date (aria-busy): a screen
+// reader waits for the whole of it before reading it out, and so can a test
+// before it acts.
+let readsUnderWay = 0;
+
+function readsChange(by) {
+  readsUnderWay += by;
+  ui.messages.setAttribute("aria-busy", String(readsUnderWay > 0));
+}
+
+export async function loadSession(options) {
+  readsChange(1);
+  try {
+    await readSession(options);
+  } finally {
+    readsChange(-1);
+  }
+}
+
+async function readSession({ messages = true } = {}) {
   const id = app.sessionId;
   if (!id) return;
   const seq = ++app.loadSeq;
@@ -254,8 +274,20 @@ async function labelSession(id, session) {
 
 // Coalesces refreshes asked for by a burst of live events.
 export function scheduleRefresh() {
+  cancelRefresh();
+  readsChange(1);
+  app.refreshTimer = setTimeout(() => {
+    app.refreshTimer = null;
+    loadSession({ messages: !app.busy }); // under way before the scheduled one ends
+    readsChange(-1);
+  }, 250);
+}
+
+function cancelRefresh() {
+  if (app.refreshTimer === null) return;
   clearTimeout(app.refreshTimer);
-  app.refreshTimer = setTimeout(() => loadSession({ messages: !app.busy }), 250);
+  app.refreshTimer = null;
+  readsChange(-1);
 }
 
 export async function createSession(event) {
@@ -306,7 +338,7 @@ export async function deleteSession() {
   // events too: each asked for a read of the session, answered 404.
   abandonAnswer();
   disconnectEvents();
-  clearTimeout(app.refreshTimer);
+  cancelRefresh();
   try {
     await requestJson(API.session(id), { method: "DELETE" });
   } catch (err) {
