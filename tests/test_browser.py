@@ -129,10 +129,14 @@ def watched(browser: playwright_api.Browser, system: System, tmp_path: Path,
 
 
 def create_session(page: playwright_api.Page) -> str:
+    before = page.evaluate("location.hash")
     page.click("#new-session-button")
     page.click("#new-session-create")
     playwright_api.expect(page.locator("#message-input")).to_be_enabled()
-    page.wait_for_function("location.hash.includes('session=')")
+    # A session named in the address, not the one shown before: with another
+    # shown, its address and idle badge alone said nothing of the new one.
+    page.wait_for_function(
+        "(before) => location.hash.includes('session=') && location.hash !== before", arg=before)
     # Read by the page: a first read still on its way when a test sends would
     # draw the transcript again once the turn ends, whatever the turn showed.
     playwright_api.expect(page.locator("#state-badge")).to_have_attribute("data-state", "idle")
@@ -504,6 +508,9 @@ def session_of_turns(client: httpx.Client, turns: int) -> str:
 
 def open_session(page: playwright_api.Page, sid: str) -> None:
     page.goto(f"/#session={sid}")
+    # In the picker once the page has left what it showed before (its badge
+    # idle too, perhaps): only then does an idle badge speak of this session.
+    playwright_api.expect(page.locator("#session-select")).to_have_value(sid)
     playwright_api.expect(page.locator("#state-badge")).to_have_attribute("data-state", "idle")
 
 
