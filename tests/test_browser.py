@@ -50,6 +50,10 @@ CHROMIUM_FLAGS = [
 SUMMARY_MODEL = "browser-summariser"
 ANSWER_MODEL = "stub-model"  # the system's MODEL
 WAIT_MS = 30_000
+# Every wait on the page is for a condition; its bound only keeps a broken page
+# from hanging the suite. Playwright's own 5 s was short of a compaction's
+# summary on a busy machine: a test failed by the clock, not the page.
+playwright_api.expect.set_options(timeout=WAIT_MS)
 HOSTILE = "<img src=x onerror=alert(1)>"
 
 
