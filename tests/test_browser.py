@@ -1310,6 +1310,26 @@ def test_the_conversation_says_it_is_busy_while_the_session_is_read(watched: Wat
     playwright_api.expect(messages).to_have_attribute("aria-busy", "false")
 
 
+def test_a_transcript_read_that_finds_the_session_gone_closes_it(
+        watched: Watched, system: System) -> None:
+    """Deleted between the session's read and its transcript's: the page said
+    it could not load the transcript, and left the session open to messages."""
+    page = watched.page
+    watched.ignore("status of 404")
+    with system.client() as client:
+        sid = new_session(client)
+
+    def gone(route: playwright_api.Route) -> None:
+        route.fulfill(status=404, content_type="application/json", body=json.dumps(
+            {"error": {"code": "unknown_session", "message": f"session {sid} does not exist"}}))
+
+    page.route("**/transcript?before=end&limit=*", first_request_only(gone)[0])
+    page.goto(f"/#session={sid}")
+    playwright_api.expect(page.locator("#notice")).to_contain_text(
+        f"Session {sid} does not exist (any more)")
+    playwright_api.expect(page.locator("#message-input")).to_be_disabled()
+
+
 def test_a_session_deleted_elsewhere_is_closed_before_a_message_goes_into_it(
         watched: Watched, system: System) -> None:
     page = watched.page

@@ -12,6 +12,7 @@ import { followVisibility } from "./live.js";
 import { renderGauge, requestCompaction } from "./panel.js";
 import {
   STORE_CURRENT,
+  closeGoneSession,
   createSession,
   deleteSession,
   labelOf,
@@ -89,6 +90,7 @@ function followAnnouncements() {
   whenAnnounced("session-stale", ({ messages }) => loadSession({ messages }));
   whenAnnounced("refresh-wanted", scheduleRefresh);
   whenAnnounced("message-sent", ({ id, content }) => rememberSession(id, labelOf(content)));
+  whenAnnounced("session-gone", ({ id }) => closeGoneSession(id));
 }
 
 // Each control of the page, to what it does.

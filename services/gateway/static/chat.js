@@ -232,7 +232,11 @@ async function readNewer(id) {
       }
     }
   } catch (err) {
-    if (id === app.sessionId) showNotice(`Could not load the transcript: ${err.message}`);
+    if (id !== app.sessionId) return false;
+    // Gone since its read (deleted elsewhere): said and acted on as a read
+    // of the session answered so, not as a transcript that failed to load.
+    if (err.status === 404) announce("session-gone", { id });
+    else showNotice(`Could not load the transcript: ${err.message}`);
     return false;
   }
   // To the end on a first read, or for a reader there already; one reading

@@ -226,14 +226,17 @@ async function readSession({ messages = true } = {}) {
 }
 
 function sessionUnread(id, err) {
-  if (err.status === 404) {
-    showNotice(`Session ${id} does not exist (any more). It was removed from the list; create a new one.`);
-    forgetSession(id);
-    disconnectEvents();
-    setComposerEnabled(false);
-  } else {
-    showNotice(`Could not load the session: ${err.message}`);
-  }
+  if (err.status === 404) closeGoneSession(id);
+  else showNotice(`Could not load the session: ${err.message}`);
+}
+
+// The session is not on the server (any more): nothing can go into it here.
+export function closeGoneSession(id) {
+  if (id !== app.sessionId) return;
+  showNotice(`Session ${id} does not exist (any more). It was removed from the list; create a new one.`);
+  forgetSession(id);
+  disconnectEvents();
+  setComposerEnabled(false);
 }
 
 // The badge and banner after read `seq` of the session.
