@@ -1316,14 +1316,18 @@ def test_a_transcript_read_that_finds_the_session_gone_closes_it(
     it could not load the transcript, and left the session open to messages."""
     page = watched.page
     watched.ignore("status of 404")
+    # No live feed: its `session.deleted`, or the read it asks for as it
+    # opens, would close the session by another way.
+    page.evaluate(HIDE)
     with system.client() as client:
         sid = new_session(client)
 
-    def gone(route: playwright_api.Route) -> None:
-        route.fulfill(status=404, content_type="application/json", body=json.dumps(
-            {"error": {"code": "unknown_session", "message": f"session {sid} does not exist"}}))
+    def deleted_first(route: playwright_api.Route) -> None:
+        with system.client() as client:
+            assert client.delete(f"/api/sessions/{sid}").status_code == 204
+        route.continue_()  # answered 404 by the gateway
 
-    page.route("**/transcript?before=end&limit=*", first_request_only(gone)[0])
+    page.route("**/transcript?before=end&limit=*", first_request_only(deleted_first)[0])
     page.goto(f"/#session={sid}")
     playwright_api.expect(page.locator("#notice")).to_contain_text(
         f"Session {sid} does not exist (any more)")
