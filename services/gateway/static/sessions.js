@@ -173,23 +173,25 @@ export function selectSession(id, { updateHash = true } = {}) {
   loadSession();
 }
 
-// Reads of the session under way or scheduled. While there are any, the
-// conversation says it is being brought up to date (aria-busy): a screen
-// reader waits for the whole of it before reading it out, and so can a test
-// before it acts.
+// Reads of the session under way. While there are any, or one is scheduled
+// (`scheduleRefresh`), the conversation says it is being brought up to date
+// (aria-busy): a screen reader waits for the whole of it before reading it
+// out, and so can a test before it acts.
 let readsUnderWay = 0;
 
-function readsChange(by) {
-  readsUnderWay += by;
-  ui.messages.setAttribute("aria-busy", String(readsUnderWay > 0));
+function showReading() {
+  const reading = readsUnderWay > 0 || app.refreshTimer !== null;
+  ui.messages.setAttribute("aria-busy", String(reading));
 }
 
 export async function loadSession(options) {
-  readsChange(1);
+  readsUnderWay += 1;
+  showReading();
   try {
     await readSession(options);
   } finally {
-    readsChange(-1);
+    readsUnderWay -= 1;
+    showReading();
   }
 }
 
@@ -232,7 +234,6 @@ function sessionUnread(id, err) {
 
 // The session is not on the server (any more): nothing can go into it here.
 export function closeGoneSession(id) {
-  if (id !== app.sessionId) return;
   showNotice(`Session ${id} does not exist (any more). It was removed from the list; create a new one.`);
   forgetSession(id);
   disconnectEvents();
@@ -277,20 +278,18 @@ async function labelSession(id, session) {
 
 // Coalesces refreshes asked for by a burst of live events.
 export function scheduleRefresh() {
-  cancelRefresh();
-  readsChange(1);
+  clearTimeout(app.refreshTimer);
   app.refreshTimer = setTimeout(() => {
     app.refreshTimer = null;
-    loadSession({ messages: !app.busy }); // under way before the scheduled one ends
-    readsChange(-1);
+    loadSession({ messages: !app.busy }); // under way, and shown so, at once
   }, 250);
+  showReading();
 }
 
 function cancelRefresh() {
-  if (app.refreshTimer === null) return;
   clearTimeout(app.refreshTimer);
   app.refreshTimer = null;
-  readsChange(-1);
+  showReading();
 }
 
 export async function createSession(event) {
